@@ -1,0 +1,37 @@
+# keel: `make train` and `make test` do everything on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+# Empty: pip's configured indexes (PyPI's Linux wheel of torch is a CUDA build; a local CPU wheel wins
+# where one is configured). Set e.g. https://download.pytorch.org/whl/cpu or .../whl/cu128 to choose.
+TORCH_INDEX_URL ?=
+NPROC ?= 2
+
+.PHONY: train test test-fast lint bench clean
+
+$(BIN)/keel: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.venv: $(BIN)/keel
+
+train: $(BIN)/keel
+	$(BIN)/keel train --config configs/tiny.toml --nproc $(NPROC)
+
+test: $(BIN)/keel
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q
+
+test-fast: $(BIN)/keel
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist"
+
+lint: $(BIN)/keel
+	$(BIN)/ruff check src tests bench
+
+bench: $(BIN)/keel
+	$(BIN)/python bench/step_overhead.py
+
+clean:
+	rm -rf $(VENV) runs data/stdlib .pytest_cache

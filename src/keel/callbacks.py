@@ -1,0 +1,62 @@
+"""Callbacks: how guards, health checks, monitors, fault injectors and users' code attach to the loop.
+
+The loop calls each hook of every callback in a fixed order and never knows which callbacks exist.
+A callback that keeps state implements `state_dict`/`load_state_dict` and is checkpointed with the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from keel.config import CallbackSpec
+from keel.errors import ConfigError
+
+
+class Callback:
+    def on_start(self, state: Any) -> None: ...
+    def on_step_end(self, state: Any, report: dict) -> None: ...
+    def on_checkpoint_saved(self, state: Any, path: Path) -> None: ...
+    def on_checkpoint_loaded(self, state: Any, path: Path) -> None: ...
+    def on_eval(self, state: Any, val_loss: float) -> None: ...
+    def on_end(self, state: Any) -> None: ...
+
+
+class Callbacks:
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = callbacks
+
+    def __getattr__(self, hook: str):
+        if not hook.startswith("on_"):
+            raise AttributeError(hook)
+
+        def call(*args: Any) -> None:
+            for cb in self.callbacks:
+                getattr(cb, hook)(*args)
+        return call
+
+    def state_dict(self) -> dict:
+        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)
+                if hasattr(cb, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, cb in enumerate(self.callbacks):
+            key = f"{i}:{type(cb).__name__}"
+            if hasattr(cb, "load_state_dict") and key in state:
+                cb.load_state_dict(state[key])
+
+
+def load_callbacks(specs: list[CallbackSpec]) -> Callbacks:
+    callbacks = []
+    for i, spec in enumerate(specs):
+        module_name, _, attr = spec.path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"callbacks[{i}].path = {spec.path!r} cannot be imported: {e}") from None
+        try:
+            callbacks.append(cls(**spec.args))
+        except TypeError as e:
+            raise ConfigError(f"callbacks[{i}].args = {spec.args!r} do not fit {spec.path}: {e}") from None
+    return Callbacks(callbacks)

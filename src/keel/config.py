@@ -1,0 +1,315 @@
+"""Typed config tree: TOML files, KEY=VALUE overrides, validation with messages that name the field.
+
+Every field is declared with `option(default, help, ...)`; its type comes from the annotation and
+its allowed range from the keywords. The same declarations drive validation and `keel config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keel.errors import ConfigError
+
+
+def option(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    dim: int = option(256, "model width", ge=1)
+    n_layers: int = option(4, "number of transformer blocks", ge=1)
+    n_heads: int = option(8, "attention heads (dim must divide by it)", ge=1)
+    n_kv_heads: int = option(4, "key/value heads for grouped-query attention (n_heads must divide by it)", ge=1)
+    vocab_size: int = option(259, "embedding rows; at least the tokenizer's vocabulary", ge=1)
+    ffn_dim_multiplier: float = option(1.0, "scales the SwiGLU hidden size (Llama rule: 8/3·dim)", gt=0)
+    multiple_of: int = option(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", gt=0)
+    rope_theta: float = option(10000.0, "RoPE base", gt=0)
+    max_seq_len: int = option(256, "longest sequence the RoPE tables cover", ge=1)
+    tie_embeddings: bool = option(False, "share the input embedding with the output projection")
+
+
+@dataclass
+class DataConfig:
+    dir: str = option("data/stdlib", "directory of prepared token shards (manifest.json inside)")
+    sources: list[str] = option(["stdlib"], "what `keel data prepare` reads: files, directories, or "
+                                "'stdlib' (the running interpreter's standard library sources)")
+    tokenizer: str = option("byte", "tokenizer used by prepare", choices=("byte",))
+    val_fraction: float = option(0.01, "share of documents held out for validation (by document hash)",
+                                 gt=0, le=0.5)
+    prefetch: int = option(2, "batches prepared ahead by the background loader thread", ge=1)
+    verify_checksums: bool = option(True, "check every shard's sha256 against the manifest at start")
+    allow_corpus_change: bool = option(False, "resume even if the corpus fingerprint differs from the checkpoint's")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(200, "optimizer steps of the whole run", ge=1)
+    seq_len: int = option(256, "tokens per training sequence", ge=1)
+    global_batch: int = option(32, "sequences per optimizer step, whatever the number of processes", ge=1)
+    micro_batch: int = option(16, "sequences per forward/backward on one rank", ge=1)
+    seed: int = option(0, "seed for initialisation and data order", ge=0)
+    log_interval: int = option(10, "steps between progress lines and metrics.jsonl records", ge=1)
+    device: str = option("auto", "where to train (auto: CUDA when present)", choices=("auto", "cpu", "cuda"))
+    precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA)",
+                            choices=("auto", "fp32", "bf16"))
+    deterministic: bool = option(True, "deterministic kernels (bitwise-reproducible runs)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak", ge=0, le=1)
+    schedule: str = option("cosine", "LR schedule after the warmup: cosine decay, warmup-stable-decay, or constant",
+                           choices=("cosine", "wsd", "constant"))
+    warmup_steps: int = option(20, "linear warmup steps", ge=0)
+    decay_fraction: float = option(0.2, "wsd: share of the steps spent decaying at the end", gt=0, le=1)
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices only)", ge=0)
+    beta1: float = option(0.9, "AdamW beta1", ge=0, le=1)
+    beta2: float = option(0.95, "AdamW beta2", ge=0, le=1)
+    eps: float = option(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = option(1.0, "global gradient-norm clipping threshold (0 disables)", ge=0)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = option(50, "steps between validation passes (0: only at the end)", ge=0)
+    sequences: int = option(64, "validation sequences per pass, shared out over the processes (the same set "
+                            "whatever the layout)", ge=1)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = option(100, "steps between checkpoints (the last step is always saved)", ge=1)
+
+
+@dataclass
+class CallbackSpec:
+    path: str = option("", "import path of a Callback class, `package.module:Class`")
+    args: dict = option({}, "keyword arguments for the class")
+
+
+@dataclass
+class Config:
+    name: str = option("", "run name; defaults to the config file's stem")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    callbacks: list[CallbackSpec] = field(default_factory=list)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a table"}.get(tp, str(tp).replace("typing.", ""))
+
+
+def _check_value(path: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path} = {value!r}: expected a list, each item {_type_name(item_tp)}")
+        return [_check_value(f"{path}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          dict: lambda v: isinstance(v, dict)}[tp]
+    if not ok(value):
+        raise ConfigError(f"{path} = {value!r}: expected {_type_name(tp)}")
+    if tp is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{path} = {value!r}: expected a finite number")
+    bounds = [(meta.get("ge"), ">=", lambda v, b: v >= b), (meta.get("gt"), ">", lambda v, b: v > b),
+              (meta.get("le"), "<=", lambda v, b: v <= b)]
+    for bound, _, holds in bounds:
+        if bound is not None and not holds(value, bound):
+            allowed = " and ".join(f"{s} {b:g}" for b, s, _ in bounds if b is not None)
+            raise ConfigError(f"{path} = {value!r} is out of range: must be {allowed}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{path} = {value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _unknown_key(path: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+    where = f"[{path}]" if path else "the top level"
+    return ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} = {data!r}: expected a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise _unknown_key(path, key, list(fields))
+    kwargs = {}
+    for key, value in data.items():
+        tp, sub = hints[key], f"{path}.{key}" if path else key
+        item_tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, sub)
+        elif item_tp is not None and dataclasses.is_dataclass(item_tp):
+            if not isinstance(value, list):
+                raise ConfigError(f"{sub} = {value!r}: expected an array of tables ([[{sub}]])")
+            kwargs[key] = [_build(item_tp, v, f"{sub}[{i}]") for i, v in enumerate(value)]
+        else:
+            kwargs[key] = _check_value(sub, value, tp, fields[key].metadata)
+    return cls(**kwargs)
+
+
+def _check_consistency(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads = {m.n_heads} must divide by model.n_kv_heads = {m.n_kv_heads}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch = {t.global_batch} must divide by train.micro_batch = {t.micro_batch}")
+    for i, cb in enumerate(cfg.callbacks):
+        if ":" not in cb.path:
+            raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The global batch must split evenly into micro-batches on every data-parallel rank."""
+    per_step = cfg.train.micro_batch * world_size
+    if cfg.train.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch × processes = "
+            f"{cfg.train.micro_batch} × {world_size}; choose a global batch that is a multiple of {per_step}")
+    if cfg.eval.sequences % world_size:
+        raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the number of processes = "
+                          f"{world_size}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=VALUE`: VALUE is read as a TOML value when it parses as one, else taken as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=50")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict, keys: list[str], value: Any, text: str) -> None:
+    node, cls, path = data, Config, ""
+    for i, key in enumerate(keys):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if key not in fields:
+            raise _unknown_key(path, key, list(fields))
+        tp = typing.get_type_hints(cls)[key]
+        last = i == len(keys) - 1
+        if last:
+            node[key] = value
+        elif dataclasses.is_dataclass(tp):
+            node = node.setdefault(key, {})
+            cls, path = tp, f"{path}.{key}" if path else key
+        else:
+            raise ConfigError(f"override {text!r}: '{'.'.join(keys[:i + 1])}' is not a section")
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(data, keys, value, text)
+    cfg = _build(Config, data, "")
+    if not cfg.name:
+        cfg.name = path.stem if path is not None else "default"
+    _check_consistency(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- writing and documenting
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON string escapes are valid TOML ones; TOML also forbids a raw DEL.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    tree = dataclasses.asdict(cfg)
+    lines = [f"name = {_toml_value(tree.pop('name'))}"]
+    callbacks = tree.pop("callbacks")
+    for section, values in tree.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    for cb in callbacks:
+        lines += ["", "[[callbacks]]"] + [f"{k} = {_toml_value(v)}" for k, v in cb.items()]
+    return "\n".join(lines) + "\n"
+
+
+def reference() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) for every option, for `keel config --reference` and the README."""
+    rows = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+                walk(typing.get_args(tp)[0], f"{prefix}{f.name}[].")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            help_text = f.metadata.get("help", "") + (f"; one of: {', '.join(choices)}" if choices else "")
+            type_name = tp.__name__ if isinstance(tp, type) else str(tp)
+            rows.append((prefix + f.name, type_name, _toml_value(default), help_text))
+
+    walk(Config, "")
+    return rows

@@ -1,0 +1,42 @@
+"""`keel train --nproc N`: hand the command to torchrun's elastic agent, which starts N workers."""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
+from keel.errors import EXIT_BAD_INPUT, EXIT_PAUSED
+
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The user's command without the flags that only the launcher reads."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in LAUNCHER_FLAGS:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in LAUNCHER_FLAGS)):
+            out.append(arg)
+    return out
+
+
+def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
+    """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: the
+    workers' common code when they agree on bad input or a pause, 1 for any other failure."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        "--module", "keel", *worker_argv(argv)])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = {failure.exitcode for failure in e.failures.values()}
+        if codes in ({EXIT_BAD_INPUT}, {EXIT_PAUSED}):
+            return codes.pop()
+        return 1
+    return 0

@@ -1,0 +1,3 @@
+from keel.model.llama import Llama
+
+__all__ = ["Llama"]

@@ -1,0 +1,61 @@
+"""Human-facing output: the per-rank log file, rank 0's progress lines and the final summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+class Progress:
+    """Writes every message to logs/rank-R.log; rank 0 also prints it."""
+
+    def __init__(self, log_path: Path, echo: bool) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(log_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed by close()
+        self.echo = echo
+
+    def __call__(self, message: str) -> None:
+        self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        if self.echo:
+            print(message, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def lines(self, messages: list[str]) -> None:
+        for message in messages:
+            self(message)
+
+    def step(self, step: int, total: int, record: dict) -> None:
+        width = 20
+        done = int(width * step / total)
+        eta = (total - step) * record["time/step_s"]
+        self(f"step {step:>{len(str(total))}}/{total} [{'#' * done}{'.' * (width - done)}] "
+             f"loss {record['train/loss']:.4f} | lr {record['optim/lr']:.2e} | grad {record['optim/grad_norm']:.3f} | "
+             f"{format_count(record['throughput/tokens_per_s'])} tok/s | {record['time/step_s']:.3f} s/step | "
+             f"ETA {format_duration(eta)}")
+
+
+def summary_lines(s: dict) -> list[str]:
+    return [
+        f"finished {s['name']} at step {s['step']} after {format_duration(s['train_seconds'])} of training",
+        f"  train loss {s['train_loss']:.4f} · validation loss {s['val_loss']:.4f} nats/token "
+        f"(unigram entropy of the corpus {s['unigram_entropy']:.4f})",
+        f"  tokens seen {s['tokens_seen']:,} · {format_count(s['tokens_per_s'])} tokens/s",
+        f"  run directory {s['run_dir']} · latest checkpoint {s['checkpoint']}",
+    ]

@@ -1,0 +1,77 @@
+"""Append-only JSONL files of the run directory: metrics.jsonl and events.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+
+class JsonlSink:
+    """One JSON object per line. Each record is a single write() on an O_APPEND descriptor, so lines
+    from several processes never interleave."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        os.write(self._fd, (json.dumps(record, allow_nan=True) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class EventLog:
+    """events.jsonl: `{"time", "step", "rank", "kind", "action", "detail"}` per decision or fault."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.sink, self.rank = JsonlSink(path), rank
+
+    def emit(self, kind: str, step: int, action: str = "", **detail: Any) -> None:
+        self.sink.write({"time": round(time.time(), 3), "step": step, "rank": self.rank, "kind": kind,
+                         "action": action, "detail": detail})
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+class RunLog:
+    """The run directory's outputs for one rank: events, metrics (rank 0 writes them) and messages."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        from keel.monitor.progress import Progress
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(run_dir / "events.jsonl", rank)
+        self.metrics = JsonlSink(run_dir / "metrics.jsonl") if rank == 0 else None
+        self.say = Progress(run_dir / "logs" / f"rank-{rank}.log", echo=rank == 0)
+
+    def metric(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.say.close()

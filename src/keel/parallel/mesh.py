@@ -1,0 +1,52 @@
+"""Process group and device mesh. Every run has a process group, a one-process run included, so
+that the trainer and checkpoints take one code path."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the job torchrun started, or form a one-process group when run directly."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
+
+
+def destroy_distributed(synchronize: bool = True) -> None:
+    """Leave the process group. On a clean exit every rank first waits for the others, so that no
+    rank tears down its connections while a peer is still finishing a collective (gloo aborts the
+    peer then). After a failure the peers may be gone: leave without waiting."""
+    if dist.is_initialized():
+        if synchronize:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def data_parallel_mesh(ctx: Dist) -> DeviceMesh:
+    """All processes are data-parallel replicas sharding the model with FSDP."""
+    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))

@@ -1,0 +1,64 @@
+"""One optimizer step: micro-batches → forward/backward → global-norm clip → update."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (across shards and ranks); clip to `max_norm` unless it is 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # sharded gradients: the local norm is a partial sum
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
+               autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns this rank's mean loss over its micro-batches and the global gradient norm, as tensors
+    (no host synchronisation here)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device = next(model.parameters()).device
+    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    loss_sum = torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with amp:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = grad_norm_and_clip(list(model.parameters()), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and token count of this rank's validation batches."""
+    device = next(model.parameters()).device
+    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), device=device, dtype=torch.float64), torch.zeros((), device=device)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        with amp:
+            logits = model(inputs)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
+        count += targets.numel()
+    model.train(was_training)
+    return total, count

@@ -1,0 +1,195 @@
+"""The training loop of one worker process. Read `train()` top to bottom: setup, resume, the loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from keel.callbacks import load_callbacks
+from keel.checkpoint.manager import CheckpointManager, resolve_resume
+from keel.config import Config, check_world_size, to_toml
+from keel.data.loader import GlobalOrderLoader, validation_batches
+from keel.data.shards import open_corpus
+from keel.errors import ConfigError
+from keel.model.flops import flops_per_token, param_count
+from keel.model.init import init_weights
+from keel.model.llama import Llama
+from keel.monitor.progress import Progress, summary_lines
+from keel.monitor.sinks import EventLog, RunLog, host
+from keel.parallel.apply import apply_fsdp
+from keel.parallel.mesh import Dist, data_parallel_mesh, destroy_distributed, init_distributed, pick_device
+from keel.train.optim import build_optimizer, lr_at
+from keel.train.state import TrainState, seed_everything
+from keel.train.step import evaluate, train_step
+
+
+def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
+    """Run (or resume) the training job described by `cfg` in this process. Returns the exit code."""
+    device = pick_device(cfg.train.device)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    ctx = init_distributed(device)
+    clean = False
+    try:
+        check_world_size(cfg, ctx.world_size)
+        with RunLog(run_dir, ctx.rank) as log:
+            code = _train(cfg, run_dir, resume, ctx, log)
+        clean = True
+        return code
+    finally:
+        destroy_distributed(synchronize=clean)
+
+
+def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_model(cfg: Config, ctx: Dist, param_dtype: torch.dtype) -> Llama:
+    """Build on the meta device, shard, then allocate and initialise only this rank's shards."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    apply_fsdp(model, data_parallel_mesh(ctx), param_dtype)
+    model.to_empty(device=ctx.device)
+    init_weights(model, cfg.train.seed)
+    return model
+
+
+def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> int:
+    rank0, events, say = ctx.rank == 0, log.events, log.say
+
+    corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+    if cfg.model.vocab_size < corpus.vocab_size:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
+                          f"vocabulary ({corpus.vocab_size}); set model.vocab_size >= {corpus.vocab_size}")
+    seed_everything(cfg.train.seed, ctx.rank)
+    dtype = precision_dtype(cfg, ctx.device)
+    autocast_dtype = dtype if dtype != torch.float32 else None
+    model = build_model(cfg, ctx, dtype)
+    optimizer = build_optimizer(model, cfg.optim)
+    loader = GlobalOrderLoader(
+        corpus.splits["train"], seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+        micro_batch=cfg.train.micro_batch, dp_rank=ctx.rank, dp_size=ctx.world_size, seed=cfg.train.seed,
+        fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch)
+    val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
+                                     micro_batch=cfg.train.micro_batch, dp_rank=ctx.rank, dp_size=ctx.world_size)
+    callbacks = load_callbacks(cfg.callbacks)
+    manager = CheckpointManager(run_dir, cfg.digest())
+
+    # Resume: the latest committed checkpoint of the run directory, unless told otherwise.
+    state = TrainState()
+    resume_from = resolve_resume(run_dir, resume)
+    events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
+                config_digest=cfg.digest())
+    if resume_from is not None:
+        state = manager.load(resume_from, model, optimizer)
+        loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
+        callbacks.load_state_dict(state.callbacks)
+        callbacks.on_checkpoint_loaded(state, resume_from)
+        if rank0:
+            events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen)
+        say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
+    if state.step >= cfg.train.steps:
+        return _already_finished(cfg, run_dir, state, events, say, rank0)
+    if rank0:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    n_params = param_count(cfg.model)
+    say(f"training {cfg.name}: {n_params / 1e6:.2f}M parameters, {ctx.world_size} × {ctx.device.type}, "
+        f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, "
+        f"run directory {run_dir}")
+
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    flops_per_step = flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step
+    callbacks.on_start(state)
+    started = last_log = time.perf_counter()
+    data_wait, steps_since_log, train_loss, val_loss = 0.0, 0, float("nan"), float("nan")
+    try:
+        while state.step < cfg.train.steps:
+            t_data = time.perf_counter()
+            micro_batches = loader.next()
+            data_wait += time.perf_counter() - t_data
+            lr = lr_at(state.step, cfg.optim, cfg.train.steps)
+            loss, grad_norm = train_step(model, optimizer, micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip,
+                                         autocast_dtype=autocast_dtype)
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            steps_since_log += 1
+            last_step = state.step == cfg.train.steps
+            report = {"step": state.step, "lr": lr}
+
+            if state.step % cfg.train.log_interval == 0 or last_step:
+                dist.all_reduce(loss)  # sum over ranks: every rank's loss is a mean over equal shares
+                train_loss = loss.item() / ctx.world_size
+                now = time.perf_counter()
+                step_s = (now - last_log) / steps_since_log
+                record = {
+                    "step": state.step, "train/loss": train_loss, "optim/lr": lr,
+                    "optim/grad_norm": grad_norm.item(), "train/tokens_seen": state.tokens_seen,
+                    "throughput/tokens_per_s": tokens_per_step / step_s,
+                    "throughput/tflops_per_device": flops_per_step / step_s / ctx.world_size / 1e12,
+                    "time/step_s": step_s, "time/data_s": data_wait / steps_since_log,
+                }
+                report.update(record)
+                log.metric(record)
+                say.step(state.step, cfg.train.steps, record)
+                last_log, data_wait, steps_since_log = now, 0.0, 0
+
+            if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
+                val_loss = _validate(model, val_batches, autocast_dtype)
+                report["val/loss"] = val_loss
+                log.metric({"step": state.step, "val/loss": val_loss})
+                say(f"step {state.step}: validation loss {val_loss:.4f}")
+                callbacks.on_eval(state, val_loss)
+
+            if state.step % cfg.checkpoint.interval == 0 or last_step:
+                state.train_seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                state.loader = loader.state_dict()
+                state.callbacks = callbacks.state_dict()
+                path = manager.save(model, optimizer, state)
+                if rank0:
+                    events.emit("checkpoint", state.step, "committed", path=str(path))
+                callbacks.on_checkpoint_saved(state, path)
+            callbacks.on_step_end(state, report)
+    finally:
+        loader.close()
+
+    callbacks.on_end(state)
+    summary = {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss,
+               "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"],
+               "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
+               "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
+               "run_dir": str(run_dir), "checkpoint": str(manager.latest())}
+    if rank0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        events.emit("finish", state.step, "finished", train_loss=train_loss, val_loss=val_loss,
+                    train_seconds=summary["train_seconds"])
+        say.lines(summary_lines(summary))
+    return 0
+
+
+def _validate(model: torch.nn.Module, batches: list, autocast_dtype: torch.dtype | None) -> float:
+    total, count = evaluate(model, batches, autocast_dtype)
+    both = torch.stack([total, count.double()])
+    dist.all_reduce(both)
+    return (both[0] / both[1]).item()
+
+
+def _already_finished(cfg: Config, run_dir: Path, state: TrainState, events: EventLog, say: Progress,
+                      rank0: bool) -> int:
+    if rank0:
+        events.emit("finish", state.step, "already_finished")
+        say(f"run {cfg.name} already finished at step {state.step} (train.steps = {cfg.train.steps}); nothing to "
+            f"train. Raise train.steps to train further, or use another --run-dir to start over.")
+        summary_path = run_dir / "summary.json"
+        if summary_path.exists():
+            say.lines(summary_lines(json.loads(summary_path.read_text())))
+    return 0
+

@@ -1,0 +1,138 @@
+"""Exact resume across a real SIGKILL, resume on another world size, and 1 vs 2 processes.
+
+Every run here is a real `keel train` command: torchrun's elastic agent, gloo, FSDP2 and DCP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from keel.checkpoint.manager import state_sha256
+from keel.monitor.sinks import read_jsonl
+from tests.conftest import SMALL_RUN, run_keel
+
+pytestmark = pytest.mark.dist
+
+STEPS = 40
+KILL_AT = 20
+
+
+def train_cmd(corpus: Path, run_dir: Path, nproc: int, *extra: str) -> list[str]:
+    return ["train", "--nproc", str(nproc), "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={STEPS}",
+            f"data.dir={corpus}", *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step-{STEPS:06d}"
+
+
+@pytest.fixture(scope="module")
+def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run A: 40 steps on 2 processes, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("runs") / "A"
+    result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_sigkill_after_checkpoint_resumes_bitwise(reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "B"
+    # The same command for both attempts; rank 1 SIGKILLs itself once the step-20 checkpoint is committed.
+    kill = ['callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 20, rank = 1}}]']
+    cmd = train_cmd(small_corpus, run_dir, 2, *kill)
+
+    first = run_keel(cmd, cwd=tmp_path)
+    assert first.returncode != 0, "the killed run must fail"
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]
+    assert {e["rank"] for e in starts} == {0, 1}
+    assert (run_dir / "checkpoints" / f"step-{KILL_AT:06d}" / "commit.json").exists()
+    assert not final_checkpoint(run_dir).exists(), "the kill must stop the run before it finishes"
+    assert max(losses(run_dir)) < STEPS
+
+    second = run_keel(cmd, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    resumes = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
+    assert [e["step"] for e in resumes] == [KILL_AT]
+    assert "resumed" in second.stdout
+
+    assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
+    resumed = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r and r["step"] > KILL_AT]
+    # The loss lines written after the resume: steps 21-40, once each, bitwise equal to run A's.
+    assert [r["step"] for r in resumed[-(STEPS - KILL_AT):]] == list(range(KILL_AT + 1, STEPS + 1))
+    reference = losses(reference_run)
+    for record in resumed[-(STEPS - KILL_AT):]:
+        assert record["train/loss"] == reference[record["step"]], record["step"]
+
+
+def test_rerun_of_finished_run_says_so(reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "A-copy"
+    shutil.copytree(reference_run, run_dir)
+    before = state_sha256(final_checkpoint(run_dir))
+    result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "already finished at step 40" in result.stdout
+    assert losses(run_dir) == losses(reference_run), "nothing may be retrained"
+    assert state_sha256(final_checkpoint(run_dir)) == before
+
+
+def test_resume_on_one_process_continues_the_same_run(reference_run: Path, small_corpus: Path,
+                                                      tmp_path: Path) -> None:
+    """Saved at step 20 by 2 processes, resumed by 1: same global batches (gradient accumulation
+    keeps the global batch), losses within 1e-5 relative of the uninterrupted 2-process run."""
+    run_dir = tmp_path / "D"
+    step20 = reference_run / "checkpoints" / f"step-{KILL_AT:06d}"
+    result = run_keel(train_cmd(small_corpus, run_dir, 1, "--resume", str(step20)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    reference, resumed = losses(reference_run), losses(run_dir)
+    assert sorted(resumed) == list(range(KILL_AT + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        assert math.isclose(loss, reference[step], rel_tol=1e-5), (step, loss, reference[step])
+    state = json.loads((final_checkpoint(run_dir) / "train_state.json").read_text())
+    reference_state = json.loads((final_checkpoint(reference_run) / "train_state.json").read_text())
+    assert state["loader"] == reference_state["loader"]
+    assert state["tokens_seen"] == reference_state["tokens_seen"]
+
+
+def test_one_and_two_processes_take_the_same_first_step(reference_run: Path, small_corpus: Path,
+                                                        tmp_path: Path) -> None:
+    run_dir = tmp_path / "E"
+    result = run_keel(train_cmd(small_corpus, run_dir, 1, "train.steps=2"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    one, two = losses(run_dir)[1], losses(reference_run)[1]
+    assert math.isclose(one, two, rel_tol=1e-6), (one, two)
+
+
+def test_resume_never_refuses_to_overwrite_checkpoints(reference_run: Path, small_corpus: Path,
+                                                       tmp_path: Path) -> None:
+    run_dir = tmp_path / "A-copy"
+    shutil.copytree(reference_run, run_dir)
+    before = state_sha256(final_checkpoint(run_dir))
+    result = run_keel(train_cmd(small_corpus, run_dir, 2, "--resume", "never"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "already holds checkpoints" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert state_sha256(final_checkpoint(run_dir)) == before
+
+
+def test_resume_on_another_corpus_is_refused_by_the_workers(reference_run: Path, tmp_path: Path) -> None:
+    """The corpus fingerprint is checked where the checkpoint is loaded, inside each worker; the
+    launcher reports the workers' bad-input exit code."""
+    from keel.data.prepare import prepare
+    from tests.conftest import SMALL_SOURCES
+
+    other = tmp_path / "other-corpus"
+    prepare(SMALL_SOURCES[1:2], other, val_fraction=0.3)
+    run_dir = tmp_path / "F"
+    step20 = reference_run / "checkpoints" / f"step-{KILL_AT:06d}"
+    result = run_keel(train_cmd(other, run_dir, 2, "--resume", str(step20)), cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "data.allow_corpus_change" in result.stderr
+    assert not (run_dir / "checkpoints").exists()

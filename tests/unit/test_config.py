@@ -1,0 +1,320 @@
+"""Config loading, KEY=VALUE overrides and validation: every error is a one-line ConfigError that names
+the field, the offending value and what would be valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keel.config import CallbackSpec, Config, check_world_size, load_config, reference, to_toml
+from keel.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
+
+
+def config_error(overrides: list[str], path: Path | None = None) -> str:
+    """Load expecting a ConfigError; return its message, which must be a single line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert message and "\n" not in message, f"error message must be one line: {message!r}"
+    return message
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- config files
+
+def test_config_directory_holds_the_shipped_configs() -> None:
+    # Guards the parametrisation below against silently testing nothing.
+    assert {"tiny", "small", "llama3_8b", "llama3_70b", "llama3_405b"} <= {p.stem for p in CONFIG_FILES}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+    check_world_size(cfg, 1)
+    # Every value written in the file is the value the config holds (nothing dropped or renamed).
+    raw = tomllib.loads(path.read_text())
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            assert getattr(cfg, section) == values
+            continue
+        for key, value in values.items():
+            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+
+
+def test_name_defaults_to_file_stem_or_default(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "[train]\nsteps = 3\n", "my_run.toml")).name == "my_run"
+    assert load_config(None).name == "default"
+    assert load_config(None) == dataclasses.replace(Config(), name="default")
+
+
+def test_missing_file_and_invalid_toml_are_config_errors(tmp_path: Path) -> None:
+    assert "does not exist" in config_error([], tmp_path / "absent.toml")
+    assert "is not valid TOML" in config_error([], write(tmp_path, "[train\nsteps = 3\n"))
+
+
+# ---------------------------------------------------------------- overrides
+
+@pytest.mark.parametrize(("override", "section", "key", "expected", "expected_type"), [
+    ("train.steps=50", "train", "steps", 50, int),
+    ("optim.lr=3e-4", "optim", "lr", 3e-4, float),
+    ("optim.lr=1", "optim", "lr", 1.0, float),  # an integer is accepted where a number is expected
+    ("optim.min_lr_ratio=0.05", "optim", "min_lr_ratio", 0.05, float),
+    ("train.deterministic=false", "train", "deterministic", False, bool),
+    ("model.tie_embeddings=true", "model", "tie_embeddings", True, bool),
+    ("data.sources=['a.py', \"lib/\"]", "data", "sources", ["a.py", "lib/"], list),
+    ("data.sources=[]", "data", "sources", [], list),
+    ("data.dir=some/where", "data", "dir", "some/where", str),  # not TOML: taken as a bare string
+    ("data.dir=\"quoted dir\"", "data", "dir", "quoted dir", str),
+    ("train.device=cpu", "train", "device", "cpu", str),
+    (" train.seed =7", "train", "seed", 7, int),  # whitespace around the key is ignored
+])
+def test_override_values_are_typed(override: str, section: str, key: str, expected: Any,
+                                   expected_type: type) -> None:
+    value = getattr(getattr(load_config(None, [override]), section), key)
+    assert value == expected and type(value) is expected_type
+
+
+def test_top_level_override() -> None:
+    assert load_config(None, ["name=\"exp 1\""]).name == "exp 1"
+
+
+def test_overrides_apply_on_top_of_the_file_in_order() -> None:
+    cfg = load_config(REPO / "configs" / "small.toml", ["train.steps=5", "train.steps=7", "optim.lr=1e-3"])
+    base = load_config(REPO / "configs" / "small.toml")
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3
+    assert dataclasses.replace(cfg, train=base.train, optim=base.optim) == base
+
+
+@pytest.mark.parametrize("override", ["train.steps", "=5", " =5"])
+def test_malformed_override(override: str) -> None:
+    assert "expected KEY=VALUE" in config_error([override])
+
+
+# ---------------------------------------------------------------- unknown keys
+
+@pytest.mark.parametrize(("override", "key", "hint"), [
+    ("train.step=5", "'step'", "did you mean 'steps'"),
+    ("optim.warmup=5", "'warmup'", "did you mean 'warmup_steps'"),
+    ("modle.dim=64", "'modle'", "did you mean 'model'"),
+])
+def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) -> None:
+    message = config_error([override])
+    assert f"unknown config key {key}" in message and hint in message
+
+
+def test_unknown_section_without_close_match_lists_known_keys() -> None:
+    message = config_error(["zzz.bar=1"])
+    assert "unknown config key 'zzz' in the top level" in message
+    assert "known keys: name, model, data, train, optim, eval, checkpoint, callbacks" in message
+
+
+def test_unknown_keys_in_a_file(tmp_path: Path) -> None:
+    message = config_error([], write(tmp_path, "[train]\nstpes = 5\n"))
+    assert "unknown config key 'stpes' in [train]" in message and "did you mean 'steps'" in message
+    message = config_error([], write(tmp_path, "[optimizer]\nlr = 0.1\n"))
+    assert "unknown config key 'optimizer' in the top level" in message and "did you mean 'optim'" in message
+    message = config_error([], write(tmp_path, "[[callbacks]]\npath = 'a.b:C'\nargz = {}\n"))
+    assert "'argz' in [callbacks[0]]" in message and "did you mean 'args'" in message
+
+
+def test_override_into_a_leaf_is_rejected() -> None:
+    assert "'train.steps' is not a section" in config_error(["train.steps.x=1"])
+
+
+@pytest.mark.parametrize(("data", "expect"), [
+    ("model = 5\n", "model = 5: expected a table"),
+    ("callbacks = 5\n", "callbacks = 5: expected an array of tables ([[callbacks]])"),
+])
+def test_section_of_the_wrong_shape(tmp_path: Path, data: str, expect: str) -> None:
+    assert expect in config_error([], write(tmp_path, data))
+
+
+# ---------------------------------------------------------------- wrong types
+
+@pytest.mark.parametrize(("override", "expect"), [
+    ("train.steps=abc", "train.steps = 'abc': expected an integer"),
+    ("train.steps=\"abc\"", "train.steps = 'abc': expected an integer"),
+    ("train.steps=1.5", "train.steps = 1.5: expected an integer"),
+    ("train.steps=true", "train.steps = True: expected an integer"),  # bool is not an int here
+    ("optim.lr=fast", "optim.lr = 'fast': expected a number"),
+    ("optim.lr=false", "optim.lr = False: expected a number"),
+    ("train.deterministic=1", "train.deterministic = 1: expected true or false"),
+    ("train.device=1", "train.device = 1: expected a string"),
+    ("data.sources=5", "data.sources = 5: expected a list"),
+    ("data.sources=['ok', 1]", "data.sources[1] = 1: expected a string"),
+    ("optim.lr=inf", "optim.lr = inf: expected a finite number"),
+    ("optim.lr=nan", "optim.lr = nan: expected a finite number"),
+])
+def test_wrong_type_names_field_value_and_type(override: str, expect: str) -> None:
+    assert expect in config_error([override])
+
+
+def test_wrong_type_in_a_file(tmp_path: Path) -> None:
+    message = config_error([], write(tmp_path, "[[callbacks]]\npath = 'a.b:C'\nargs = 3\n"))
+    assert "callbacks[0].args = 3: expected a table" in message
+
+
+# ---------------------------------------------------------------- ranges and choices
+
+@pytest.mark.parametrize(("override", "expect"), [
+    ("train.steps=0", "train.steps = 0 is out of range: must be >= 1"),
+    ("train.seed=-1", "train.seed = -1 is out of range: must be >= 0"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio = 2.0 is out of range: must be >= 0 and <= 1"),
+    ("optim.min_lr_ratio=-0.1", "optim.min_lr_ratio = -0.1 is out of range: must be >= 0 and <= 1"),
+    ("optim.lr=0", "optim.lr = 0.0 is out of range: must be > 0"),
+    ("data.val_fraction=0.9", "data.val_fraction = 0.9 is out of range: must be > 0 and <= 0.5"),
+    ("eval.interval=-1", "eval.interval = -1 is out of range: must be >= 0"),
+])
+def test_out_of_range_names_the_bound(override: str, expect: str) -> None:
+    assert expect in config_error([override])
+
+
+@pytest.mark.parametrize("override", [
+    "optim.min_lr_ratio=0", "optim.min_lr_ratio=1", "data.val_fraction=0.5", "optim.warmup_steps=0",
+    "eval.interval=0", "train.seed=0", "optim.grad_clip=0",
+])
+def test_inclusive_bounds_are_accepted(override: str) -> None:
+    load_config(None, [override])
+
+
+@pytest.mark.parametrize(("override", "expect"), [
+    ("train.device=tpu", "train.device = 'tpu': expected one of auto, cpu, cuda"),
+    ("train.precision=fp16", "train.precision = 'fp16': expected one of auto, fp32, bf16"),
+    ("optim.schedule=linear", "optim.schedule = 'linear': expected one of cosine, wsd, constant"),
+])
+def test_choices(override: str, expect: str) -> None:
+    assert expect in config_error([override])
+
+
+# ---------------------------------------------------------------- consistency
+
+@pytest.mark.parametrize(("overrides", "expect"), [
+    (["model.dim=100", "model.n_heads=8"], "model.dim = 100 must divide by model.n_heads = 8"),
+    (["model.dim=24", "model.n_heads=8", "model.n_kv_heads=4"], "model.dim / model.n_heads = 3 must be even for RoPE"),
+    (["model.n_heads=8", "model.n_kv_heads=3"], "model.n_heads = 8 must divide by model.n_kv_heads = 3"),
+    (["train.seq_len=512", "model.max_seq_len=256"], "train.seq_len = 512 exceeds model.max_seq_len = 256"),
+    (["train.global_batch=30", "train.micro_batch=16"],
+     "train.global_batch = 30 must divide by train.micro_batch = 16"),
+    (["train.global_batch=8", "train.micro_batch=16"],
+     "train.global_batch = 8 must divide by train.micro_batch = 16"),
+])
+def test_consistency_checks(overrides: list[str], expect: str) -> None:
+    assert expect in config_error(overrides)
+
+
+def test_consistent_edge_cases_are_accepted() -> None:
+    # seq_len == max_seq_len, micro_batch == global_batch, MQA (one KV head), MHA.
+    load_config(None, ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16", "model.n_kv_heads=1"])
+    load_config(None, ["model.n_kv_heads=8"])
+
+
+def test_callback_path_needs_module_and_class(tmp_path: Path) -> None:
+    message = config_error([], write(tmp_path, "[[callbacks]]\npath = 'a.b:C'\n\n[[callbacks]]\npath = 'nocolon'\n"))
+    assert "callbacks[1].path = 'nocolon': expected 'package.module:Class'" in message
+
+
+def test_check_world_size() -> None:
+    cfg = load_config(None, ["train.global_batch=32", "train.micro_batch=8", "eval.sequences=64"])
+    for world_size in (1, 2, 4):
+        check_world_size(cfg, world_size)
+    with pytest.raises(ConfigError) as info:
+        check_world_size(cfg, 3)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "train.global_batch = 32 must divide by train.micro_batch × processes = 8 × 3" in message
+    assert "multiple of 24" in message
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        check_world_size(cfg, 8)
+    # The batch splits over 3 processes but the validation set does not.
+    cfg = load_config(None, ["train.global_batch=48", "train.micro_batch=16", "eval.sequences=64"])
+    with pytest.raises(ConfigError) as info:
+        check_world_size(cfg, 3)
+    assert "eval.sequences = 64 must divide by the number of processes = 3" in str(info.value)
+
+
+# ---------------------------------------------------------------- writing and documenting
+
+def roundtrip(cfg: Config, tmp_path: Path) -> Config:
+    return load_config(write(tmp_path, to_toml(cfg), "written.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_to_toml_round_trips_config_files(path: Path, tmp_path: Path) -> None:
+    cfg = load_config(path)
+    assert roundtrip(cfg, tmp_path) == cfg
+
+
+def test_to_toml_round_trips_every_kind_of_value(tmp_path: Path) -> None:
+    cfg = load_config(None, [
+        "name='q\"uote \\\\ back\tslash é'", "optim.lr=3e-4", "optim.eps=1e-12", "model.rope_theta=500000.0",
+        "model.norm_eps=1e-5", "train.steps=123456789", "train.deterministic=false", "model.tie_embeddings=true",
+        "data.sources=['x.py', 'dir with space/', 'ünï']", "data.dir=a/b", "train.device=cpu",
+    ])
+    cfg.callbacks = [
+        CallbackSpec("pkg.mod:A", {"every": 5, "ratio": 0.25, "on": True, "tags": ["a", "b"], "nested": {"k": "v"}}),
+        CallbackSpec("pkg.mod:B", {}),
+    ]
+    back = roundtrip(cfg, tmp_path)
+    assert back == cfg
+    assert back.digest() == cfg.digest()
+    # Equality must see types too: a float written as an int would still compare equal.
+    assert type(back.optim.lr) is float and type(back.model.rope_theta) is float
+
+
+def test_digest_changes_with_the_config() -> None:
+    assert load_config(None).digest() == load_config(None).digest()
+    assert load_config(None, ["train.steps=5"]).digest() != load_config(None).digest()
+
+
+def test_to_toml_round_trips_characters_outside_the_bmp(tmp_path: Path) -> None:
+    cfg = load_config(None, ["name='run \U0001F680'"])
+    assert roundtrip(cfg, tmp_path) == cfg
+
+
+def _leaf_options(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Independent walk of the config tree: every leaf key and its default."""
+    leaves: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            leaves |= _leaf_options(tp, f"{prefix}{f.name}.")
+        elif item is not None and dataclasses.is_dataclass(item):
+            leaves |= _leaf_options(item, f"{prefix}{f.name}[].")
+        else:
+            leaves[prefix + f.name] = getattr(cls(), f.name)
+    return leaves
+
+
+def test_reference_covers_every_leaf_option() -> None:
+    rows = reference()
+    keys = [row[0] for row in rows]
+    leaves = _leaf_options(Config)
+    assert len(keys) == len(set(keys)), "duplicate rows"
+    assert set(keys) == set(leaves)
+    assert {"train.steps", "optim.lr", "data.sources", "callbacks[].path", "callbacks[].args"} <= set(keys)
+    for key, type_name, default, help_text in rows:
+        assert help_text.strip(), f"{key} has no help"
+        assert type_name.startswith(type(leaves[key]).__name__), (key, type_name)
+        # The documented default is valid TOML and is the real default.
+        assert tomllib.loads(f"v = {default}")["v"] == leaves[key], key
+    # Options restricted to choices document every choice.
+    help_by_key = {row[0]: row[3] for row in rows}
+    for key, choices in [("train.device", ("auto", "cpu", "cuda")), ("train.precision", ("auto", "fp32", "bf16")),
+                         ("optim.schedule", ("cosine", "wsd", "constant")), ("data.tokenizer", ("byte",))]:
+        assert all(choice in help_by_key[key] for choice in choices), (key, help_by_key[key])

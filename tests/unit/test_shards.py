@@ -1,0 +1,135 @@
+"""open_corpus: a prepared corpus opens as read-only memmaps; any damage is refused, never repaired."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keel.data.prepare as prepare_mod
+from keel.data.shards import MANIFEST, open_corpus
+from keel.data.tokenizer import ByteTokenizer
+from keel.errors import DataError
+
+BOS, EOS = ByteTokenizer.bos, ByteTokenizer.eos
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def split_documents(tokens: np.ndarray) -> list[bytes]:
+    starts, ends = np.nonzero(tokens == BOS)[0], np.nonzero(tokens == EOS)[0]
+    assert len(starts) == len(ends) and starts[0] == 0 and ends[-1] == len(tokens) - 1
+    assert np.array_equal(starts[1:], ends[:-1] + 1)
+    return [bytes(tokens[s + 1:e].astype(np.uint8)) for s, e in zip(starts, ends, strict=True)]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[bytes]]:
+    """A corpus of 40 documents given as an ordered file list, with tiny shards so that each split
+    spans several files: the order of documents in the shards is then the order of the sources."""
+    monkeypatch.setattr(prepare_mod, "SHARD_TOKENS", 200)
+    src = tmp_path / "src"
+    src.mkdir()
+    docs, files = [], []
+    for i in range(40):
+        path = src / f"doc{i:02d}.txt"
+        body = f"document {i}: " + "é" * (i % 7) + "abc" * i + "\n"
+        path.write_text(body, encoding="utf-8")
+        docs.append(body.encode())
+        files.append(str(path))
+    out = tmp_path / "corpus"
+    prepare_mod.prepare(files, out, val_fraction=0.25)
+    return out, docs
+
+
+def first_shard(out: Path) -> Path:
+    return out / json.loads((out / MANIFEST).read_text())["files"][0]["name"]
+
+
+def test_open_decodes_back_to_documents(corpus):
+    out, docs = corpus
+    c = open_corpus(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert c.manifest == manifest and c.fingerprint == manifest["fingerprint"] and c.vocab_size == 259
+    assert len(c.splits["train"]) > 1 and len(c.splits["val"]) >= 1  # several shards, in manifest order
+    for split in ("train", "val"):
+        for shard in c.splits[split]:
+            assert isinstance(shard, np.memmap) and shard.dtype == np.uint16 and not shard.flags.writeable
+    train = split_documents(np.concatenate(c.splits["train"]))
+    val = split_documents(np.concatenate(c.splits["val"]))
+    assert sorted(train + val) == sorted(docs)
+    # within a split, documents keep source order
+    assert train == [d for d in docs if d in train] and val == [d for d in docs if d in val]
+    assert len(train) == manifest["documents"]["train"] and len(val) == manifest["documents"]["val"]
+    assert sum(len(s) for s in c.splits["train"]) == manifest["tokens"]["train"]
+
+
+def test_truncated_shard(corpus):
+    out, _ = corpus
+    shard = first_shard(out)
+    os.truncate(shard, shard.stat().st_size - 2)  # one token short
+    before = snapshot(out)
+    for verify in (True, False):  # the size check does not depend on checksums
+        with pytest.raises(DataError, match="truncated") as e:
+            open_corpus(out, verify_checksums=verify)
+        assert shard.name in str(e.value) and "\n" not in str(e.value)
+    assert snapshot(out) == before
+
+
+def test_flipped_byte_fails_sha256(corpus):
+    out, _ = corpus
+    shard = first_shard(out)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, one bit different
+    shard.write_bytes(bytes(data))
+    before = snapshot(out)
+    with pytest.raises(DataError, match="sha256") as e:
+        open_corpus(out)
+    assert shard.name in str(e.value)
+    assert snapshot(out) == before
+    # without verification the size check passes and the altered bytes are what is read
+    c = open_corpus(out, verify_checksums=False)
+    assert bytes(c.splits["train"][0].tobytes()) == bytes(data)
+    assert snapshot(out) == before
+
+
+def test_missing_shard(corpus):
+    out, _ = corpus
+    first_shard(out).unlink()
+    before = snapshot(out)
+    with pytest.raises(DataError, match="missing"):
+        open_corpus(out)
+    assert snapshot(out) == before
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        open_corpus(tmp_path / "nope")
+    assert not (tmp_path / "nope").exists()
+
+
+def test_missing_manifest(corpus):
+    out, _ = corpus
+    (out / MANIFEST).unlink()
+    before = snapshot(out)
+    with pytest.raises(DataError, match="no manifest.json"):
+        open_corpus(out)
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "{}", "[]", '{"files": []}'])
+def test_invalid_manifest(corpus, text):
+    out, _ = corpus
+    (out / MANIFEST).write_text(text)
+    before = snapshot(out)
+    with pytest.raises(DataError, match="not a valid corpus manifest") as e:
+        open_corpus(out)
+    assert "\n" not in str(e.value)
+    assert snapshot(out) == before
