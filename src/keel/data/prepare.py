@@ -10,8 +10,8 @@ import fcntl
 import hashlib
 import json
 import shutil
-import tempfile
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
