@@ -15,10 +15,7 @@ DEFAULT_CONFIG = Path("configs/tiny.toml")
 
 def _load(args: argparse.Namespace) -> Config:
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-    cfg = load_config(path, args.overrides)
-    if path is None:
-        cfg.name = "tiny"
-    return cfg
+    return load_config(path, args.overrides)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -258,7 +258,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         _apply_override(data, keys, value, text)
     cfg = _build(Config, data, "")
     if not cfg.name:
-        cfg.name = path.stem if path is not None else "default"
+        cfg.name = path.stem if path is not None else "tiny"  # the built-in defaults are configs/tiny.toml
     _check_consistency(cfg)
     return cfg
 

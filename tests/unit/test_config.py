@@ -57,8 +57,8 @@ def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
 
 def test_name_defaults_to_file_stem_or_default(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "[train]\nsteps = 3\n", "my_run.toml")).name == "my_run"
-    assert load_config(None).name == "default"
-    assert load_config(None) == dataclasses.replace(Config(), name="default")
+    assert load_config(None).name == "tiny"
+    assert load_config(None) == dataclasses.replace(Config(), name="tiny")
 
 
 def test_missing_file_and_invalid_toml_are_config_errors(tmp_path: Path) -> None:
