@@ -26,8 +26,8 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 
 def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
-    """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: the
-    workers' common code when they agree on bad input or a pause, 1 for any other failure."""
+    """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: that
+    of the first worker to fail when it reports bad input or a pause, 1 for any other failure."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
@@ -35,8 +35,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        codes = {failure.exitcode for failure in e.failures.values()}
-        if codes in ({EXIT_BAD_INPUT}, {EXIT_PAUSED}):
-            return codes.pop()
-        return 1
+        # The first worker to fail holds the cause; the agent then stops the others with signals.
+        _, first = e.get_first_failure()
+        return first.exitcode if first.exitcode in (EXIT_BAD_INPUT, EXIT_PAUSED) else 1
     return 0

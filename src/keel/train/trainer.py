@@ -19,6 +19,7 @@ from keel.errors import ConfigError
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
+from keel.monitor.metrics import StepMeter
 from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import apply_fsdp
@@ -106,45 +107,37 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
         f"run directory {run_dir}")
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    flops_per_step = flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step
+    meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
+                      ctx.world_size)
     callbacks.on_start(state)
-    started = last_log = time.perf_counter()
-    data_wait, steps_since_log, train_loss, val_loss = 0.0, 0, float("nan"), float("nan")
+    started = time.perf_counter()
+    train_loss = val_loss = float("nan")
     try:
         while state.step < cfg.train.steps:
-            t_data = time.perf_counter()
+            waited = time.perf_counter()
             micro_batches = loader.next()
-            data_wait += time.perf_counter() - t_data
+            meter.add_data_wait(time.perf_counter() - waited)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps)
             loss, grad_norm = train_step(model, optimizer, micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip,
                                          autocast_dtype=autocast_dtype)
             state.step += 1
             state.tokens_seen += tokens_per_step
-            steps_since_log += 1
+            meter.step_done()
             last_step = state.step == cfg.train.steps
-            report = {"step": state.step, "lr": lr}
+            report = {"step": state.step, "optim/lr": lr}
 
             if state.step % cfg.train.log_interval == 0 or last_step:
                 dist.all_reduce(loss)  # sum over ranks: every rank's loss is a mean over equal shares
                 train_loss = loss.item() / ctx.world_size
-                now = time.perf_counter()
-                step_s = (now - last_log) / steps_since_log
-                record = {
-                    "step": state.step, "train/loss": train_loss, "optim/lr": lr,
-                    "optim/grad_norm": grad_norm.item(), "train/tokens_seen": state.tokens_seen,
-                    "throughput/tokens_per_s": tokens_per_step / step_s,
-                    "throughput/tflops_per_device": flops_per_step / step_s / ctx.world_size / 1e12,
-                    "time/step_s": step_s, "time/data_s": data_wait / steps_since_log,
-                }
-                report.update(record)
-                log.metric(record)
-                say.step(state.step, cfg.train.steps, record)
-                last_log, data_wait, steps_since_log = now, 0.0, 0
+                report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
+                               "train/tokens_seen": state.tokens_seen, **meter.window()})
+                log.metric(report)
+                say.step(state.step, cfg.train.steps, report)
 
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
                 val_loss = _validate(model, val_batches, autocast_dtype)
-                report["val/loss"] = val_loss
                 log.metric({"step": state.step, "val/loss": val_loss})
+                report["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
                 callbacks.on_eval(state, val_loss)
 
