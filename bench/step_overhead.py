@@ -1,16 +1,18 @@
 """keel's training step against a bare PyTorch loop: same model, batch and optimizer, one process.
 
-Each repeat times N steps of each side, alternating which goes first, and the ratio of the medians
-is reported (target: at most 1.05). Results go to bench/results/step_overhead.json.
+Each repeat builds both sides afresh and times N steps of each, alternating which goes first, and
+the ratio of the medians is reported (target: at most 1.05). Results go to bench/results/step_overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,36 +50,43 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (cfg.train.micro_batch, cfg.train.seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    lr = lr_at(cfg.optim.warmup_steps, cfg.optim, cfg.train.steps)
     ctx = init_distributed(torch.device("cpu"))
-    try:
-        keel_model = build_model(cfg, ctx, torch.float32)
-        keel_optim = build_optimizer(keel_model, cfg.optim)
-        bare_model = Llama(cfg.model)
-        init_weights(bare_model, cfg.train.seed)
-        bare_optim = build_optimizer(bare_model, cfg.optim)
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 256, (cfg.train.micro_batch, cfg.train.seq_len + 1), generator=gen)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        lr = lr_at(cfg.optim.warmup_steps, cfg.optim, cfg.train.steps)
 
-        def run_keel() -> None:
-            loss, grad_norm = train_step(keel_model, keel_optim, [(inputs, targets)], lr=lr,
-                                         grad_clip=cfg.optim.grad_clip)
+    def keel_side() -> Callable[[], None]:
+        model = build_model(cfg, ctx, torch.float32)
+        optimizer = build_optimizer(model, cfg.optim)
+
+        def step() -> None:
+            loss, _ = train_step(model, optimizer, [(inputs, targets)], lr=lr, grad_clip=cfg.optim.grad_clip)
             loss.item()  # the trainer reads the loss at each logged step
+        return step
 
-        def run_bare() -> None:
-            bare_step(bare_model, bare_optim, inputs, targets, lr, cfg.optim.grad_clip)
+    def bare_side() -> Callable[[], None]:
+        model = Llama(cfg.model)
+        init_weights(model, cfg.train.seed)
+        optimizer = build_optimizer(model, cfg.optim)
+        return lambda: bare_step(model, optimizer, inputs, targets, lr, cfg.optim.grad_clip)
 
-        for fn in (run_keel, run_bare):  # warm-up: allocator, optimizer state
-            fn()
-        timings: dict[str, list[float]] = {"keel": [], "bare": []}
+    # Which side is built and run first alternates between repeats: the allocator favours one order.
+    timings: dict[str, list[float]] = {"keel": [], "bare": []}
+    try:
         for repeat in range(args.repeats):
-            order = [("keel", run_keel), ("bare", run_bare)]
-            for name, fn in order if repeat % 2 == 0 else order[::-1]:
+            sides = [("keel", keel_side), ("bare", bare_side)]
+            sides = sides if repeat % 2 == 0 else sides[::-1]
+            steps = [(name, build()) for name, build in sides]
+            for _, fn in steps:  # warm-up: optimizer state, allocator
+                fn()
+            for name, fn in steps:
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     fn()
                 timings[name].append((time.perf_counter() - start) / args.steps)
+            del steps
+            gc.collect()
     finally:
         destroy_distributed()
 
