@@ -43,19 +43,22 @@ def _alive_in_group(pgid: int) -> list[int]:
 
 
 def run_keel(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `keel ARGS` as a real process in its own session; on timeout, or if anything it started
-    outlives it, kill the whole group and fail."""
+    """Run `keel ARGS` as a real process in its own session. Fails on timeout, or if anything it
+    started outlives it; either way (and if the test itself is interrupted) the whole group is killed."""
     proc = subprocess.Popen([sys.executable, "-m", "keel", *args], cwd=cwd, env=keel_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    leftovers: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)
+        leftovers = _alive_in_group(proc.pid)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"keel {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
-    leftovers = _alive_in_group(proc.pid)
+    finally:
+        if proc.poll() is None or _alive_in_group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
     if leftovers:
-        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"keel {' '.join(args)} left processes behind: {leftovers}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -86,11 +86,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not worker:
         check_world_size(cfg, nproc)
     ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
-    resolve_resume(run_dir, args.resume)  # a bad --resume fails here, before any process starts
+    resume = args.resume
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and resolve_resume(run_dir, "auto"):
+        resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
+    resolve_resume(run_dir, resume)  # a bad --resume fails here, before any process starts
     if nproc > 1 or args.max_restarts > 0:
         return launch(nproc, args.max_restarts, args.argv)
     from keel.train.trainer import train
-    return train(cfg, run_dir, args.resume)
+    return train(cfg, run_dir, resume)
 
 
 def cmd_data(args: argparse.Namespace) -> int:

@@ -29,6 +29,9 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: that
     of the first worker to fail when it reports bad input or a pause, 1 for any other failure."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Workers restarted by the agent must not share the rendezvous store: they would read the
+    # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
         "--module", "keel", *worker_argv(argv)])

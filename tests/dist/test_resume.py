@@ -136,3 +136,18 @@ def test_resume_on_another_corpus_is_refused_by_the_workers(reference_run: Path,
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "data.allow_corpus_change" in result.stderr
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_elastic_agent_restarts_the_killed_worker_group_and_the_run_finishes_exactly(
+        reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """With --max-restarts the agent itself restarts the workers after the SIGKILL; they resume from
+    the latest checkpoint (not from the --resume given to the first attempt) and finish bitwise equal."""
+    run_dir = tmp_path / "G"
+    kill = ['callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 20, rank = 1}}]']
+    result = run_keel(train_cmd(small_corpus, run_dir, 2, *kill, "--max-restarts", "1", "--resume", "never"),
+                      cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]
+    assert len(starts) == 4, "two ranks, started twice"
+    assert [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"] == [KILL_AT]
+    assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
