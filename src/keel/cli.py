@@ -120,7 +120,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
+    p = parser()
+    # Overrides may come before, between or after options: whatever is left over must be KEY=VALUE.
+    args, rest = p.parse_known_args(argv)
+    unknown = [a for a in rest if "=" not in a or a.startswith("-")]
+    if unknown or (rest and not hasattr(args, "overrides")):
+        p.error(f"unrecognized arguments: {' '.join(unknown or rest)}")
+    if rest:
+        args.overrides = args.overrides + rest
     args.argv = argv
     handler = {"train": cmd_train, "data": cmd_data, "config": cmd_config}[args.command]
     try:

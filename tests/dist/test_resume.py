@@ -151,3 +151,15 @@ def test_elastic_agent_restarts_the_killed_worker_group_and_the_run_finishes_exa
     assert len(starts) == 4, "two ranks, started twice"
     assert [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"] == [KILL_AT]
     assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
+
+
+def test_checkpoint_of_another_model_shape_is_refused(reference_run: Path, small_corpus: Path,
+                                                      tmp_path: Path) -> None:
+    step20 = reference_run / "checkpoints" / f"step-{KILL_AT:06d}"
+    before = state_sha256(step20)
+    run_dir = tmp_path / "H"
+    result = run_keel(train_cmd(small_corpus, run_dir, 2, "--resume", str(step20), "model.dim=32"), cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "does not fit this model and optimizer" in result.stderr and "Size mismatch" in result.stderr
+    assert state_sha256(step20) == before
+    assert not (run_dir / "checkpoints").exists()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -131,7 +132,13 @@ class CheckpointManager:
         check_checkpoint(path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # raised on every rank alike
+            causes = {f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                      for err, _ in e.failures.values()}
+            raise CheckpointError(f"{str(path)!r} does not fit this model and optimizer ({'; '.join(sorted(causes))}); "
+                                  f"resume with the config it was saved with") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         commit = json.loads((path / COMMIT).read_text())
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"

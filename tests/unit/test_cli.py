@@ -1,0 +1,45 @@
+"""The `keel` command line, in process: argument handling of config, data prepare and exit codes."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from keel.cli import main
+from tests.conftest import REPO, SMALL_SOURCES
+
+
+def test_overrides_may_come_before_between_and_after_options(capsys: pytest.CaptureFixture) -> None:
+    code = main(["config", "train.steps=5", "--config", str(REPO / "configs/small.toml"), "optim.lr=1e-4"])
+    assert code == 0
+    resolved = tomllib.loads(capsys.readouterr().out)
+    assert resolved["name"] == "small"
+    assert resolved["train"]["steps"] == 5 and resolved["optim"]["lr"] == 1e-4
+
+
+def test_unknown_option_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "--bogus"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_bad_override_exits_2_with_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["keel: error: unknown config key 'stpes' in [train]; did you mean 'steps'?"]
+
+
+def test_data_prepare_prints_statistics_with_the_unigram_entropy(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "corpus"
+    assert main(["data", "prepare", "--source", SMALL_SOURCES[0], "--source", SMALL_SOURCES[1], "--out", str(out),
+                 "data.val_fraction=0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert (out / "manifest.json").is_file()
+    assert "unigram entropy" in printed and "nats/token" in printed
+    assert main(["data", "prepare", "--source", SMALL_SOURCES[0], "--out", str(out)]) == 2, \
+        "other sources into an existing corpus need --force"
+    assert "--force" in capsys.readouterr().err
