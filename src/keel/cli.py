@@ -76,6 +76,7 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.checkpoint.manager import resolve_resume
     from keel.launch import launch
+    from keel.parallel.mesh import pick_device
 
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
@@ -85,6 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
     if not worker:
         check_world_size(cfg, nproc)
+    pick_device(cfg.train.device)  # a missing device fails here, before any process starts
     ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     resume = args.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and resolve_resume(run_dir, "auto"):

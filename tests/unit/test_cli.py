@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from keel.cli import main
 from tests.conftest import REPO, SMALL_SOURCES
@@ -43,3 +44,11 @@ def test_data_prepare_prints_statistics_with_the_unigram_entropy(tmp_path: Path,
     assert main(["data", "prepare", "--source", SMALL_SOURCES[0], "--out", str(out)]) == 2, \
         "other sources into an existing corpus need --force"
     assert "--force" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_asking_for_cuda_without_it_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--run-dir", str(run_dir), "train.device=cuda"]) == 2
+    assert "no usable CUDA device" in capsys.readouterr().err
+    assert not run_dir.exists()

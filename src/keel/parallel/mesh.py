@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from keel.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -20,6 +22,9 @@ class Dist:
 
 
 def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but this machine has no usable CUDA device (or torch is a CPU "
+                          "build); use train.device=auto or cpu")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

@@ -53,7 +53,8 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), device=device, dtype=torch.float64), torch.zeros((), device=device)
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = torch.zeros((), device=device, dtype=torch.float64)
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with amp:

@@ -170,7 +170,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
 
 def _validate(model: torch.nn.Module, batches: list, autocast_dtype: torch.dtype | None) -> float:
     total, count = evaluate(model, batches, autocast_dtype)
-    both = torch.stack([total, count.double()])
+    both = torch.stack([total, count])
     dist.all_reduce(both)
     return (both[0] / both[1]).item()
 
