@@ -188,7 +188,9 @@ def test_out_of_range_names_the_bound(override: str, expect: str) -> None:
     "eval.interval=0", "train.seed=0", "optim.grad_clip=0",
 ])
 def test_inclusive_bounds_are_accepted(override: str) -> None:
-    load_config(None, [override])
+    keys, value = override.split("=")
+    section, key = keys.split(".")
+    assert getattr(getattr(load_config(None, [override]), section), key) == float(value)
 
 
 @pytest.mark.parametrize(("override", "expect"), [
@@ -218,8 +220,10 @@ def test_consistency_checks(overrides: list[str], expect: str) -> None:
 
 def test_consistent_edge_cases_are_accepted() -> None:
     # seq_len == max_seq_len, micro_batch == global_batch, MQA (one KV head), MHA.
-    load_config(None, ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16", "model.n_kv_heads=1"])
-    load_config(None, ["model.n_kv_heads=8"])
+    cfg = load_config(None, ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16",
+                             "model.n_kv_heads=1"])
+    assert (cfg.train.seq_len, cfg.train.global_batch, cfg.model.n_kv_heads) == (256, 16, 1)
+    assert load_config(None, ["model.n_kv_heads=8"]).model.n_kv_heads == cfg.model.n_heads
 
 
 def test_callback_path_needs_module_and_class(tmp_path: Path) -> None:
