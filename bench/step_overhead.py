@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from keel.config import load_config
+from keel.config import load_config, resolve_layout
 from keel.model.init import init_weights
 from keel.model.llama import Llama
-from keel.parallel.mesh import destroy_distributed, init_distributed
+from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.step import train_step
 from keel.train.trainer import build_model
@@ -57,7 +57,7 @@ def main() -> None:
     ctx = init_distributed(torch.device("cpu"))
 
     def keel_side() -> Callable[[], None]:
-        model = build_model(cfg, ctx, torch.float32)
+        model = build_model(cfg, build_mesh(ctx, resolve_layout(cfg, 1)), torch.float32)
         optimizer = build_optimizer(model, cfg.optim)
 
         def step() -> None:

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from keel.config import Config, check_world_size, load_config, reference, to_toml
+from keel.config import Config, load_config, reference, resolve_layout, to_toml
 from keel.errors import EXIT_BAD_INPUT, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
@@ -85,7 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if nproc < 1:
         raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
     if not worker:
-        check_world_size(cfg, nproc)
+        resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
     ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     resume = args.resume

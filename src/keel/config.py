@@ -93,6 +93,19 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = option(1, "data-parallel replicas (HSDP: FSDP inside each replica, all-reduce across them)",
+                               ge=1)
+    dp_shard: int = option(-1, "FSDP sharding degree; -1: the processes left after the other degrees", ge=-1)
+    tp: int = option(1, "tensor-parallel degree (with sequence parallel); keep it within a node", ge=1)
+    activation_checkpoint: str = option("none", "recompute block activations in the backward pass: none, "
+                                        "full (every block) or selective (every ac_every-th block)",
+                                        choices=("none", "full", "selective"))
+    ac_every: int = option(2, "selective activation checkpointing: checkpoint one block in this many", ge=1)
+    compile: bool = option(False, "torch.compile each transformer block")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = option(100, "steps between checkpoints (the last step is always saved)", ge=1)
 
@@ -111,6 +124,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: list[CallbackSpec] = field(default_factory=list)
 
@@ -202,16 +216,56 @@ def _check_consistency(cfg: Config) -> None:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
 
 
-def check_world_size(cfg: Config, world_size: int) -> None:
-    """The global batch must split evenly into micro-batches on every data-parallel rank."""
-    per_step = cfg.train.micro_batch * world_size
-    if cfg.train.global_batch % per_step:
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of a run, resolved for its world size: dp_replicate × dp_shard × tp = world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def describe(self) -> str:
+        parts = [f"{name}{n}" for name, n in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                                ("tp", self.tp)) if n > 1]
+        return " × ".join(parts) if parts else "single process"
+
+
+def resolve_layout(cfg: Config, world_size: int) -> Layout:
+    """Check the layout against the world size and the model before any process group exists."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.dp_shard == 0:
+        raise ConfigError("parallel.dp_shard = 0: expected a positive degree or -1 (the processes left over)")
+    fixed = p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+    if world_size % fixed:
+        raise ConfigError(f"parallel degrees dp_replicate × dp_shard × tp = {p.dp_replicate} × "
+                          f"{p.dp_shard if p.dp_shard > 0 else '-1'} × {p.tp} do not divide the {world_size} processes")
+    dp_shard = p.dp_shard if p.dp_shard > 0 else world_size // fixed
+    layout = Layout(p.dp_replicate, dp_shard, p.tp)
+    if layout.world_size != world_size:
+        raise ConfigError(f"parallel degrees dp_replicate × dp_shard × tp = {p.dp_replicate} × {dp_shard} × {p.tp} = "
+                          f"{layout.world_size}, but there are {world_size} processes; the product must equal them")
+    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("train.seq_len", t.seq_len)):
+        if value % p.tp:
+            raise ConfigError(f"{name} = {value} must divide by parallel.tp = {p.tp}")
+    per_step = t.micro_batch * layout.dp
+    if t.global_batch % per_step:
         raise ConfigError(
-            f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch × processes = "
-            f"{cfg.train.micro_batch} × {world_size}; choose a global batch that is a multiple of {per_step}")
-    if cfg.eval.sequences % world_size:
-        raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the number of processes = "
-                          f"{world_size}")
+            f"train.global_batch = {t.global_batch} must divide by train.micro_batch × data-parallel degree = "
+            f"{t.micro_batch} × {layout.dp}; choose a global batch that is a multiple of {per_step}")
+    if cfg.eval.sequences % layout.dp:
+        raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the data-parallel degree = "
+                          f"{layout.dp}")
+    return layout
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

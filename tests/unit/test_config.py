@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from keel.config import CallbackSpec, Config, check_world_size, load_config, reference, to_toml
+from keel.config import CallbackSpec, Config, load_config, reference, resolve_layout, to_toml
 from keel.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_config_directory_holds_the_shipped_configs() -> None:
 def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.name == path.stem
-    check_world_size(cfg, 1)
+    resolve_layout(cfg, 1)
     # Every value written in the file is the value the config holds (nothing dropped or renamed).
     raw = tomllib.loads(path.read_text())
     for section, values in raw.items():
@@ -119,7 +119,7 @@ def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) ->
 def test_unknown_section_without_close_match_lists_known_keys() -> None:
     message = config_error(["zzz.bar=1"])
     assert "unknown config key 'zzz' in the top level" in message
-    assert "known keys: name, model, data, train, optim, eval, checkpoint, callbacks" in message
+    assert "known keys: name, model, data, train, optim, eval, parallel, checkpoint, callbacks" in message
 
 
 def test_unknown_keys_in_a_file(tmp_path: Path) -> None:
@@ -231,23 +231,23 @@ def test_callback_path_needs_module_and_class(tmp_path: Path) -> None:
     assert "callbacks[1].path = 'nocolon': expected 'package.module:Class'" in message
 
 
-def test_check_world_size() -> None:
+def test_resolve_layout() -> None:
     cfg = load_config(None, ["train.global_batch=32", "train.micro_batch=8", "eval.sequences=64"])
     for world_size in (1, 2, 4):
-        check_world_size(cfg, world_size)
+        resolve_layout(cfg, world_size)
     with pytest.raises(ConfigError) as info:
-        check_world_size(cfg, 3)
+        resolve_layout(cfg, 3)
     message = str(info.value)
     assert "\n" not in message
-    assert "train.global_batch = 32 must divide by train.micro_batch × processes = 8 × 3" in message
+    assert "train.global_batch = 32 must divide by train.micro_batch × data-parallel degree = 8 × 3" in message
     assert "multiple of 24" in message
     with pytest.raises(ConfigError, match="multiple of 64"):
-        check_world_size(cfg, 8)
+        resolve_layout(cfg, 8)
     # The batch splits over 3 processes but the validation set does not.
     cfg = load_config(None, ["train.global_batch=48", "train.micro_batch=16", "eval.sequences=64"])
     with pytest.raises(ConfigError) as info:
-        check_world_size(cfg, 3)
-    assert "eval.sequences = 64 must divide by the number of processes = 3" in str(info.value)
+        resolve_layout(cfg, 3)
+    assert "eval.sequences = 64 must divide by the data-parallel degree = 3" in str(info.value)
 
 
 # ---------------------------------------------------------------- writing and documenting

@@ -151,23 +151,30 @@ def read_commit(path: Path) -> dict:
     return json.loads((check_checkpoint(path) / COMMIT).read_text())
 
 
-def state_digests(path: Path) -> dict[str, str]:
-    """sha256 of every model and optimizer tensor of a checkpoint, keyed by name (no process group needed)."""
+def load_full_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole and keyed by flat name (`model.…`, `optim.state.…`), whatever
+    layout saved it. Needs no process group; meant for inspection and tests."""
     check_checkpoint(path)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "state.pt")
-        flat = torch.load(Path(tmp) / "state.pt", weights_only=False)
-    digests: dict[str, str] = {}
+        nested = torch.load(Path(tmp) / "state.pt", weights_only=False)
+    flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: object) -> None:
         if isinstance(value, torch.Tensor):
-            digests[prefix] = hashlib.sha256(value.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+            flat[prefix] = value
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
 
-    walk("", flat)
-    return digests
+    walk("", nested)
+    return flat
+
+
+def state_digests(path: Path) -> dict[str, str]:
+    """sha256 of every model and optimizer tensor of a checkpoint, keyed by name."""
+    return {name: hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+            for name, t in load_full_state(path).items()}
 
 
 def state_sha256(path: Path) -> str:

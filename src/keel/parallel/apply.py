@@ -1,19 +1,76 @@
-"""Parallelise the model over the data-parallel mesh with FSDP2: one `fully_shard` per block, then the root."""
+"""Parallelise the model for its layout: tensor + sequence parallel, activation checkpointing,
+per-block compile, then FSDP2 (HSDP across replicas). A one-process run wraps nothing."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
+from keel.config import ParallelConfig
 from keel.model.llama import Llama
+from keel.parallel.mesh import Mesh
+
+
+def parallelize(model: Llama, mesh: Mesh, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
+    if mesh.layout.tp > 1:
+        apply_tensor_parallel(model, mesh.tp)
+    apply_activation_checkpointing(model, cfg)
+    if cfg.compile:
+        for block in model.layers.values():
+            block.compile()  # in place: parameter names stay the same
+    if mesh.layout.dp > 1:
+        apply_fsdp(model, mesh.fsdp, param_dtype)
+
+
+def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallel: projections column-/row-wise over heads and the
+    SwiGLU hidden size; norms and residuals sharded over the sequence between them; the output
+    projection sharded over the vocabulary, its logits left as a DTensor for the parallel loss."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def apply_activation_checkpointing(model: Llama, cfg: ParallelConfig) -> None:
+    """Recompute the activations of every block (`full`) or of one block in `ac_every` (`selective`).
+    The wrapper's prefix is left out of state-dict and init names, so checkpoints move between settings."""
+    if cfg.activation_checkpoint == "none":
+        return
+    every = 1 if cfg.activation_checkpoint == "full" else cfg.ac_every
+    for i, (name, block) in enumerate(model.layers.items()):
+        if i % every == 0:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_fsdp(model: Llama, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
-    """Shard parameters, gradients and optimizer state over `mesh`. Gradients are reduced in fp32.
-    A one-process mesh wraps nothing: there is nothing to shard."""
-    if mesh.size() == 1:
-        return
+    """Shard parameters, gradients and optimizer state over `mesh` (a 2-D mesh gives HSDP). Gradients
+    are reduced in fp32."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)

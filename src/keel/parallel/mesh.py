@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from keel.config import Layout
 from keel.errors import ConfigError
 
 
@@ -52,6 +53,29 @@ def destroy_distributed(synchronize: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def data_parallel_mesh(ctx: Dist) -> DeviceMesh:
-    """All processes are data-parallel replicas sharding the model with FSDP."""
-    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
+@dataclass(frozen=True)
+class Mesh:
+    """The run's named device mesh (`dp_replicate`, `dp_shard`, `tp`) and the sub-meshes derived from it."""
+
+    mesh: DeviceMesh
+    layout: Layout
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """Where parameters are sharded: 1-D for FSDP, 2-D (replicate, shard) for HSDP."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's slice of the global batch; ranks of one tensor-parallel group share it."""
+        return self.mesh.get_local_rank("dp_replicate") * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
+
+
+def build_mesh(ctx: Dist, layout: Layout) -> Mesh:
+    shape = (layout.dp_replicate, layout.dp_shard, layout.tp)
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return Mesh(mesh, layout)

@@ -8,6 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the vocabulary-parallel loss) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -23,9 +29,11 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Ten
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
-               autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns this rank's mean loss over its micro-batches and the global gradient norm, as tensors
-    (no host synchronisation here)."""
+    (no host synchronisation here). With `loss_parallel` the logits stay sharded over the vocabulary
+    (tensor parallel) and the loss and its backward are computed on the shards."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = next(model.parameters()).device
@@ -36,9 +44,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         targets = targets.to(device, non_blocking=True)
         with amp:
             logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
-        loss.backward()
-        loss_sum += loss.detach()
+        with vocab_parallel_loss() if loss_parallel else nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
+            loss.backward()
+        loss_sum += _plain(loss.detach())
     grad_norm = grad_norm_and_clip(list(model.parameters()), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -47,7 +56,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token loss and token count of this rank's validation batches."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
@@ -59,7 +69,8 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
         inputs, targets = inputs.to(device), targets.to(device)
         with amp:
             logits = model(inputs)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
+        with vocab_parallel_loss() if loss_parallel else nullcontext():
+            total += _plain(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")).double()
         count += targets.numel()
     model.train(was_training)
     return total, count

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from keel.callbacks import load_callbacks
 from keel.checkpoint.manager import CheckpointManager, resolve_resume
-from keel.config import Config, check_world_size, to_toml
+from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
 from keel.errors import ConfigError
@@ -22,8 +22,8 @@ from keel.model.llama import Llama
 from keel.monitor.metrics import StepMeter
 from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.sinks import EventLog, RunLog, host
-from keel.parallel.apply import apply_fsdp
-from keel.parallel.mesh import Dist, data_parallel_mesh, destroy_distributed, init_distributed, pick_device
+from keel.parallel.apply import parallelize
+from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.state import TrainState, seed_everything
 from keel.train.step import evaluate, train_step
@@ -38,9 +38,9 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
     ctx = init_distributed(device)
     clean = False
     try:
-        check_world_size(cfg, ctx.world_size)
+        mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank) as log:
-            code = _train(cfg, run_dir, resume, ctx, log)
+            code = _train(cfg, run_dir, resume, ctx, mesh, log)
         clean = True
         return code
     finally:
@@ -53,17 +53,17 @@ def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_model(cfg: Config, ctx: Dist, param_dtype: torch.dtype) -> Llama:
-    """Build on the meta device, shard, then allocate and initialise only this rank's shards."""
+def build_model(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> Llama:
+    """Build on the meta device, parallelise, then allocate and initialise only this rank's shards."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    apply_fsdp(model, data_parallel_mesh(ctx), param_dtype)
-    model.to_empty(device=ctx.device)
+    parallelize(model, mesh, cfg.parallel, param_dtype)
+    model.to_empty(device=mesh.mesh.device_type)
     init_weights(model, cfg.train.seed)
     return model
 
 
-def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> int:
+def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog) -> int:
     rank0, events, say = ctx.rank == 0, log.events, log.say
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
@@ -73,14 +73,16 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
     seed_everything(cfg.train.seed, ctx.rank)
     dtype = precision_dtype(cfg, ctx.device)
     autocast_dtype = dtype if dtype != torch.float32 else None
-    model = build_model(cfg, ctx, dtype)
+    model = build_model(cfg, mesh, dtype)
+    tp = mesh.layout.tp > 1
     optimizer = build_optimizer(model, cfg.optim)
     loader = GlobalOrderLoader(
         corpus.splits["train"], seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-        micro_batch=cfg.train.micro_batch, dp_rank=ctx.rank, dp_size=ctx.world_size, seed=cfg.train.seed,
+        micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=cfg.train.seed,
         fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch)
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
-                                     micro_batch=cfg.train.micro_batch, dp_rank=ctx.rank, dp_size=ctx.world_size)
+                                     micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
+                                     dp_size=mesh.layout.dp)
     callbacks = load_callbacks(cfg.callbacks)
     manager = CheckpointManager(run_dir, cfg.digest())
 
@@ -102,7 +104,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
     if rank0:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     n_params = param_count(cfg.model)
-    say(f"training {cfg.name}: {n_params / 1e6:.2f}M parameters, {ctx.world_size} × {ctx.device.type}, "
+    say(f"training {cfg.name}: {n_params / 1e6:.2f}M parameters, {ctx.world_size} × {ctx.device.type} "
+        f"({mesh.layout.describe()}), "
         f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, "
         f"run directory {run_dir}")
 
@@ -119,7 +122,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
             meter.add_data_wait(time.perf_counter() - waited)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps)
             loss, grad_norm = train_step(model, optimizer, micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip,
-                                         autocast_dtype=autocast_dtype)
+                                         autocast_dtype=autocast_dtype, loss_parallel=tp)
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
@@ -135,7 +138,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
                 say.step(state.step, cfg.train.steps, report)
 
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
-                val_loss = _validate(model, val_batches, autocast_dtype)
+                val_loss = _validate(model, val_batches, autocast_dtype, tp)
                 log.metric({"step": state.step, "val/loss": val_loss})
                 report["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
@@ -168,8 +171,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, log: RunLog) -> i
     return 0
 
 
-def _validate(model: torch.nn.Module, batches: list, autocast_dtype: torch.dtype | None) -> float:
-    total, count = evaluate(model, batches, autocast_dtype)
+def _validate(model: torch.nn.Module, batches: list, autocast_dtype: torch.dtype | None, tp: bool) -> float:
+    # Ranks of one tensor-parallel group see the same batches: the sums scale alike, the mean is right.
+    total, count = evaluate(model, batches, autocast_dtype, loss_parallel=tp)
     both = torch.stack([total, count])
     dist.all_reduce(both)
     return (both[0] / both[1]).item()

@@ -1,0 +1,54 @@
+"""Layouts are resolved and checked before any process group exists; each invalid one is refused
+with a one-line message naming the constraint and the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel.config import Layout, load_config, resolve_layout
+from keel.errors import ConfigError
+
+BASE = ["model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=256", "train.global_batch=32",
+        "train.micro_batch=4", "eval.sequences=64"]
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (1, [], Layout(1, 1, 1)),
+    (4, [], Layout(1, 4, 1)),
+    (4, ["parallel.tp=2"], Layout(1, 2, 2)),
+    (8, ["parallel.dp_replicate=2", "parallel.tp=2"], Layout(2, 2, 2)),
+    (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1"], Layout(4, 1, 1)),
+    (2, ["parallel.tp=2", "parallel.dp_shard=1"], Layout(1, 1, 2)),
+])
+def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout) -> None:
+    layout = resolve_layout(load_config(None, BASE + overrides), world)
+    assert layout == expect
+    assert layout.world_size == world and layout.dp == expect.dp_replicate * expect.dp_shard
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (4, ["parallel.tp=3"], "dp_replicate × dp_shard × tp = 1 × -1 × 3 do not divide the 4 processes"),
+    (4, ["parallel.dp_shard=3"], "dp_replicate × dp_shard × tp = 1 × 3 × 1 do not divide the 4 processes"),
+    (8, ["parallel.dp_shard=2", "parallel.tp=2"],
+     "dp_replicate × dp_shard × tp = 1 × 2 × 2 = 4, but there are 8 processes"),
+    (4, ["parallel.dp_shard=0"], "parallel.dp_shard = 0: expected a positive degree or -1"),
+    (4, ["parallel.tp=4", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must divide by parallel.tp = 4"),
+    (8, ["parallel.tp=8", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=2"],
+     "model.n_heads = 6 must divide by parallel.tp = 8"),
+    (4, ["parallel.tp=4", "model.n_kv_heads=4", "train.seq_len=254"],
+     "train.seq_len = 254 must divide by parallel.tp = 4"),
+    (16, ["train.global_batch=32", "train.micro_batch=4"],
+     "train.global_batch = 32 must divide by train.micro_batch × data-parallel degree = 4 × 16"),
+    (4, ["parallel.dp_replicate=2", "eval.sequences=6"],
+     "eval.sequences = 6 must divide by the data-parallel degree = 4"),
+])
+def test_invalid_layouts_are_refused_with_their_numbers(world: int, overrides: list[str], expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_layout(load_config(None, BASE + overrides), world)
+    message = str(info.value)
+    assert expect in message and "\n" not in message
+
+
+def test_layout_describes_itself() -> None:
+    assert Layout(2, 2, 2).describe() == "dp_replicate2 × dp_shard2 × tp2"
+    assert Layout(1, 1, 1).describe() == "single process"
