@@ -30,7 +30,7 @@ def full_weight_digests(world_size: int, overrides: list[str]) -> dict[str, str]
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         digests = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in state.items()}
     except BaseException:
-        destroy_distributed(synchronize=False)
+        destroy_distributed(wait_for_peers=False)
         raise
     destroy_distributed()
     return digests

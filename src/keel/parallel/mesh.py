@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,14 +44,22 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
 
 
-def destroy_distributed(synchronize: bool = True) -> None:
-    """Leave the process group. On a clean exit every rank first waits for the others, so that no
-    rank tears down its connections while a peer is still finishing a collective (gloo aborts the
-    peer then). After a failure the peers may be gone: leave without waiting."""
-    if dist.is_initialized():
-        if synchronize:
-            dist.barrier()
-        dist.destroy_process_group()
+def destroy_distributed(wait_for_peers: bool = True, timeout_s: float = 30.0) -> None:
+    """Leave the process group. Every rank first waits for the others, so that none tears down its
+    connections while a peer is still finishing a collective (gloo aborts the peer then). After a
+    crash the peers may be gone: leave without waiting. On gloo the wait is bounded, for errors that
+    all ranks should have met but one did not."""
+    if not dist.is_initialized():
+        return
+    if wait_for_peers:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
+        except RuntimeError:
+            pass  # a peer never arrived: leave anyway
+    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from keel.checkpoint.manager import CheckpointManager, resolve_resume
 from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
-from keel.errors import ConfigError
+from keel.errors import ConfigError, KeelError
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
@@ -36,15 +36,18 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ctx = init_distributed(device)
-    clean = False
+    crashed = True
     try:
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank) as log:
             code = _train(cfg, run_dir, resume, ctx, mesh, log)
-        clean = True
+        crashed = False
         return code
+    except KeelError:
+        crashed = False  # bad input: every rank meets it at the same point
+        raise
     finally:
-        destroy_distributed(synchronize=clean)
+        destroy_distributed(wait_for_peers=not crashed)
 
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
