@@ -98,6 +98,13 @@ class ParallelConfig:
                                ge=1)
     dp_shard: int = option(-1, "FSDP sharding degree; -1: the processes left after the other degrees", ge=-1)
     tp: int = option(1, "tensor-parallel degree (with sequence parallel); keep it within a node", ge=1)
+    pp: int = option(1, "pipeline-parallel degree: the blocks split into consecutive stages", ge=1)
+    pp_schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or interleaved_zb "
+                              "(zero bubble); the interleaved ones need pp_stages_per_rank >= 2",
+                              choices=("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"))
+    pp_microbatches: int = option(0, "pipeline micro-batches per step on each data-parallel rank; 0: the global "
+                                  "batch per rank divided by train.micro_batch", ge=0)
+    pp_stages_per_rank: int = option(1, "pipeline stages each rank holds (2+ for the interleaved schedules)", ge=1)
     activation_checkpoint: str = option("none", "recompute block activations in the backward pass: none, "
                                         "full (every block) or selective (every ac_every-th block)",
                                         choices=("none", "full", "selective"))
@@ -223,6 +230,8 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
+    pp_microbatches: int = 0  # pipeline micro-batches per step and data-parallel rank
 
     @property
     def dp(self) -> int:
@@ -231,11 +240,11 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
-        parts = [f"{name}{n}" for name, n in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                                ("tp", self.tp)) if n > 1]
+        parts = [f"{name}{n}" for name, n in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                                                ("dp_shard", self.dp_shard), ("tp", self.tp)) if n > 1]
         return " × ".join(parts) if parts else "single process"
 
 
@@ -244,15 +253,21 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.dp_shard == 0:
         raise ConfigError("parallel.dp_shard = 0: expected a positive degree or -1 (the processes left over)")
-    fixed = p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+    fixed = p.pp * p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
     if world_size % fixed:
-        raise ConfigError(f"parallel degrees dp_replicate × dp_shard × tp = {p.dp_replicate} × "
+        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
                           f"{p.dp_shard if p.dp_shard > 0 else '-1'} × {p.tp} do not divide the {world_size} processes")
     dp_shard = p.dp_shard if p.dp_shard > 0 else world_size // fixed
-    layout = Layout(p.dp_replicate, dp_shard, p.tp)
+    dp = p.dp_replicate * dp_shard
+    per_rank = t.global_batch // dp if t.global_batch % dp == 0 else 0
+    microbatches = p.pp_microbatches or (per_rank // t.micro_batch if p.pp > 1 else 0)
+    layout = Layout(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches)
     if layout.world_size != world_size:
-        raise ConfigError(f"parallel degrees dp_replicate × dp_shard × tp = {p.dp_replicate} × {dp_shard} × {p.tp} = "
-                          f"{layout.world_size}, but there are {world_size} processes; the product must equal them")
+        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
+                          f"{dp_shard} × {p.tp} = {layout.world_size}, but there are {world_size} processes; the "
+                          f"product must equal them")
+    if p.pp > 1:
+        _check_pipeline(cfg, layout, per_rank)
     for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                         ("train.seq_len", t.seq_len)):
         if value % p.tp:
@@ -266,6 +281,34 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the data-parallel degree = "
                           f"{layout.dp}")
     return layout
+
+
+def _check_pipeline(cfg: Config, layout: Layout, per_rank: int) -> None:
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.pp_stages_per_rank
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers = {m.n_layers} must divide into pp × pp_stages_per_rank = {p.pp} × "
+                          f"{p.pp_stages_per_rank} stages")
+    interleaved = p.pp_schedule.startswith("interleaved")
+    if interleaved and p.pp_stages_per_rank < 2:
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp_stages_per_rank >= 2, "
+                          f"not {p.pp_stages_per_rank}")
+    if not interleaved and p.pp_stages_per_rank != 1:
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank, but "
+                          f"parallel.pp_stages_per_rank = {p.pp_stages_per_rank}; use interleaved_1f1b or 1")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings = true cannot be pipelined: the embedding and the output "
+                          "projection live in different stages; set parallel.pp = 1 or untie them")
+    if per_rank == 0 or layout.pp_microbatches == 0 or per_rank % layout.pp_microbatches:
+        raise ConfigError(f"the global batch per data-parallel rank ({cfg.train.global_batch} / {layout.dp}) must "
+                          f"split into parallel.pp_microbatches = {layout.pp_microbatches} equal micro-batches")
+    if layout.pp_microbatches < p.pp:
+        raise ConfigError(f"parallel.pp_microbatches = {layout.pp_microbatches} must be at least parallel.pp = "
+                          f"{p.pp} to fill the pipeline")
+    val_per_rank = cfg.eval.sequences // layout.dp
+    if val_per_rank % layout.pp_microbatches:
+        raise ConfigError(f"eval.sequences per data-parallel rank ({val_per_rank}) must divide into "
+                          f"parallel.pp_microbatches = {layout.pp_microbatches} micro-batches")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -29,6 +29,14 @@ LAYOUTS = {
     "tp2xdp2": (4, ["parallel.tp=2"]),
     "ac_full": (2, ["parallel.activation_checkpoint=full"]),
     "ac_selective": (2, ["parallel.activation_checkpoint=selective", "parallel.ac_every=2"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2_gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2_interleaved_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                 "parallel.pp_stages_per_rank=2"]),
+    "pp2_interleaved_zb": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb",
+                               "parallel.pp_stages_per_rank=2"]),
+    "pp2xdp2": (4, ["parallel.pp=2"]),
+    "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
 }
 
 
@@ -77,11 +85,19 @@ def test_layout_trains_like_one_process(name: str, one_process: Path, small_corp
     print(f"{name}: largest parameter difference after {STEPS} steps {worst:.2e} (bound {0.1 * LR:.1e})")
 
 
-def test_checkpoint_moves_between_layouts(one_process: Path, small_corpus: Path, tmp_path: Path) -> None:
-    """5 steps in TP2 × DP2, then 5 more on one process from that checkpoint: the same run. (The
-    first 5 steps are the warmup, whose learning rates do not depend on train.steps.)"""
-    first = tmp_path / "tp2xdp2"
-    train(small_corpus, first, 4, "parallel.tp=2", "train.steps=5")
-    resumed = tmp_path / "one-process"
-    train(small_corpus, resumed, 1, "--resume", str(first / "checkpoints" / "step-000005"))
+@pytest.fixture(scope="module")
+def tp2xdp2_step5(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """5 steps in TP2 × DP2. (They are the warmup, whose learning rates do not depend on train.steps.)"""
+    run_dir = tmp_path_factory.mktemp("layouts") / "tp2xdp2"
+    train(small_corpus, run_dir, 4, "parallel.tp=2", "train.steps=5")
+    return run_dir / "checkpoints" / "step-000005"
+
+
+@pytest.mark.parametrize(("nproc", "overrides"), [(1, []), (4, ["parallel.pp=2"])], ids=["one_process", "pp2xdp2"])
+def test_checkpoint_moves_between_layouts(nproc: int, overrides: list[str], tp2xdp2_step5: Path,
+                                          one_process: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """Saved in TP2 × DP2 at step 5, resumed in another layout for 5 more steps: the same run as the
+    uninterrupted one-process run (model, optimizer state, data cursor and step all carried over)."""
+    resumed = tmp_path / "resumed"
+    train(small_corpus, resumed, nproc, *overrides, "--resume", str(tp2xdp2_step5))
     assert_same_training(resumed, one_process, range(6, STEPS + 1))

@@ -19,6 +19,9 @@ BASE = ["model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=256", "train.glo
     (8, ["parallel.dp_replicate=2", "parallel.tp=2"], Layout(2, 2, 2)),
     (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1"], Layout(4, 1, 1)),
     (2, ["parallel.tp=2", "parallel.dp_shard=1"], Layout(1, 1, 2)),
+    # Pipeline: micro-batches default to the per-rank batch over train.micro_batch (32 / 2 / 4).
+    (4, ["parallel.pp=2"], Layout(1, 2, 1, 2, 4)),
+    (8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"], Layout(1, 2, 2, 2, 2)),
 ])
 def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout) -> None:
     layout = resolve_layout(load_config(None, BASE + overrides), world)
@@ -27,10 +30,10 @@ def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout)
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
-    (4, ["parallel.tp=3"], "dp_replicate × dp_shard × tp = 1 × -1 × 3 do not divide the 4 processes"),
-    (4, ["parallel.dp_shard=3"], "dp_replicate × dp_shard × tp = 1 × 3 × 1 do not divide the 4 processes"),
+    (4, ["parallel.tp=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × -1 × 3 do not divide the 4 processes"),
+    (4, ["parallel.dp_shard=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × 3 × 1 do not divide the 4 processes"),
     (8, ["parallel.dp_shard=2", "parallel.tp=2"],
-     "dp_replicate × dp_shard × tp = 1 × 2 × 2 = 4, but there are 8 processes"),
+     "pp × dp_replicate × dp_shard × tp = 1 × 1 × 2 × 2 = 4, but there are 8 processes"),
     (4, ["parallel.dp_shard=0"], "parallel.dp_shard = 0: expected a positive degree or -1"),
     (4, ["parallel.tp=4", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must divide by parallel.tp = 4"),
     (8, ["parallel.tp=8", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=2"],
@@ -41,6 +44,18 @@ def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout)
      "train.global_batch = 32 must divide by train.micro_batch × data-parallel degree = 4 × 16"),
     (4, ["parallel.dp_replicate=2", "eval.sequences=6"],
      "eval.sequences = 6 must divide by the data-parallel degree = 4"),
+    (3, ["parallel.pp=3", "model.n_layers=4"],
+     "model.n_layers = 4 must divide into pp × pp_stages_per_rank = 3 × 1 stages"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+     "parallel.pp_schedule = 'interleaved_1f1b' needs parallel.pp_stages_per_rank >= 2, not 1"),
+    (2, ["parallel.pp=2", "parallel.pp_stages_per_rank=2"],
+     "parallel.pp_schedule = '1f1b' runs one stage per rank, but parallel.pp_stages_per_rank = 2"),
+    (2, ["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings = true cannot be pipelined"),
+    (4, ["parallel.pp=4", "train.micro_batch=16"], "parallel.pp_microbatches = 2 must be at least parallel.pp = 4"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=3"],
+     "the global batch per data-parallel rank (32 / 1) must split into parallel.pp_microbatches = 3"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=32", "train.micro_batch=1", "eval.sequences=48"],
+     "eval.sequences per data-parallel rank (48) must divide into parallel.pp_microbatches = 32"),
 ])
 def test_invalid_layouts_are_refused_with_their_numbers(world: int, overrides: list[str], expect: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -51,4 +66,5 @@ def test_invalid_layouts_are_refused_with_their_numbers(world: int, overrides: l
 
 def test_layout_describes_itself() -> None:
     assert Layout(2, 2, 2).describe() == "dp_replicate2 × dp_shard2 × tp2"
+    assert Layout(1, 2, 1, 2, 4).describe() == "pp2 × dp_shard2"
     assert Layout(1, 1, 1).describe() == "single process"

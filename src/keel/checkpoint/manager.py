@@ -27,7 +27,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import keel
 from keel.errors import CheckpointError
@@ -86,7 +92,7 @@ class CheckpointManager:
         found = committed(self.dir)
         return found[-1] if found else None
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+    def save(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], state: TrainState) -> Path:
         started = time.perf_counter()
         final = self.dir / step_dir_name(state.step)
         tmp = final.with_name(final.name + ".tmp")
@@ -94,8 +100,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save(_state_dict(parts, optimizers), checkpoint_id=tmp)
         rng_path = tmp / f"rng-rank-{self.rank:05d}.pt"
         torch.save(rng_state(), rng_path)
         _fsync(rng_path)
@@ -128,10 +133,9 @@ class CheckpointManager:
         link.rename(self.dir / LATEST)
         _fsync(self.dir)
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> TrainState:
         check_checkpoint(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _state_dict(parts, optimizers)
         try:
             dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:  # raised on every rank alike
@@ -139,12 +143,28 @@ class CheckpointManager:
                       for err, _ in e.failures.values()}
             raise CheckpointError(f"{str(path)!r} does not fit this model and optimizer ({'; '.join(sorted(causes))}); "
                                   f"resume with the config it was saved with") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for part, optimizer in zip(parts, optimizers, strict=True):
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, optimizer, state["optim"], options=_FLAT)
         commit = json.loads((path / COMMIT).read_text())
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"
         if commit["world_size"] == self.world_size and rng_path.exists():
             set_rng_state(torch.load(rng_path, weights_only=False))
         return TrainState.from_dict(json.loads((path / TRAIN_STATE).read_text()))
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
+    """Model and optimizer state keyed by parameter name, whatever the layout: a pipeline rank's
+    stages add up to their share of the names, and DCP reshards between layouts."""
+    model_sd: dict = {}
+    optim_sd: dict = {}
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        model_sd.update(get_model_state_dict(part))
+        optim_sd.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def read_commit(path: Path) -> dict:

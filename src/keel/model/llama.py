@@ -92,7 +92,9 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """Decoder-only transformer. Blocks live in a ModuleDict keyed by layer index, so that parameter
-    names stay stable when a layout keeps only some of the layers."""
+    names stay stable when a layout keeps only some of the layers. A pipeline stage keeps a range of
+    blocks; only the first keeps the embedding and only the last the final norm and output, so a
+    stage maps tokens or hidden states to hidden states or logits."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -111,12 +113,12 @@ class Llama(nn.Module):
     def reset_buffers(self) -> None:
         """After materialising a meta-device model: recompute non-persistent buffers and tie the output
         projection to the embedding again (`to_empty` gives each module a new parameter)."""
-        self.rope = self._rope(self.tok_embeddings.weight.device)
+        self.rope = self._rope(next(self.parameters()).device)
         if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             x = block(x, self.rope)
-        return self.output(self.norm(x))
+        return self.output(self.norm(x)) if self.output is not None else x

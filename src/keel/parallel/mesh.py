@@ -64,7 +64,7 @@ def destroy_distributed(wait_for_peers: bool = True, timeout_s: float = 30.0) ->
 
 @dataclass(frozen=True)
 class Mesh:
-    """The run's named device mesh (`dp_replicate`, `dp_shard`, `tp`) and the sub-meshes derived from it."""
+    """The run's named device mesh (`pp`, `dp_replicate`, `dp_shard`, `tp`) and the sub-meshes derived from it."""
 
     mesh: DeviceMesh
     layout: Layout
@@ -72,6 +72,10 @@ class Mesh:
     @property
     def tp(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.mesh["pp"]
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -85,6 +89,6 @@ class Mesh:
 
 
 def build_mesh(ctx: Dist, layout: Layout) -> Mesh:
-    shape = (layout.dp_replicate, layout.dp_shard, layout.tp)
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     return Mesh(mesh, layout)

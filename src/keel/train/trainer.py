@@ -24,6 +24,7 @@ from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
+from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.state import TrainState, seed_everything
 from keel.train.step import evaluate, train_step
@@ -58,12 +59,24 @@ def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def build_model(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> Llama:
     """Build on the meta device, parallelise, then allocate and initialise only this rank's shards."""
+    return build_model_parts(cfg, mesh, param_dtype)[0][0]
+
+
+def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
+    """The model, or this rank's pipeline stages and their stage numbers, parallelised and initialised."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    parallelize(model, mesh, cfg.parallel, param_dtype)
-    model.to_empty(device=mesh.mesh.device_type)
-    init_weights(model, cfg.train.seed)
-    return model
+    if mesh.layout.pp == 1:
+        parts, stages = [model], [0]
+    else:
+        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
+        stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
+        parts = [stage_module(model, stage, n_stages) for stage in stages]
+    for part in parts:
+        parallelize(part, mesh, cfg.parallel, param_dtype)
+        part.to_empty(device=mesh.mesh.device_type)
+        init_weights(part, cfg.train.seed)
+    return parts, stages
 
 
 def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog) -> int:
@@ -76,9 +89,10 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     seed_everything(cfg.train.seed, ctx.rank)
     dtype = precision_dtype(cfg, ctx.device)
     autocast_dtype = dtype if dtype != torch.float32 else None
-    model = build_model(cfg, mesh, dtype)
     tp = mesh.layout.tp > 1
-    optimizer = build_optimizer(model, cfg.optim)
+    parts, stages = build_model_parts(cfg, mesh, dtype)
+    optimizers = [build_optimizer(part, cfg.optim) for part in parts]
+    pipeline = Pipeline(cfg, mesh, parts, stages, optimizers, tp) if mesh.layout.pp > 1 else None
     loader = GlobalOrderLoader(
         corpus.splits["train"], seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=cfg.train.seed,
@@ -95,7 +109,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                 config_digest=cfg.digest())
     if resume_from is not None:
-        state = manager.load(resume_from, model, optimizer)
+        state = manager.load(resume_from, parts, optimizers)
         loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
         callbacks.load_state_dict(state.callbacks)
         callbacks.on_checkpoint_loaded(state, resume_from)
@@ -124,8 +138,12 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             micro_batches = loader.next()
             meter.add_data_wait(time.perf_counter() - waited)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps)
-            loss, grad_norm = train_step(model, optimizer, micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip,
-                                         autocast_dtype=autocast_dtype, loss_parallel=tp)
+            if pipeline:
+                loss, grad_norm = pipeline.train_step(micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip)
+            else:
+                loss, grad_norm = train_step(parts[0], optimizers[0], micro_batches, lr=lr,
+                                             grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
+                                             loss_parallel=tp)
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
@@ -133,15 +151,18 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             report = {"step": state.step, "optim/lr": lr}
 
             if state.step % cfg.train.log_interval == 0 or last_step:
-                dist.all_reduce(loss)  # sum over ranks: every rank's loss is a mean over equal shares
-                train_loss = loss.item() / ctx.world_size
+                # Sum over ranks: the ranks that compute the loss (the last pipeline stage) hold means over
+                # equal shares, each once per tensor-parallel rank.
+                dist.all_reduce(loss)
+                train_loss = loss.item() / (mesh.layout.dp * mesh.layout.tp)
                 report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
                                "train/tokens_seen": state.tokens_seen, **meter.window()})
                 log.metric(report)
                 say.step(state.step, cfg.train.steps, report)
 
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
-                val_loss = _validate(model, val_batches, autocast_dtype, tp)
+                val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
+                                     evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
                 log.metric({"step": state.step, "val/loss": val_loss})
                 report["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
@@ -152,7 +173,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 started = time.perf_counter()
                 state.loader = loader.state_dict()
                 state.callbacks = callbacks.state_dict()
-                path = manager.save(model, optimizer, state)
+                path = manager.save(parts, optimizers, state)
                 if rank0:
                     events.emit("checkpoint", state.step, "committed", path=str(path))
                 callbacks.on_checkpoint_saved(state, path)
@@ -174,10 +195,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     return 0
 
 
-def _validate(model: torch.nn.Module, batches: list, autocast_dtype: torch.dtype | None, tp: bool) -> float:
+def _validate(sums: tuple[torch.Tensor, torch.Tensor]) -> float:
     # Ranks of one tensor-parallel group see the same batches: the sums scale alike, the mean is right.
-    total, count = evaluate(model, batches, autocast_dtype, loss_parallel=tp)
-    both = torch.stack([total, count])
+    both = torch.stack(sums)
     dist.all_reduce(both)
     return (both[0] / both[1]).item()
 

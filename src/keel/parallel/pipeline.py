@@ -1,0 +1,103 @@
+"""Pipeline parallelism: the decoder split by layer into stages, each stage parallelised like a whole
+model on the other mesh dimensions (TP, FSDP), run by a `torch.distributed.pipelining` schedule."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
+
+from keel.config import Config
+from keel.model.llama import Llama
+from keel.parallel.mesh import Mesh
+from keel.train.step import apply_update, plain, set_lr
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zb": ScheduleInterleavedZeroBubble}
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Round-robin ("loop") assignment: rank r holds stages r, r + pp, r + 2·pp, …"""
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def stage_module(model: Llama, stage: int, n_stages: int) -> Llama:
+    """A copy of the (meta-device) model that keeps only the blocks of `stage`; names are unchanged."""
+    part = copy.deepcopy(model)
+    per_stage = model.cfg.n_layers // n_stages
+    keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them. `train_step` and `evaluate` mirror the
+    functions of `keel.train.step` for a pipelined model."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, parts: list[Llama], stages: list[int],
+                 optimizers: list[torch.optim.Optimizer], loss_parallel: bool) -> None:
+        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
+        device = next(parts[0].parameters()).device
+        group = mesh.pp.get_group()
+        self.parts, self.optimizers, self.loss_parallel = parts, optimizers, loss_parallel
+        self.pp_group = group
+        self.has_first, self.has_last = 0 in stages, n_stages - 1 in stages
+        pipeline_stages = [PipelineStage(part, stage, n_stages, device, group=group)
+                           for part, stage in zip(parts, stages, strict=True)]
+        cls = SCHEDULES[cfg.parallel.pp_schedule]
+        n_micro = mesh.layout.pp_microbatches
+        if cfg.parallel.pp_stages_per_rank == 1:
+            self.schedule = cls(pipeline_stages[0], n_microbatches=n_micro, loss_fn=_mean_loss)
+        else:
+            self.schedule = cls(pipeline_stages, n_microbatches=n_micro, loss_fn=_mean_loss)
+        self.ranks_with_loss = mesh.layout.dp * mesh.layout.tp  # ranks holding the last stage
+
+    def _run(self, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The mean loss of this rank's batch on the last stage, 0 elsewhere."""
+        device = next(self.parts[0].parameters()).device
+        inputs = torch.cat([x for x, _ in micro_batches]).to(device)
+        targets = torch.cat([y for _, y in micro_batches]).to(device)
+        losses: list[torch.Tensor] = []
+        with vocab_parallel_loss() if self.loss_parallel else nullcontext():
+            if self.has_first:
+                run(inputs, target=targets, losses=losses)
+            else:
+                run(target=targets, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), device=device)
+        return torch.stack([plain(loss.detach()) for loss in losses]).mean()
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                   grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+        set_lr(self.optimizers, lr)
+        loss = self._run(self.schedule.step, micro_batches)
+        params = [p for part in self.parts for p in part.parameters()]
+        return loss, apply_update(self.optimizers, params, grad_clip, pp_group=self.pp_group)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed token loss and token count, counted on the ranks that hold the last stage."""
+        loss = self._run(self.schedule.eval, batches).double()
+        tokens = float(sum(y.numel() for _, y in batches)) if self.has_last else 0.0
+        return loss * tokens, torch.tensor(tokens, dtype=torch.float64, device=loss.device)
