@@ -113,6 +113,15 @@ class ParallelConfig:
 
 
 @dataclass
+class MonitorConfig:
+    peak_flops: str = option("auto", "peak FLOP/s per device for MFU: auto (the accelerator catalog; measured on a "
+                             "CPU; unknown devices report MFU as unknown), measure (a matmul probe at start), or "
+                             "a number such as 989e12")
+    profile_interval: int = option(50, "profile one step in this many to measure time in collectives "
+                                   "(0: never)", ge=0)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = option(100, "steps between checkpoints (the last step is always saved)", ge=1)
 
@@ -132,6 +141,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: list[CallbackSpec] = field(default_factory=list)
 
@@ -218,6 +228,15 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch = {t.global_batch} must divide by train.micro_batch = {t.micro_batch}")
+    peak = cfg.monitor.peak_flops
+    if peak not in ("auto", "measure"):
+        try:
+            valid = float(peak) > 0 and math.isfinite(float(peak))
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"monitor.peak_flops = {peak!r}: expected auto, measure, or a positive number of FLOP/s "
+                              f"such as 989e12")
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
@@ -332,7 +351,8 @@ def _apply_override(data: dict, keys: list[str], value: Any, text: str) -> None:
         tp = typing.get_type_hints(cls)[key]
         last = i == len(keys) - 1
         if last:
-            node[key] = value
+            # A string field takes the text as written, even when it reads as a number (989e12).
+            node[key] = text.partition("=")[2] if tp is str and isinstance(value, (int, float)) else value
         elif dataclasses.is_dataclass(tp):
             node = node.setdefault(key, {})
             cls, path = tp, f"{path}.{key}" if path else key

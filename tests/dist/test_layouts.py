@@ -4,6 +4,7 @@ fp32), 10 steps from identical init, compared step by step with the one-process 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from keel.checkpoint.manager import load_full_state
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, run_keel
+from tests.conftest import REPO, SMALL_RUN, run_keel
 
 pytestmark = pytest.mark.dist
 
@@ -101,3 +102,20 @@ def test_checkpoint_moves_between_layouts(nproc: int, overrides: list[str], tp2x
     resumed = tmp_path / "resumed"
     train(small_corpus, resumed, nproc, *overrides, "--resume", str(tp2xdp2_step5))
     assert_same_training(resumed, one_process, range(6, STEPS + 1))
+
+
+def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: Path, tmp_path: Path) -> None:
+    """The README's command for a 4-process TP2 × PP2 run, shortened to 2 steps."""
+    run_dir = tmp_path / "tiny"
+    result = run_keel(["train", "--config", str(REPO / "configs" / "tiny.toml"), "parallel.tp=2", "parallel.pp=2",
+                       "--nproc", "4", "--run-dir", str(run_dir), f"data.dir={small_corpus}", "train.steps=2",
+                       "train.log_interval=1", "monitor.profile_interval=1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step 2/2 [")]
+    assert len(progress) == 1, result.stdout
+    assert "| pp2 × tp2 |" in progress[0]
+    assert re.search(r"\| MFU \d+\.\d% \|", progress[0]), progress[0]
+    assert re.search(r"\| comm \d+% \|", progress[0]), progress[0]
+    record = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 2 and "train/loss" in r][0]
+    assert 0 < record["time/comm_s"] < record["time/step_s"] * 4 and record["time/pp_wait_s"] > 0
+    assert 0 < record["throughput/mfu"] < 1

@@ -119,7 +119,7 @@ def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) ->
 def test_unknown_section_without_close_match_lists_known_keys() -> None:
     message = config_error(["zzz.bar=1"])
     assert "unknown config key 'zzz' in the top level" in message
-    assert "known keys: name, model, data, train, optim, eval, parallel, checkpoint, callbacks" in message
+    assert "known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, callbacks" in message
 
 
 def test_unknown_keys_in_a_file(tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_section_of_the_wrong_shape(tmp_path: Path, data: str, expect: str) -> N
     ("optim.lr=fast", "optim.lr = 'fast': expected a number"),
     ("optim.lr=false", "optim.lr = False: expected a number"),
     ("train.deterministic=1", "train.deterministic = 1: expected true or false"),
-    ("train.device=1", "train.device = 1: expected a string"),
+    ("train.device=1", "train.device = '1': expected one of auto, cpu, cuda"),
     ("data.sources=5", "data.sources = 5: expected a list"),
     ("data.sources=['ok', 1]", "data.sources[1] = 1: expected a string"),
     ("optim.lr=inf", "optim.lr = inf: expected a finite number"),

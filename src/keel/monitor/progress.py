@@ -24,8 +24,9 @@ def format_count(n: float) -> str:
 class Progress:
     """Writes every message to logs/rank-R.log; rank 0 also prints it."""
 
-    def __init__(self, log_path: Path, echo: bool) -> None:
+    def __init__(self, log_path: Path, echo: bool, layout: str = "") -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.layout = layout  # shown on each progress line
         self.file = open(log_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed by close()
         self.echo = echo
 
@@ -45,10 +46,13 @@ class Progress:
         width = 20
         done = int(width * step / total)
         eta = (total - step) * record["time/step_s"]
+        mfu = record.get("throughput/mfu")
+        comm = record.get("time/comm_share")
         self(f"step {step:>{len(str(total))}}/{total} [{'#' * done}{'.' * (width - done)}] "
              f"loss {record['train/loss']:.4f} | lr {record['optim/lr']:.2e} | grad {record['optim/grad_norm']:.3f} | "
              f"{format_count(record['throughput/tokens_per_s'])} tok/s | {record['time/step_s']:.3f} s/step | "
-             f"ETA {format_duration(eta)}")
+             f"MFU {'unknown' if mfu is None else f'{mfu:.1%}'} | "
+             f"comm {'-' if comm is None else f'{comm:.0%}'} | {self.layout} | ETA {format_duration(eta)}")
 
 
 def summary_lines(s: dict) -> list[str]:

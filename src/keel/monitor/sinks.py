@@ -55,13 +55,13 @@ def host() -> str:
 class RunLog:
     """The run directory's outputs for one rank: events, metrics (rank 0 writes them) and messages."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, layout: str = "") -> None:
         from keel.monitor.progress import Progress
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(run_dir / "events.jsonl", rank)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl") if rank == 0 else None
-        self.say = Progress(run_dir / "logs" / f"rank-{rank}.log", echo=rank == 0)
+        self.say = Progress(run_dir / "logs" / f"rank-{rank}.log", echo=rank == 0, layout=layout)
 
     def metric(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:

@@ -19,7 +19,8 @@ from keel.errors import ConfigError, KeelError
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
-from keel.monitor.metrics import StepMeter
+from keel.monitor.metrics import CommProfiler, StepMeter
+from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
@@ -40,7 +41,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
     crashed = True
     try:
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
-        with RunLog(run_dir, ctx.rank) as log:
+        with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
             code = _train(cfg, run_dir, resume, ctx, mesh, log)
         crashed = False
         return code
@@ -127,8 +128,11 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         f"run directory {run_dir}")
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    peak, peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, dtype)
+    say(f"MFU against {peak_note}")
     meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
-                      ctx.world_size)
+                      ctx.world_size, peak)
+    comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
     callbacks.on_start(state)
     started = time.perf_counter()
     train_loss = val_loss = float("nan")
@@ -138,12 +142,13 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             micro_batches = loader.next()
             meter.add_data_wait(time.perf_counter() - waited)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps)
-            if pipeline:
-                loss, grad_norm = pipeline.train_step(micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip)
-            else:
-                loss, grad_norm = train_step(parts[0], optimizers[0], micro_batches, lr=lr,
-                                             grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
-                                             loss_parallel=tp)
+            with comm.profile(state.step + 1):
+                if pipeline:
+                    loss, grad_norm = pipeline.train_step(micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip)
+                else:
+                    loss, grad_norm = train_step(parts[0], optimizers[0], micro_batches, lr=lr,
+                                                 grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
+                                                 loss_parallel=tp)
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
@@ -156,7 +161,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 dist.all_reduce(loss)
                 train_loss = loss.item() / (mesh.layout.dp * mesh.layout.tp)
                 report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
-                               "train/tokens_seen": state.tokens_seen, **meter.window()})
+                               "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last})
                 log.metric(report)
                 say.step(state.step, cfg.train.steps, report)
 
