@@ -110,6 +110,8 @@ class ParallelConfig:
                                         choices=("none", "full", "selective"))
     ac_every: int = option(2, "selective activation checkpointing: checkpoint one block in this many", ge=1)
     compile: bool = option(False, "torch.compile each transformer block")
+    reduce_dtype: str = option("fp32", "dtype of FSDP gradient reduction (parameters and compute follow "
+                               "train.precision)", choices=("fp32", "bf16"))
 
 
 @dataclass

@@ -119,3 +119,14 @@ def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: 
     record = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 2 and "train/loss" in r][0]
     assert 0 < record["time/comm_s"] < record["time/step_s"] * 4 and record["time/pp_wait_s"] > 0
     assert 0 < record["throughput/mfu"] < 1
+
+
+def test_compiled_blocks_train_like_eager(one_process: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """parallel.compile = true (torch.compile per block, inductor on CPU) over two processes with
+    FSDP: the same losses as the eager one-process run, within the tolerance of fused kernels."""
+    run_dir = tmp_path / "compiled"
+    train(small_corpus, run_dir, 2, "parallel.compile=true", "train.steps=3")
+    got, want = losses(run_dir), losses(one_process)
+    assert sorted(got) == [1, 2, 3]
+    for step, loss in got.items():
+        assert math.isclose(loss, want[step], rel_tol=1e-4), (step, loss, want[step])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -43,9 +46,10 @@ class StepMeter:
 
 
 class CommProfiler:
-    """Every `interval` steps one step runs under the PyTorch profiler; the time its collectives
-    took (gloo or NCCL, pipeline send/recv included) and the time pipeline stages waited to receive
-    from a neighbour (the exposed bubble plus the transfer) become `time/comm_s` and `time/pp_wait_s`."""
+    """Every `interval` steps one step runs under the PyTorch profiler; the wall time during which
+    collectives were in flight (gloo or NCCL, pipeline send/recv included) and during which a stage
+    waited to receive from a neighbour (the exposed bubble plus the transfer) become `time/comm_s`
+    and `time/pp_wait_s`, and their shares of that step."""
 
     def __init__(self, interval: int, device_type: str) -> None:
         self.interval, self.device_type = interval, device_type
@@ -64,13 +68,38 @@ class CommProfiler:
         with profile(activities=activities) as prof:
             yield
         step_s = time.perf_counter() - start
-        comm = wait = 0.0
+        comm: list[tuple[float, float]] = []
+        wait: list[tuple[float, float]] = []
         for event in prof.events():
             name = event.name.lower()
-            on_device = self.device_type == "cuda" and "nccl" in name and event.device_time_total > 0
-            if name.startswith("gloo:") or on_device:
-                seconds = (event.device_time_total if on_device else event.cpu_time_total) / 1e6
-                comm += seconds
+            if name.startswith("gloo:") or (self.device_type == "cuda" and "nccl" in name):
+                span = (event.time_range.start, event.time_range.end)
+                comm.append(span)
                 if "recv" in name:
-                    wait += seconds
-        self.last = {"time/comm_s": comm, "time/comm_share": comm / step_s, "time/pp_wait_s": wait}
+                    wait.append(span)
+        comm_s, wait_s = _covered(comm), _covered(wait)
+        self.last = {"time/comm_s": comm_s, "time/comm_share": comm_s / step_s, "time/pp_wait_s": wait_s,
+                     "time/pp_wait_share": wait_s / step_s}
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds of wall time covered by the (start, end) microsecond spans: overlapping collectives
+    (several in flight at once) count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e6
+
+
+def peak_memory_max_rank(device: torch.device) -> int:
+    """The largest peak memory of any rank: CUDA memory allocated by tensors on a GPU, the process's
+    peak resident set (runtime included) on a CPU. One small collective; call it at logged steps."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    value = torch.tensor(peak, dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

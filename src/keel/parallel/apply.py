@@ -29,7 +29,8 @@ def parallelize(model: Llama, mesh: Mesh, cfg: ParallelConfig, param_dtype: torc
         for block in model.layers.values():
             block.compile()  # in place: parameter names stay the same
     if mesh.layout.dp > 1:
-        apply_fsdp(model, mesh.fsdp, param_dtype)
+        reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
+        apply_fsdp(model, mesh.fsdp, param_dtype, reduce_dtype)
 
 
 def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:
@@ -68,10 +69,10 @@ def apply_activation_checkpointing(model: Llama, cfg: ParallelConfig) -> None:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: Llama, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
-    """Shard parameters, gradients and optimizer state over `mesh` (a 2-D mesh gives HSDP). Gradients
-    are reduced in fp32."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+def apply_fsdp(model: Llama, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """Shard parameters, gradients and optimizer state over `mesh` (a 2-D mesh gives HSDP); gather
+    parameters in `param_dtype`, reduce gradients in `reduce_dtype`."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

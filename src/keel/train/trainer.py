@@ -19,7 +19,7 @@ from keel.errors import ConfigError, KeelError
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
-from keel.monitor.metrics import CommProfiler, StepMeter
+from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory_max_rank
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.sinks import EventLog, RunLog, host
@@ -161,7 +161,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 dist.all_reduce(loss)
                 train_loss = loss.item() / (mesh.layout.dp * mesh.layout.tp)
                 report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
-                               "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last})
+                               "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
+                               "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device)})
                 log.metric(report)
                 say.step(state.step, cfg.train.steps, report)
 
