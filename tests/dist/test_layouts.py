@@ -26,6 +26,7 @@ RUN = [*SMALL_RUN, "model.n_layers=4", "train.micro_batch=2", f"train.steps={STE
 LAYOUTS = {
     "dp2": (2, []),
     "hsdp2x2": (4, ["parallel.dp_replicate=2"]),
+    "replicate2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "tp2xdp2": (4, ["parallel.tp=2"]),
     "ac_full": (2, ["parallel.activation_checkpoint=full"]),
