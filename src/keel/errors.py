@@ -18,6 +18,5 @@ class CheckpointError(KeelError):
     pass
 
 
-EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_PAUSED = 75

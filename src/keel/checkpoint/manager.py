@@ -167,10 +167,6 @@ def _state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer])
     return {"model": model_sd, "optim": optim_sd}
 
 
-def read_commit(path: Path) -> dict:
-    return json.loads((check_checkpoint(path) / COMMIT).read_text())
-
-
 def load_full_state(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, whole and keyed by flat name (`model.…`, `optim.state.…`), whatever
     layout saved it. Needs no process group; meant for inspection and tests."""

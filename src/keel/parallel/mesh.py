@@ -19,7 +19,6 @@ from keel.errors import ConfigError
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
 
@@ -41,7 +40,7 @@ def init_distributed(device: torch.device) -> Dist:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
 def destroy_distributed(wait_for_peers: bool = True, timeout_s: float = 30.0) -> None:
