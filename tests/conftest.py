@@ -42,10 +42,13 @@ def _alive_in_group(pgid: int) -> list[int]:
     return pids
 
 
-def run_keel(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `keel ARGS` as a real process in its own session. Fails on timeout, or if anything it
-    started outlives it; either way (and if the test itself is interrupted) the whole group is killed."""
-    proc = subprocess.Popen([sys.executable, "-m", "keel", *args], cwd=cwd, env=keel_env(), text=True,
+def run_keel(args: list[str], cwd: Path, timeout: float = 240,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `keel ARGS` as a real process in its own session (with `env` added to its environment).
+    Fails on timeout, or if anything it started outlives it; either way (and if the test itself is
+    interrupted) the whole group is killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "keel", *args], cwd=cwd, env={**keel_env(), **(env or {})},
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     leftovers: list[int] = []
     try:

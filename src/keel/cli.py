@@ -1,8 +1,9 @@
-"""`keel` command line: train, data prepare, config."""
+"""`keel` command line: train, data prepare, ckpt, config."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,19 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", type=Path, help="output directory (default: data.dir)")
     prep.add_argument("--force", action="store_true", help="replace a corpus prepared from other sources")
 
+    k = sub.add_parser("ckpt", help="list, verify and export checkpoints")
+    ksub = k.add_subparsers(dest="ckpt_command", required=True)
+    ls = ksub.add_parser("ls", help="steps, sizes, age and state of a run's checkpoints")
+    ls.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
+    ls.add_argument("--verify", action="store_true", help="also check every file's sha256 (reads everything)")
+    ver = ksub.add_parser("verify", help="check manifests and every file's size and sha256")
+    ver.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
+    exp = ksub.add_parser("export", help="write a checkpoint's model in another format")
+    exp.add_argument("path", help="run directory (its newest verified checkpoint) or one checkpoint")
+    exp.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face Llama safetensors")
+    exp.add_argument("--out", type=Path, required=True, help="output directory (must not exist or be empty)")
+    exp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported weights")
+
     c = sub.add_parser("config", help="print the resolved config, or the reference of every option")
     _add_config_args(c)
     c.add_argument("--reference", action="store_true", help="print every option as a Markdown table")
@@ -74,9 +88,11 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from keel.checkpoint.manager import resolve_resume
+    from keel.checkpoint.manager import check_resume, checkpoint_root
+    from keel.checkpoint.manifest import committed
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
+    from keel.run_lock import RunLock, held_by_launcher
 
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
@@ -88,14 +104,55 @@ def cmd_train(args: argparse.Namespace) -> int:
         resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
     ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
+    storage = checkpoint_root(cfg, run_dir)
     resume = args.resume
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and resolve_resume(run_dir, "auto"):
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and committed(storage):
         resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
-    resolve_resume(run_dir, resume)  # a bad --resume fails here, before any process starts
-    if nproc > 1 or args.max_restarts > 0:
-        return launch(nproc, args.max_restarts, args.argv)
-    from keel.train.trainer import train
-    return train(cfg, run_dir, resume)
+    if not worker:
+        check_resume(storage, resume)  # a bad --resume fails here, before any process starts
+        if cfg.model.init_from:
+            from keel.checkpoint.export import check_hf_matches
+
+            check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
+    # The launcher holds the run directory for the whole job; torchrun's own workers lock it in rank 0.
+    with RunLock(run_dir) if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
+        if nproc > 1 or args.max_restarts > 0:
+            return launch(nproc, args.max_restarts, args.argv)
+        from keel.train.trainer import train
+        return train(cfg, run_dir, resume)
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from keel.checkpoint.inspect import find_checkpoints, format_rows, latest_verified, list_rows
+    from keel.checkpoint.manifest import read_manifest, verify
+
+    if args.ckpt_command == "export":
+        import torch
+
+        from keel.checkpoint.export import export_hf
+        from keel.config import ModelConfig
+
+        storage, name = latest_verified(args.path)
+        manifest = read_manifest(storage, name)
+        tokens = {k: manifest["tokenizer"][k] for k in ("bos", "eos", "pad") if k in manifest.get("tokenizer", {})}
+        with storage.reading(name):
+            files = export_hf(storage.path(name), ModelConfig(**manifest["model"]), args.out,
+                              dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, special_tokens=tokens)
+        print(f"exported {storage.path(name)} (step {manifest['step']}) to {args.out}: "
+              f"{', '.join(f.name for f in files)}")
+        return 0
+    storage, names = find_checkpoints(args.path)
+    if args.ckpt_command == "ls":
+        print("\n".join(format_rows(list_rows(storage, names, checksums=args.verify))))
+        return 0
+    bad = 0
+    for name in names:
+        problems = verify(storage, name)
+        print(f"{storage.path(name)}: {'verified' if not problems else 'FAILED: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    if bad:
+        raise KeelError(f"{bad} of {len(names)} checkpoints under {args.path} failed verification")
+    return 0
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -131,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         args.overrides = args.overrides + rest
     args.argv = argv
-    handler = {"train": cmd_train, "data": cmd_data, "config": cmd_config}[args.command]
+    handler = {"train": cmd_train, "data": cmd_data, "ckpt": cmd_ckpt, "config": cmd_config}[args.command]
     try:
         return handler(args)
     except KeelError as e:

@@ -41,6 +41,8 @@ class ModelConfig:
     rope_theta: float = option(10000.0, "RoPE base", gt=0)
     max_seq_len: int = option(256, "longest sequence the RoPE tables cover", ge=1)
     tie_embeddings: bool = option(False, "share the input embedding with the output projection")
+    init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
+                            "Hugging Face Llama directory (config.json + model.safetensors)")
 
 
 @dataclass
@@ -125,7 +127,23 @@ class MonitorConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = option(100, "steps between checkpoints (the last step is always saved)", ge=1)
+    dir: str = option("", "where checkpoints go: a directory or an fsspec URL such as s3://bucket/prefix "
+                      "(default: RUN_DIR/checkpoints)")
+    policy: str = option("steps", "when to save: steps (every `interval` steps), seconds (every `every_seconds`), "
+                         "auto (Young/Daly optimum from the measured save cost and `mtbf_hours`)",
+                         choices=("steps", "seconds", "auto"))
+    interval: int = option(100, "steps between checkpoints with policy = steps (the last step is always saved)",
+                           ge=1)
+    every_seconds: float = option(1800.0, "seconds of training between checkpoints with policy = seconds", gt=0)
+    mtbf_hours: float = option(24.0, "mean time between failures of the whole job, for policy = auto (replaced "
+                               "by the observed one once the run has been interrupted)", gt=0)
+    async_save: bool = option(True, "write checkpoints in the background; training blocks only while the "
+                              "state is copied to host memory")
+    keep_last: int = option(3, "checkpoints kept, newest first (older ones are pruned in the background)", ge=1)
+    keep_every: int = option(0, "also keep every checkpoint whose step is a multiple of this, permanently "
+                             "(0: none)", ge=0)
+    verify_on_resume: bool = option(True, "check every file's checksum before resuming; a checkpoint that fails "
+                                    "is skipped for the previous one")
 
 
 @dataclass
@@ -220,6 +238,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 def _check_consistency(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
+    if m.init_from and not m.init_from.startswith("hf:"):
+        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama directory")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads}")
     if (m.dim // m.n_heads) % 2:

@@ -29,5 +29,5 @@ def test_external_torchrun_prepares_the_corpus_once_and_trains(tmp_path: Path) -
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1]
     assert all(e["detail"]["world_size"] == 2 for e in starts)
-    assert (run_dir / "checkpoints" / "step-000003" / "commit.json").exists()
+    assert (run_dir / "checkpoints" / "step-000003" / "manifest.json").exists()
     assert result.stdout.count("preparing the built-in corpus") <= 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint.manager import load_full_state
+from keel.checkpoint.inspect import load_full_state
 from keel.monitor.sinks import read_jsonl
 from tests.conftest import REPO, SMALL_RUN, run_keel
 

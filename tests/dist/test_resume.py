@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.checkpoint.manager import state_sha256
+from keel.checkpoint.inspect import state_sha256
 from keel.monitor.sinks import read_jsonl
 from tests.conftest import SMALL_RUN, run_keel
 
@@ -54,7 +54,7 @@ def test_sigkill_after_checkpoint_resumes_bitwise(reference_run: Path, small_cor
     assert first.returncode != 0, "the killed run must fail"
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]
     assert {e["rank"] for e in starts} == {0, 1}
-    assert (run_dir / "checkpoints" / f"step-{KILL_AT:06d}" / "commit.json").exists()
+    assert (run_dir / "checkpoints" / f"step-{KILL_AT:06d}" / "manifest.json").exists()
     assert not final_checkpoint(run_dir).exists(), "the kill must stop the run before it finishes"
     assert max(losses(run_dir)) < STEPS
 

@@ -18,6 +18,7 @@ class TrainState:
     loader: dict = field(default_factory=dict)  # GlobalOrderLoader.state_dict()
     callbacks: dict = field(default_factory=dict)  # name → state of each stateful callback
     train_seconds: float = 0.0  # wall time spent training, summed over restarts
+    interruptions: int = 0  # times the run was resumed: the observed failure rate for the checkpoint interval
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,8 +43,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def seed_everything(seed: int, rank: int) -> None:
-    """Distinct, reproducible streams per rank (for dropout-like randomness; init does not use them)."""
-    torch.manual_seed(seed * 100_003 + rank)
-    np.random.seed((seed * 100_003 + rank) % 2**32)
-    random.seed(seed * 100_003 + rank)
+def seed_everything(seed: int, rank: int, step: int = 0) -> None:
+    """Distinct, reproducible streams per rank (for dropout-like randomness; init does not use them).
+    A run resumed in another layout re-derives them from (seed, step, rank)."""
+    mixed = (seed * 100_003 + rank) + step * 1_000_003
+    torch.manual_seed(mixed)
+    np.random.seed(mixed % 2**32)
+    random.seed(mixed)

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from keel.callbacks import load_callbacks
-from keel.checkpoint.manager import CheckpointManager, resolve_resume
+from keel.checkpoint.interval import IntervalPolicy
+from keel.checkpoint.manager import CheckpointManager, SaveOutcome
 from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
@@ -26,6 +27,7 @@ from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
 from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
+from keel.run_lock import RunLock, held_by_launcher
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.state import TrainState, seed_everything
 from keel.train.step import evaluate, train_step
@@ -39,7 +41,10 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         torch.use_deterministic_algorithms(True)
     ctx = init_distributed(device)
     crashed = True
+    lock = None
     try:
+        if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
+            lock = _lock_in_rank0(run_dir, ctx.rank)
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
             code = _train(cfg, run_dir, resume, ctx, mesh, log)
@@ -50,6 +55,22 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         raise
     finally:
         destroy_distributed(wait_for_peers=not crashed)
+        if lock is not None:
+            lock.release()
+
+
+def _lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
+    lock, error = None, ""
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except KeelError as e:
+            error = str(e)
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise KeelError(shared[0])
+    return lock
 
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -102,15 +123,22 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                                      micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.layout.dp)
     callbacks = load_callbacks(cfg.callbacks)
-    manager = CheckpointManager(run_dir, cfg.digest())
+    manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write)
 
-    # Resume: the latest committed checkpoint of the run directory, unless told otherwise.
+    # Resume: the newest checkpoint of the run that verifies, unless told otherwise.
     state = TrainState()
-    resume_from = resolve_resume(run_dir, resume)
     events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                 config_digest=cfg.digest())
-    if resume_from is not None:
-        state = manager.load(resume_from, parts, optimizers)
+    restored = manager.restore(parts, optimizers, resume, say)
+    if restored is None and cfg.model.init_from:
+        from keel.checkpoint.export import load_hf_weights
+
+        for part in parts:
+            load_hf_weights(part, Path(cfg.model.init_from.removeprefix("hf:")))
+        say(f"initialised the weights from {cfg.model.init_from}")
+    if restored is not None:
+        state, resume_from = restored
+        state.interruptions += 1
         loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
         callbacks.load_state_dict(state.callbacks)
         callbacks.on_checkpoint_loaded(state, resume_from)
@@ -133,9 +161,33 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
                       ctx.world_size, peak)
     comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
+    policy = IntervalPolicy(cfg.checkpoint)
+
+    def after_save(outcome: SaveOutcome) -> None:
+        """Every rank handles the same outcome at the same step."""
+        if outcome.committed:
+            say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "
+                f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
+            callbacks.on_checkpoint_saved(state, outcome.path)
+        else:
+            say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}); training continues, "
+                f"the next save retries")
+            callbacks.on_checkpoint_failed(state, outcome.step, outcome.error)
+        if rank0 and outcome.waited_s > 0.01:
+            events.emit("checkpoint", state.step, "waited", waited_s=round(outcome.waited_s, 3),
+                        reason=f"the save of step {outcome.step} was still being written")
+        log.metric({"step": state.step, "checkpoint/blocking_s": outcome.blocking_s,
+                    "checkpoint/write_s": outcome.write_s, "checkpoint/waited_s": outcome.waited_s})
+        decision = policy.update(outcome.blocking_s, outcome.train_s, state.interruptions)
+        if decision and rank0:
+            events.emit("checkpoint", state.step, "interval", **decision)
+            say(f"checkpoint interval (Young/Daly): every {decision['interval_s']:.1f} s of training for a blocking "
+                f"cost of {decision['delta_s']:.3f} s and a mean time between failures of {decision['mtbf_s']:.0f} s")
+
     callbacks.on_start(state)
-    started = time.perf_counter()
+    started = last_save = time.perf_counter()
     train_loss = val_loss = float("nan")
+    final_saved = True
     try:
         while state.step < cfg.train.steps:
             waited = time.perf_counter()
@@ -154,12 +206,19 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             meter.step_done()
             last_step = state.step == cfg.train.steps
             report = {"step": state.step, "optim/lr": lr}
+            save_now = policy.due_by_step(state.step) or last_step
 
             if state.step % cfg.train.log_interval == 0 or last_step:
                 # Sum over ranks: the ranks that compute the loss (the last pipeline stage) hold means over
-                # equal shares, each once per tensor-parallel rank.
-                dist.all_reduce(loss)
-                train_loss = loss.item() / (mesh.layout.dp * mesh.layout.tp)
+                # equal shares, each once per tensor-parallel rank. The same reduction tells every rank
+                # whether the background save has finished everywhere and how long ago the last one was.
+                shared = torch.cat([loss.detach().float().reshape(1), torch.tensor(
+                    [float(manager.done()), time.perf_counter() - last_save], device=loss.device)])
+                dist.all_reduce(shared)
+                train_loss = shared[0].item() / (mesh.layout.dp * mesh.layout.tp)
+                if shared[1].item() == ctx.world_size:
+                    after_save(manager.finish())
+                save_now = save_now or policy.due_by_time(shared[2].item() / ctx.world_size)
                 report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
                                "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
                                "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device)})
@@ -174,30 +233,34 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
                 callbacks.on_eval(state, val_loss)
 
-            if state.step % cfg.checkpoint.interval == 0 or last_step:
+            if save_now:
                 state.train_seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 state.loader = loader.state_dict()
                 state.callbacks = callbacks.state_dict()
-                path = manager.save(parts, optimizers, state)
-                if rank0:
-                    events.emit("checkpoint", state.step, "committed", path=str(path))
-                callbacks.on_checkpoint_saved(state, path)
+                for outcome in manager.save(parts, optimizers, state, wait=last_step):
+                    after_save(outcome)
+                    final_saved = outcome.committed
+                last_save = time.perf_counter()
             callbacks.on_step_end(state, report)
     finally:
-        loader.close()
+        loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
 
     callbacks.on_end(state)
     summary = {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss,
                "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"],
                "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
                "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
-               "run_dir": str(run_dir), "checkpoint": str(manager.latest())}
+               "run_dir": str(run_dir), "checkpoint": manager.latest()}
     if rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         events.emit("finish", state.step, "finished", train_loss=train_loss, val_loss=val_loss,
                     train_seconds=summary["train_seconds"])
         say.lines(summary_lines(summary))
+    if not final_saved:
+        say(f"error: the final checkpoint could not be written; the newest checkpoint is {manager.latest()}, "
+            f"run the same command again to redo the steps after it")
+        return 1
     return 0
 
 

@@ -1,0 +1,422 @@
+"""Hugging Face Llama interchange: export a keel checkpoint's weights as a `LlamaForCausalLM` directory
+(config.json + safetensors) and load such a directory into a keel model.
+
+keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
+rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk are
+permuted within each head, so export permutes them and import undoes it; every other weight maps 1:1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from keel.config import ModelConfig
+from keel.errors import CheckpointError
+from keel.model.init import canonical_name
+from keel.model.llama import Llama, ffn_hidden_dim
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a keel parameter (canonical name, no wrapper prefixes)."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _BLOCK:
+        raise CheckpointError(f"keel parameter {name!r} has no Hugging Face Llama counterpart")
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+
+
+def _to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of one head ordered (pair, 2) -> (2, pair): interleaved RoPE layout to rotate-half layout."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _to_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `_to_halves`."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
+    """Heads whose rows a keel tensor interleaves for RoPE, or None when it needs no permutation."""
+    if name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if name.endswith("attention.wk.weight"):
+        return cfg.n_kv_heads
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- configs
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int] | None = None) -> dict[str, Any]:
+    """config.json of a `LlamaForCausalLM` equal to a keel model. `special_tokens` ({"bos": …, "eos": …,
+    "pad": …}) fills the token ids; without it they are null, since Hugging Face's defaults (1, 2) would
+    name ordinary tokens of keel's byte tokenizer."""
+    tokens = special_tokens or {}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": ffn_hidden_dim(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim // cfg.n_heads,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers < 5 reads the top-level key, transformers 5 `rope_parameters`.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": tokens.get("bos"),
+        "eos_token_id": tokens.get("eos"),
+        "pad_token_id": tokens.get("pad"),
+        "use_cache": True,
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
+    }
+
+
+def _ffn_fields(dim: int, hidden: int) -> tuple[float, int]:
+    """ffn_dim_multiplier and multiple_of for which keel's rounding rule gives exactly `hidden`:
+    preferably the plain Llama rule (multiplier 1, a power-of-two multiple), else `hidden` itself as the
+    multiple with the base size scaled down to at most `hidden` so the rounding lands on it."""
+    for shift in range(hidden.bit_length() - 1, -1, -1):
+        cfg = ModelConfig(dim=dim, ffn_dim_multiplier=1.0, multiple_of=1 << shift)
+        if ffn_hidden_dim(cfg) == hidden:
+            return 1.0, 1 << shift
+    base = int(8 * dim / 3)
+    # Aim at hidden + 0.5 so that float error in multiplier·base cannot truncate below `hidden`.
+    multiplier = 1.0 if base <= hidden else (hidden + 0.5) / base
+    if ffn_hidden_dim(ModelConfig(dim=dim, ffn_dim_multiplier=multiplier, multiple_of=hidden)) != hidden:
+        raise CheckpointError(f"intermediate_size = {hidden} cannot be expressed by keel's SwiGLU sizing for "
+                              f"hidden_size = {dim}")
+    return multiplier, hidden
+
+
+def _field(hf: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in hf:
+        raise CheckpointError(f"Hugging Face config has no {key!r}; a Llama config.json needs it")
+    value = hf[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise CheckpointError(f"Hugging Face config {key} = {value!r} is not a {kind.__name__}")
+    return value
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE base from either config form; any scaling (llama3, linear, yarn, …) keel cannot represent."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(spec, dict):
+            raise CheckpointError(f"Hugging Face config {key} = {spec!r} is not a mapping")
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise CheckpointError(f"Hugging Face config {key}.rope_type = {kind!r} is not supported; keel "
+                                  f"implements only unscaled RoPE (rope_type 'default')")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise CheckpointError(f"Hugging Face config rope_theta = {theta!r} is not a positive number")
+    return float(theta)
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The keel ModelConfig of a Hugging Face Llama config; refuses what keel's model cannot represent."""
+    if hf.get("model_type") != "llama":
+        raise CheckpointError(f"Hugging Face config model_type = {hf.get('model_type')!r} is not supported; "
+                              f"keel reads only 'llama'")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"Hugging Face config hidden_act = {act!r} is not supported; keel's SwiGLU uses 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            raise CheckpointError(f"Hugging Face config {key} = {hf[key]!r} is not supported; keel's projections "
+                                  f"have no bias ({key} must be false)")
+    dim = _field(hf, "hidden_size", int)
+    n_heads = _field(hf, "num_attention_heads", int)
+    n_kv_heads = hf.get("num_key_value_heads") or n_heads
+    if dim < 1 or n_heads < 1 or not isinstance(n_kv_heads, int) or n_kv_heads < 1:
+        raise CheckpointError(f"Hugging Face config has hidden_size = {dim}, num_attention_heads = {n_heads}, "
+                              f"num_key_value_heads = {n_kv_heads!r}; all must be positive integers")
+    if dim % n_heads or (dim // n_heads) % 2 or n_heads % n_kv_heads:
+        raise CheckpointError(f"Hugging Face config hidden_size = {dim}, num_attention_heads = {n_heads}, "
+                              f"num_key_value_heads = {n_kv_heads} are not supported; keel needs hidden_size "
+                              f"divisible by the heads into an even head size, and heads divisible by kv heads")
+    head_dim = hf.get("head_dim") or dim // n_heads
+    if head_dim != dim // n_heads:
+        raise CheckpointError(f"Hugging Face config head_dim = {head_dim} is not supported; keel's head size is "
+                              f"hidden_size / num_attention_heads = {dim // n_heads}")
+    hidden = _field(hf, "intermediate_size", int)
+    if hidden < 1:
+        raise CheckpointError(f"Hugging Face config intermediate_size = {hidden} is not a positive integer")
+    multiplier, multiple_of = _ffn_fields(dim, hidden)
+    return ModelConfig(
+        dim=dim, n_layers=_field(hf, "num_hidden_layers", int), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        vocab_size=_field(hf, "vocab_size", int), ffn_dim_multiplier=multiplier, multiple_of=multiple_of,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Llama directory's config.json."""
+    file = Path(path) / CONFIG
+    try:
+        hf = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{str(path)!r} is not a Hugging Face model directory: it has no {CONFIG}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {str(file)!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{str(file)!r} is not a JSON object")
+    return model_config_from_hf(hf)
+
+
+def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
+    """Refuse a Hugging Face model whose architecture differs from the run's model config."""
+    hf = read_hf_config(path)
+    pairs = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
+             "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings"}
+    diffs = [f"model.{ours} = {getattr(cfg, ours)} but {theirs} = {getattr(hf, ours)}"
+             for ours, theirs in pairs.items() if getattr(cfg, ours) != getattr(hf, ours)]
+    if ffn_hidden_dim(cfg) != ffn_hidden_dim(hf):
+        diffs.append(f"the SwiGLU size (model.ffn_dim_multiplier, model.multiple_of) is {ffn_hidden_dim(cfg)} "
+                     f"but intermediate_size = {ffn_hidden_dim(hf)}")
+    if diffs:
+        raise CheckpointError(f"the model config does not match the Hugging Face model {str(path)!r}: "
+                              f"{'; '.join(diffs)}; set the model.* fields to match")
+
+
+# ---------------------------------------------------------------- export
+
+def _reader(checkpoint: Path | str) -> dcp.StorageReader:
+    if "://" in str(checkpoint):  # object stores, as checkpoint.dir allows
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(str(checkpoint))
+    return dcp.FileSystemReader(checkpoint)
+
+
+def _read_metadata(checkpoint: Path | str) -> Metadata:
+    try:
+        return _reader(checkpoint).read_metadata()
+    except (OSError, ValueError, EOFError, RuntimeError) as e:
+        raise CheckpointError(f"{str(checkpoint)!r} is not a readable keel checkpoint (no torch.distributed."
+                              f"checkpoint .metadata: {type(e).__name__}); pass a checkpoints/step-NNNNNN "
+                              f"directory") from None
+
+
+def _shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive groups of tensor indices of at most max_bytes each; a larger tensor gets its own."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if groups and total + size <= max_bytes:
+            groups[-1].append(i)
+            total += size
+        else:
+            groups.append([i])
+            total = size
+    return groups
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{str(out)!r} already exists and is not an empty directory; export into a new "
+                              f"directory (nothing is overwritten)")
+
+
+def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
+              max_shard_bytes: int = 5 * 2**30, special_tokens: dict[str, int] | None = None) -> list[Path]:
+    """Write the model weights of a keel checkpoint as a Hugging Face Llama directory `out`. Reads only
+    the model tensors, one output shard at a time, so memory stays near one shard. The directory is built
+    beside `out` and renamed into place: it appears complete or not at all. Returns the files written."""
+    out = Path(out)
+    _check_out(out)
+    metadata = _read_metadata(checkpoint)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    # named_parameters lists a tied output projection once, as tok_embeddings.weight.
+    names = [name for name, _ in model.named_parameters()]
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    stored: dict[str, torch.dtype] = {}
+    for name in names:
+        meta = metadata.state_dict_metadata.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{str(checkpoint)!r} has no model tensor {name!r}; export with the model config "
+                                  f"the checkpoint was trained with")
+        if meta.size != shapes[name]:
+            raise CheckpointError(f"{str(checkpoint)!r} holds {name!r} with shape {list(meta.size)}, the model config "
+                                  f"expects {list(shapes[name])}; export with the config it was trained with")
+        stored[name] = meta.properties.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shapes[name]) * itemsize for name in names]
+    groups = _shards(sizes, max_shard_bytes)
+    files = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                 for i in range(len(groups))]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        for group, file in zip(groups, files, strict=True):
+            part = {names[i]: torch.empty(shapes[names[i]], dtype=stored[names[i]]) for i in group}
+            with warnings.catch_warnings():  # DCP warns that it assumes one process, which is what we mean
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                try:
+                    dcp.load({"model": part}, storage_reader=_reader(checkpoint), no_dist=True)
+                except CheckpointException as e:
+                    causes = sorted({f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                                     for err, _ in e.failures.values()})
+                    raise CheckpointError(f"cannot read the model from {str(checkpoint)!r}: "
+                                          f"{'; '.join(causes)}") from None
+            tensors = {}
+            for name, tensor in part.items():
+                heads = _rope_heads(name, cfg)
+                tensor = _to_halves(tensor, heads) if heads else tensor
+                tensors[hf_name(name)] = tensor.to(dtype).contiguous()
+                weight_map[hf_name(name)] = file
+            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            del part, tensors
+        written = list(files)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            written.append(INDEX)
+        (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, special_tokens), indent=2) + "\n")
+        written.append(CONFIG)
+        for file in written:
+            (tmp / file).chmod(0o644)  # safetensors creates its files private
+            _fsync(tmp / file)
+        tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
+        _check_out(out)  # again: something may have appeared while we wrote
+        try:
+            os.rename(tmp, out)  # replaces only a missing or empty directory
+        except OSError as e:
+            raise CheckpointError(f"cannot move the export into {str(out)!r}: {e.strerror}; nothing was "
+                                  f"overwritten") from None
+        _fsync(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / file for file in written]
+
+
+# ---------------------------------------------------------------- import
+
+def _hf_files(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of a Hugging Face directory, single-file or sharded."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read {str(index)!r}: {type(e).__name__}; it needs a weight_map") from None
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / SINGLE
+    if single.is_file():
+        with _open(single) as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    raise CheckpointError(f"{str(path)!r} holds neither {SINGLE} nor {INDEX}; pass a Hugging Face model directory")
+
+
+def _open(file: Path) -> Any:
+    """A lazy safetensors reader: tensors are read from the file only when asked for."""
+    try:
+        return safe_open(file, framework="pt")
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read {str(file)!r}: {(str(e).strip().splitlines() or [''])[0]}") from None
+
+
+def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, param in model.named_parameters():
+        yield canonical_name(name), param
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: Path) -> None:
+    """Fill a keel Llama, or a pipeline stage of one, from a Hugging Face Llama directory: the counterpart
+    of `init_weights` for a run that starts from pretrained weights. Parameters may be DTensors; each
+    process reads the full tensors it needs (lazily, one at a time) and keeps its own shard."""
+    path = Path(path)
+    cfg: ModelConfig = model.cfg
+    check_hf_matches(path, cfg)
+    model.reset_buffers()
+    where = _hf_files(path)
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, param in _parameters(model):
+            source = hf_name(name)
+            if source not in where:
+                raise CheckpointError(f"{str(path)!r} has no tensor {source!r} (keel's {name!r})")
+            file = where[source]
+            if file not in opened:
+                opened[file] = stack.enter_context(_open(file))
+            handle = opened[file]
+            if source not in handle.keys():  # noqa: SIM118
+                raise CheckpointError(f"{str(file)!r} has no tensor {source!r} though the index names it")
+            found = list(handle.get_slice(source).get_shape())
+            if found != list(param.shape):
+                raise CheckpointError(f"{str(path)!r}: tensor {source!r} has shape {found}, keel's {name!r} "
+                                      f"expects {list(param.shape)}")
+            full = handle.get_tensor(source)
+            heads = _rope_heads(name, cfg)
+            full = _to_pairs(full, heads) if heads else full
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = full.to(device=local.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full)

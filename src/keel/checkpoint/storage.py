@@ -1,0 +1,212 @@
+"""Where checkpoints live: a local (or NFS) directory, or an fsspec URL such as `s3://bucket/prefix`.
+
+Both kinds commit the same way: a checkpoint exists once its `manifest.json` exists, and the manifest
+is written after every other file is durable. They differ only in how the last step is made atomic:
+a directory is written as `step-NNNNNN.tmp/` and renamed, while an object store, which has no rename,
+writes the files in place and the manifest object last (a single PUT is atomic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+
+from keel.errors import CheckpointError
+
+LATEST = "latest"
+_CHUNK = 8 << 20
+
+
+class Storage:
+    """One checkpoint root. Names passed to its methods are relative to the root (`step-000100`,
+    `step-000100/manifest.json`)."""
+
+    def __init__(self, root: str | Path) -> None:
+        root = str(root)
+        self.remote = "://" in root and not root.startswith("file://")
+        self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).absolute())
+        if self.remote:
+            try:
+                self.fs, _ = fsspec.core.url_to_fs(self.root)
+            except (ImportError, ValueError) as e:
+                raise CheckpointError(f"checkpoint storage {root!r} cannot be opened ({e}); install the "
+                                      f"filesystem's package (for s3://: pip install 'keel[s3]')") from None
+        else:
+            self.fs = fsspec.filesystem("file")
+
+    def __str__(self) -> str:
+        return self.root
+
+    def path(self, name: str = "") -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    # ------------------------------------------------------------------ reading
+
+    def names(self) -> list[str]:
+        """Entries directly under the root."""
+        self.fs.invalidate_cache()
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.path(name))
+
+    def files(self, name: str) -> dict[str, int]:
+        """Every file under `name` with its size, by path relative to it."""
+        base = self.fs._strip_protocol(self.path(name)).rstrip("/")
+        self.fs.invalidate_cache()  # other ranks and processes write here too
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(base) + 1:]: int(info["size"]) for p, info in found.items()}
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.fs.cat_file(self.path(name))
+
+    def digest(self, name: str) -> str:
+        """sha256 of one file, streamed."""
+        h = hashlib.sha256()
+        with self.fs.open(self.path(name), "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def reader(self, name: str) -> StorageReader:
+        if self.remote:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader(self.path(name))
+        return FileSystemReader(self.path(name))
+
+    # ------------------------------------------------------------------ writing
+
+    def writer(self, name: str) -> StorageWriter:
+        if self.remote:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(self.path(name), sync_files=False)
+        return FileSystemWriter(self.path(name), sync_files=True)
+
+    def makedirs(self, name: str) -> None:
+        self.fs.makedirs(self.path(name), exist_ok=True)
+
+    def write_durably(self, name: str, data: bytes) -> None:
+        """Write a whole file and make it durable before returning."""
+        if self.remote:
+            self.fs.pipe_file(self.path(name), data)
+            return
+        with open(self.path(name), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def staging_name(self, final: str) -> str:
+        """Where a checkpoint is written before it is committed."""
+        return final if self.remote else final + ".tmp"
+
+    def sync_dir(self, name: str) -> None:
+        """Make a directory's entries durable (a no-op on object stores)."""
+        if not self.remote:
+            fd = os.open(self.path(name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def publish(self, staging: str, final: str) -> None:
+        """Make a fully written checkpoint visible under its final name."""
+        if self.remote:
+            return
+        self.sync_dir(staging)
+        target = Path(self.path(final))
+        if target.exists():  # the same step saved again after resuming from an older checkpoint
+            replaced = target.with_name(target.name + ".replaced")
+            self.remove(replaced.name)
+            target.rename(replaced)
+            Path(self.path(staging)).rename(target)
+            self.remove(replaced.name)
+        else:
+            Path(self.path(staging)).rename(target)
+        self.sync_dir("")
+
+    def set_latest(self, name: str) -> None:
+        """Point `latest` at a committed checkpoint, atomically: a symlink swapped by rename, or one object."""
+        if self.remote:
+            self.fs.pipe_file(self.path(LATEST), name.encode())
+            return
+        link = Path(self.path(LATEST + ".tmp"))
+        link.unlink(missing_ok=True)
+        link.symlink_to(name)
+        link.rename(self.path(LATEST))
+        self.sync_dir("")
+
+    def latest(self) -> str | None:
+        try:
+            if not self.remote:
+                return os.readlink(self.path(LATEST))
+            return self.read_bytes(LATEST).decode().strip()
+        except (FileNotFoundError, OSError):
+            return None
+
+    # ------------------------------------------------------------------ readers vs pruning
+
+    @contextlib.contextmanager
+    def reading(self, name: str) -> Iterator[None]:
+        """Hold a shared lock on a checkpoint while reading it, so that pruning leaves it alone.
+        Object stores have no locks: there, prune with keep_last large enough for your readers."""
+        if self.remote:
+            yield
+            return
+        fd = os.open(self._lock_path(name), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def remove_unless_read(self, name: str) -> bool:
+        """Remove a checkpoint unless some process is reading it; True when removed."""
+        if self.remote:
+            self.remove(name)
+            return True
+        lock = self._lock_path(name)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self.remove(name)
+            os.unlink(lock)
+            return True
+        finally:
+            os.close(fd)
+
+    def _lock_path(self, name: str) -> str:
+        locks = Path(self.root) / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return str(locks / name)
+
+
+def locate(path: str | Path) -> tuple[Storage, str]:
+    """The storage root holding a checkpoint path, and the checkpoint's name in it."""
+    text = str(path).rstrip("/")
+    if "://" in text and not text.startswith("file://"):
+        root, _, name = text.rpartition("/")
+        return Storage(root), name
+    local = Path(text.removeprefix("file://")).absolute()
+    return Storage(local.parent), local.name

@@ -1,0 +1,109 @@
+"""Checkpoints beyond the local disk and beyond keel: an S3-compatible object store (a real server on
+loopback), and Hugging Face safetensors out of a run and back into a new one."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.checkpoint.inspect import load_full_state
+from keel.monitor.sinks import read_jsonl
+from tests.conftest import SMALL_RUN, run_keel
+
+pytestmark = pytest.mark.dist
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+def train_cmd(corpus: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={steps}",
+            f"data.dir={corpus}", "checkpoint.interval=10", *extra]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A moto S3 server in its own process on a free loopback port, with a bucket `keel`."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=log, start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "keel",
+           "AWS_SECRET_ACCESS_KEY": "keel", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
+                time.sleep(0.2)
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="keel",
+                     aws_secret_access_key="keel", region_name="us-east-1").create_bucket(Bucket="keel")
+        yield env
+    finally:
+        server.kill()
+        server.wait()
+        log.close()
+
+
+def test_save_verify_and_resume_on_an_s3_object_store(s3: dict, small_corpus: Path, tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    url = "s3://keel/runs/remote"
+    reference = run_keel(train_cmd(small_corpus, local, 30), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+
+    # Rank 1 is SIGKILLed once step 20 is committed to the store; the same command then resumes from it.
+    kill = 'callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 20, rank = 1}}]'
+    first = run_keel(train_cmd(small_corpus, remote, 30, f"checkpoint.dir={url}", kill), cwd=tmp_path, env=s3)
+    assert first.returncode != 0
+    assert not (remote / "checkpoints").exists(), "checkpoints go to the object store only"
+    verified = run_keel(["ckpt", "verify", str(remote)], cwd=tmp_path, env=s3)
+    assert verified.returncode == 0, verified.stderr
+    assert verified.stdout.splitlines() == [f"{url}/step-000010: verified", f"{url}/step-000020: verified"]
+    listed = run_keel(["ckpt", "ls", url], cwd=tmp_path, env=s3)
+    assert "(latest)" in [line for line in listed.stdout.splitlines() if line.startswith("step-000020")][0]
+
+    resumed = run_keel(train_cmd(small_corpus, remote, 30, f"checkpoint.dir={url}"), cwd=tmp_path, env=s3)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["detail"]["checkpoint"] for e in read_jsonl(remote / "events.jsonl") if e["kind"] == "resume"] == [
+        f"{url}/step-000020"]
+    assert losses(remote) == losses(local), "saved to and resumed from S3, bitwise the same run"
+
+
+def test_hf_export_starts_a_new_run_from_the_same_weights(small_corpus: Path, tmp_path: Path) -> None:
+    source, target, hf = tmp_path / "source", tmp_path / "target", tmp_path / "hf"
+    assert run_keel(train_cmd(small_corpus, source, 20), cwd=tmp_path).returncode == 0
+    exported = run_keel(["ckpt", "export", str(source), "--format", "hf", "--out", str(hf)], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+
+    # A learning rate far below fp32 resolution: one step leaves every weight bitwise where it started.
+    started = run_keel(train_cmd(small_corpus, target, 1, f"model.init_from=hf:{hf}", "optim.lr=1e-30",
+                                 "optim.warmup_steps=1"), cwd=tmp_path)
+    assert started.returncode == 0, started.stderr
+    assert f"initialised the weights from hf:{hf}" in started.stdout
+    before = load_full_state(source / "checkpoints" / "step-000020")
+    after = load_full_state(target / "checkpoints" / "step-000001")
+    model_keys = [k for k in before if k.startswith("model.")]
+    assert model_keys and all(torch.equal(before[k], after[k]) for k in model_keys)
+
+    again = run_keel(["ckpt", "export", str(source), "--out", str(hf)], cwd=tmp_path)
+    assert again.returncode == 2 and "not an empty directory" in again.stderr, again.stderr
+    wrong = run_keel(train_cmd(small_corpus, tmp_path / "wrong", 1, f"model.init_from=hf:{hf}", "model.dim=32"),
+                     cwd=tmp_path)
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr

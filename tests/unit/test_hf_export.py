@@ -1,0 +1,320 @@
+"""Hugging Face Llama interchange: keel checkpoint -> HF directory -> keel model round trips, logits
+agreeing with transformers' LlamaForCausalLM, and refusals of what keel cannot represent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from keel.checkpoint.export import (
+    CONFIG,
+    INDEX,
+    SINGLE,
+    check_hf_matches,
+    export_hf,
+    hf_config,
+    load_hf_weights,
+    model_config_from_hf,
+    read_hf_config,
+)
+from keel.config import ModelConfig
+from keel.errors import CheckpointError
+from keel.model.init import init_weights
+from keel.model.llama import Llama, ffn_hidden_dim
+
+# GQA (4 query heads share 2 KV heads), a SwiGLU size that needs rounding (170 -> 192), and RoPE base and
+# norm eps away from Hugging Face's defaults, so a config field that is not carried over changes the logits.
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64,
+                   rope_theta=1000.0, norm_eps=1e-5)
+TIED = dataclasses.replace(TINY, tie_embeddings=True)
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Llama:
+    model = Llama(cfg)
+    init_weights(model, seed)
+    with torch.no_grad():  # norms start at 1: perturb them so a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def tokens(cfg: ModelConfig, batch: int = 2, seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def save_checkpoint(model: Llama, path: Path) -> None:
+    """A checkpoint laid out as keel's manager writes it, optimizer state included, without a process group."""
+    optim = {"state.output.weight.exp_avg": torch.randn(model.cfg.vocab_size, model.cfg.dim), "step": torch.tensor(7.0)}
+    with warnings.catch_warnings():  # DCP's notice that it saves from a single process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=path, no_dist=True)
+
+
+def logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+def export(tmp_path: Path, cfg: ModelConfig, **kwargs) -> tuple[Llama, Path, list[Path]]:
+    model = build(cfg)
+    save_checkpoint(model, tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    return model, out, export_hf(tmp_path / "ckpt", cfg, out, **kwargs)
+
+
+def assert_round_trip(model: Llama, out: Path) -> None:
+    fresh = build(model.cfg, seed=1)
+    load_hf_weights(fresh, out)
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    x = tokens(model.cfg)
+    torch.testing.assert_close(logits(fresh, x), logits(model, x), rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- round trips
+
+def test_round_trip_single_file(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()  # an empty directory may receive the export
+    model, out, files = export(tmp_path, TINY)
+    assert files == [out / SINGLE, out / CONFIG]
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG, SINGLE]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    with safe_open(out / SINGLE, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        names = set(f.keys())
+    assert len(names) == 3 + 9 * TINY.n_layers and "lm_head.weight" in names
+    assert not any("optim" in n or "exp_avg" in n for n in names)
+    assert_round_trip(model, out)
+
+
+def test_round_trip_tied_embeddings(tmp_path: Path) -> None:
+    model, out, _ = export(tmp_path, TIED)
+    assert "lm_head.weight" not in load_file(out / SINGLE)
+    assert json.loads((out / CONFIG).read_text())["tie_word_embeddings"] is True
+    assert_round_trip(model, out)
+    fresh = build(TIED, seed=1)
+    load_hf_weights(fresh, out)
+    assert fresh.output.weight is fresh.tok_embeddings.weight
+
+
+def test_sharded_export_writes_an_index(tmp_path: Path) -> None:
+    model, out, files = export(tmp_path, TINY, max_shard_bytes=40_000)
+    index = json.loads((out / INDEX).read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert [p.name for p in files] == [*shards, INDEX, CONFIG]
+    assert set(index["weight_map"].values()) == set(shards)
+    found: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        found.update(load_file(out / shard))
+    assert sorted(index["weight_map"]) == sorted(found)
+    assert all(index["weight_map"][name] == shard for shard in shards for name in load_file(out / shard))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in found.values())
+    assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in model.parameters())
+    assert_round_trip(model, out)
+
+
+def test_bf16_export_casts(tmp_path: Path) -> None:
+    model, out, _ = export(tmp_path, TINY, dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(out / SINGLE).values()} == {torch.bfloat16}
+    assert json.loads((out / CONFIG).read_text())["dtype"] == "bfloat16"
+    fresh = build(TINY, seed=1)
+    load_hf_weights(fresh, out)  # cast back to the fp32 parameters
+    torch.testing.assert_close(fresh.layers["0"].attention.wq.weight,
+                               model.layers["0"].attention.wq.weight.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_pipeline_stage_loads_its_share(tmp_path: Path) -> None:
+    from keel.parallel.pipeline import stage_module
+
+    model, out, _ = export(tmp_path, TINY)
+    last = stage_module(build(TINY, seed=1), 1, 2)  # layer 1, final norm and output only
+    load_hf_weights(last, out)
+    expected = dict(model.named_parameters())
+    for name, p in last.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_dtensor_parameters_keep_their_shard(tmp_path: Path) -> None:
+    """A parameter sharded over 2 ranks (FSDP's Shard(0)) receives its rows of the full tensor. The fake
+    backend lets one process play rank 0 of 2 without communication."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    model, out, _ = export(tmp_path, TINY)
+    dist.init_process_group("fake", rank=0, world_size=2, store=fake_pg.FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = build(TINY, seed=1)
+        for module in list(sharded.modules()):
+            for key, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(key, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)],
+                                                                                    src_data_rank=None)))
+        load_hf_weights(sharded, out)
+        expected = dict(model.named_parameters())
+        for name, p in sharded.named_parameters():
+            rows = -(-p.shape[0] // 2)  # rank 0 holds the larger half of an odd row count
+            assert torch.equal(p.to_local(), expected[name][:rows]), name
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- transformers
+
+@pytest.fixture
+def transformers(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("cfg", [TINY, TIED], ids=["untied", "tied"])
+def test_transformers_reproduces_keel_logits(tmp_path: Path, transformers, cfg: ModelConfig) -> None:
+    model, out, _ = export(tmp_path, cfg)
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_theta"] == cfg.rope_theta
+    x = tokens(cfg)
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(theirs, logits(model, x), rtol=0, atol=1e-4)
+
+
+def test_keel_loads_a_transformers_model(tmp_path: Path, transformers) -> None:
+    """Import of a directory transformers wrote itself, from a config keel did not write."""
+    hf_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=300,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # transformers initialises norms to 1; perturb them so their mapping is tested
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = read_hf_config(tmp_path / "hf")
+    assert (cfg.n_kv_heads, ffn_hidden_dim(cfg), cfg.rope_theta, cfg.norm_eps) == (1, 160, 50000.0, 1e-6)
+    model = Llama(cfg)
+    load_hf_weights(model, tmp_path / "hf")
+    x = tokens(cfg)
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(logits(model, x), theirs, rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------- configs
+
+@pytest.mark.parametrize(("dim", "hidden"), [(4096, 11008), (4096, 14336), (64, 192), (64, 170), (64, 32), (64, 171),
+                                             (5120, 13824), (8192, 28672), (96, 1000), (2, 1), (8, 1), (8192, 7)])
+def test_intermediate_size_is_reproduced_exactly(dim: int, hidden: int) -> None:
+    hf = hf_config(dataclasses.replace(TINY, dim=dim, n_heads=1, n_kv_heads=1), torch.float32)
+    hf["intermediate_size"] = hidden
+    assert ffn_hidden_dim(model_config_from_hf(hf)) == hidden
+
+
+def test_llama2_sizing_maps_to_the_plain_rule() -> None:
+    hf = hf_config(dataclasses.replace(TINY, dim=4096, n_heads=32, n_kv_heads=32), torch.float32)
+    hf["intermediate_size"] = 11008
+    cfg = model_config_from_hf(hf)
+    assert (cfg.ffn_dim_multiplier, cfg.multiple_of) == (1.0, 256)
+
+
+def test_config_round_trip() -> None:
+    for cfg in (TINY, TIED):
+        back = model_config_from_hf(hf_config(cfg, torch.float32))
+        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
+                  "max_seq_len", "tie_embeddings"):
+            assert getattr(back, f) == getattr(cfg, f), f
+        assert ffn_hidden_dim(back) == ffn_hidden_dim(cfg)
+
+
+@pytest.mark.parametrize(("change", "expect"), [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ({"model_type": "mistral"}, "model_type = 'mistral'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type = 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type = 'yarn'"),
+    ({"head_dim": 32}, "head_dim = 32"),
+    ({"hidden_size": 60}, "hidden_size = 60"),
+    ({"vocab_size": "259"}, "vocab_size"),
+])
+def test_unsupported_hf_config_is_refused(change: dict, expect: str) -> None:
+    hf = {**hf_config(TINY, torch.float32), **change}
+    with pytest.raises(CheckpointError) as e:
+        model_config_from_hf(hf)
+    assert len(str(e.value).splitlines()) == 1 and expect in str(e.value), str(e.value)
+
+
+def test_missing_field_is_named() -> None:
+    hf = hf_config(TINY, torch.float32)
+    del hf["num_hidden_layers"]
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        model_config_from_hf(hf)
+
+
+def test_mismatched_run_config_names_the_fields(tmp_path: Path) -> None:
+    (tmp_path / CONFIG).write_text(json.dumps(hf_config(TINY, torch.float32)))
+    check_hf_matches(tmp_path, TINY)
+    other = dataclasses.replace(TINY, n_heads=8, multiple_of=256)  # same tensor shapes for attention
+    with pytest.raises(CheckpointError) as e:
+        check_hf_matches(tmp_path, other)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    assert "model.n_heads = 8 but num_attention_heads = 4" in msg and "intermediate_size = 192" in msg, msg
+    assert "dim" not in msg.replace("ffn_dim", ""), msg
+    with pytest.raises(CheckpointError, match="no config.json"):
+        read_hf_config(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def test_export_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    model = build(TINY)
+    save_checkpoint(model, tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not an empty directory") as e:
+        export_hf(tmp_path / "ckpt", TINY, out)
+    assert len(str(e.value).splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
+
+
+def test_export_with_the_wrong_model_config_names_the_tensor(tmp_path: Path) -> None:
+    save_checkpoint(build(TINY), tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"'tok_embeddings.weight' with shape \[259, 64\].*expects \[300, 64\]"):
+        export_hf(tmp_path / "ckpt", dataclasses.replace(TINY, vocab_size=300), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="no model tensor 'layers.2"):
+        export_hf(tmp_path / "ckpt", dataclasses.replace(TINY, n_layers=3), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="not a readable keel checkpoint"):
+        export_hf(tmp_path / "nowhere", TINY, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_load_names_a_wrong_shape_and_a_missing_tensor(tmp_path: Path) -> None:
+    _, out, _ = export(tmp_path, TINY)
+    tensors = load_file(out / SINGLE)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(128, 64)
+    save_file(tensors, out / SINGLE, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_hf_weights(build(TINY), out)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    assert "'model.layers.1.mlp.up_proj.weight' has shape [128, 64]" in msg and "expects [192, 64]" in msg, msg
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, out / SINGLE, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_hf_weights(build(TINY), out)
