@@ -7,7 +7,7 @@ repeat times, on the same state:
   torch.save    of the model and optimizer state dicts, to one file
   dcp.save      synchronous torch.distributed.checkpoint save (fsync'd, like keel's)
   memcpy        a plain copy of the same bytes into preallocated buffers: the floor of staging
-  keel load     resume: verify every file's sha256 and load (checksums run beside the load)
+  keel load     resume: verify every file's checksum and load (checksums run beside the load)
   dcp.load      get_state_dict → dcp.load → set_state_dict, no verification
 Then the training throughput of a window of steps containing a save, against a window without one.
 Medians of the repeats; ratios against the targets of the checkpointing issue. Results go to
@@ -21,6 +21,8 @@ import json
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,10 +57,19 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def memcpy(sources: list[torch.Tensor]) -> float:
+    """A plain copy of the tensors into buffers whose pages are already touched; the buffers are freed
+    afterwards, as the page cache needs the room for the checkpoints read back later."""
+    buffers = [torch.empty_like(t) for t in sources]
+    for b, s in zip(buffers, sources, strict=True):
+        b.copy_(s)
+    return timed(lambda: [b.copy_(s) for b, s in zip(buffers, sources, strict=True)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--window", type=int, default=8, help="training steps per throughput window")
+    ap.add_argument("--window", type=int, default=30, help="training steps per throughput window")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory on this disk)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -95,8 +106,6 @@ def main() -> None:
             return {"blocking_s": blocking, "write_s": outcome.write_s}
 
         first = keel_save()  # allocates the staging buffers, once per run
-        sources = tensors(_state_dict(parts, [optimizer]))
-        buffers = [torch.empty_like(t) for t in sources]
         results: dict[str, list[float]] = {k: [] for k in ("keel_blocking", "keel_write", "torch_save", "dcp_save",
                                                             "memcpy", "keel_load", "dcp_load")}
         target, plain = work / "torch.pt", work / "dcp"
@@ -105,7 +114,7 @@ def main() -> None:
             saved = keel_save()
             results["keel_blocking"].append(saved["blocking_s"])
             results["keel_write"].append(saved["write_s"])
-            results["memcpy"].append(timed(lambda: [b.copy_(s) for b, s in zip(buffers, sources, strict=True)]))
+            results["memcpy"].append(memcpy(tensors(_state_dict(parts, [optimizer]))))
             results["torch_save"].append(timed(lambda: torch.save(
                 {"model": model.state_dict(), "optim": optimizer.state_dict()}, target)))
             target.unlink()
@@ -124,6 +133,16 @@ def main() -> None:
             shutil.rmtree(plain)
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in
                                                                         results.items()), flush=True)
+
+        # How independent the two halves of the machine are: a step with a busy loop on another core.
+        alone = timed(lambda: [step() for _ in range(2)]) / 2
+        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            beside_busy_core = timed(lambda: [step() for _ in range(2)]) / 2
+        finally:
+            burner.kill()
+            burner.wait()
+        print(f"step alone {alone:.2f} s, beside a busy loop on another core {beside_busy_core:.2f} s", flush=True)
 
         # Throughput: a window of steps with a save at its start, against one without.
         windows: dict[str, list[float]] = {"without_save": [], "with_save": []}
@@ -165,7 +184,8 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "checkpoint", "parameters": n_params, "state_bytes": state_bytes, "repeats": args.repeats,
-        "window_steps": args.window, "first_keel_save": first, "median_s": med, "window_median_s": win,
+        "window_steps": args.window, "first_keel_save": first,
+        "step_s_alone": alone, "step_s_beside_busy_core": beside_busy_core, "median_s": med, "window_median_s": win,
         "ratios": {k: {"value": v, "target": t, "met": v <= t} for k, (v, t) in ratios.items()},
         "timings": results, "windows": windows, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

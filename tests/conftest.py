@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import sysconfig
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,37 +33,54 @@ def keel_env() -> dict[str, str]:
     return env
 
 
-def _alive_in_group(pgid: int) -> list[int]:
+TAG = "KEEL_TEST_TAG"
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes carrying `tag` in their environment: a keel process and everything it started,
+    torchrun's workers included (they run in sessions of their own, out of reach of killpg)."""
+    marker = f"{TAG}={tag}".encode()
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if marker in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
     return pids
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def spawn_keel(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+               **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start `keel ARGS` in its own session, tagged so that `kill_tagged` finds all it started."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "keel", *args], cwd=cwd,
+                            env={**keel_env(), **(env or {}), TAG: tag}, start_new_session=True, **popen)
+    return proc, tag
 
 
 def run_keel(args: list[str], cwd: Path, timeout: float = 240,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `keel ARGS` as a real process in its own session (with `env` added to its environment).
-    Fails on timeout, or if anything it started outlives it; either way (and if the test itself is
-    interrupted) the whole group is killed."""
-    proc = subprocess.Popen([sys.executable, "-m", "keel", *args], cwd=cwd, env={**keel_env(), **(env or {})},
-                            text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    """Run `keel ARGS` as a real process (with `env` added to its environment). Fails on timeout, or
+    if anything it started outlives it; either way (and if the test itself is interrupted) everything
+    it started is killed."""
+    proc, tag = spawn_keel(args, cwd, env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     leftovers: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)
-        leftovers = _alive_in_group(proc.pid)
+        leftovers = tagged(tag)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tagged(tag)
         out, err = proc.communicate()
         pytest.fail(f"keel {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
     finally:
-        if proc.poll() is None or _alive_in_group(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tagged(tag)
     if leftovers:
         pytest.fail(f"keel {' '.join(args)} left processes behind: {leftovers}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

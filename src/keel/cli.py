@@ -51,8 +51,8 @@ def parser() -> argparse.ArgumentParser:
     ksub = k.add_subparsers(dest="ckpt_command", required=True)
     ls = ksub.add_parser("ls", help="steps, sizes, age and state of a run's checkpoints")
     ls.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
-    ls.add_argument("--verify", action="store_true", help="also check every file's sha256 (reads everything)")
-    ver = ksub.add_parser("verify", help="check manifests and every file's size and sha256")
+    ls.add_argument("--verify", action="store_true", help="also check every file's checksum (reads everything)")
+    ver = ksub.add_parser("verify", help="check manifests and every file's size and checksum")
     ver.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
     exp = ksub.add_parser("export", help="write a checkpoint's model in another format")
     exp.add_argument("path", help="run directory (its newest verified checkpoint) or one checkpoint")
@@ -147,6 +147,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return 0
     bad = 0
     for name in names:
+        if read_manifest(storage, name) is None:  # being written, or left by a crash: not a checkpoint
+            print(f"{storage.path(name)}: unfinished save, not a checkpoint (ignored on resume)")
+            continue
         problems = verify(storage, name)
         print(f"{storage.path(name)}: {'verified' if not problems else 'FAILED: ' + '; '.join(problems)}")
         bad += bool(problems)

@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from keel.checkpoint.inspect import state_sha256
 from keel.checkpoint.manifest import verify
 from keel.checkpoint.storage import Storage
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, keel_env, run_keel
+from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel, tagged
 
 pytestmark = pytest.mark.dist
 
@@ -88,6 +87,11 @@ def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(
     assert (run_dir / "checkpoints" / "step-000020.tmp").is_dir(), "the kill lands in the middle of the write"
     assert not ckpt(run_dir, 20).exists()
     assert verify(Storage(run_dir / "checkpoints"), "step-000010") == []
+    checked = run_keel(["ckpt", "verify", str(run_dir)], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines() == [
+        f"{ckpt(run_dir, 10)}: verified",
+        f"{run_dir / 'checkpoints' / 'step-000020.tmp'}: unfinished save, not a checkpoint (ignored on resume)"]
 
     second = run_keel(cmd[:-1], cwd=tmp_path)  # the same job without the fault
     assert second.returncode == 0, second.stderr
@@ -103,11 +107,16 @@ def test_flipped_byte_in_the_latest_checkpoint_falls_back_to_the_previous(
     run_dir = tmp_path / "flipped"
     shutil.copytree(reference, run_dir)
     flip_byte(ckpt(run_dir, 40) / "__1_0.distcp")
+    checked = run_keel(["ckpt", "verify", str(run_dir)], cwd=tmp_path)
+    assert checked.returncode == 2 and "1 of 4 checkpoints" in checked.stderr
+    assert f"{ckpt(run_dir, 40)}: FAILED: __1_0.distcp does not match its checksum" in checked.stdout
+    listed = run_keel(["ckpt", "ls", "--verify", str(run_dir)], cwd=tmp_path)
+    assert "CORRUPT" in [line for line in listed.stdout.splitlines() if line.startswith("step-000040")][0]
     result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "skipping checkpoint" in result.stdout and "__1_0.distcp does not match its sha256" in result.stdout
+    assert "skipping checkpoint" in result.stdout and "__1_0.distcp does not match its checksum" in result.stdout
     skipped = events(run_dir, "checkpoint", "skipped")
-    assert [e["step"] for e in skipped] == [40] and "sha256" in skipped[0]["detail"]["reason"]
+    assert [e["step"] for e in skipped] == [40] and "checksum" in skipped[0]["detail"]["reason"]
     assert [e["step"] for e in events(run_dir, "resume")] == [30]
     # Steps 31-40 were redone and the corrupt step-40 replaced by an exact one.
     assert state_sha256(ckpt(run_dir, STEPS)) == state_sha256(ckpt(reference, STEPS))
@@ -166,9 +175,8 @@ def test_disk_full_during_a_save_loses_nothing_and_the_next_save_succeeds(
 
 def test_a_second_job_on_the_same_run_directory_is_refused(small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "shared"
-    cmd = [sys.executable, "-m", "keel", *train_cmd(small_corpus, run_dir, 2)[:-2], "train.steps=100000"]
-    first = subprocess.Popen(cmd, cwd=tmp_path, env=keel_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first, tag = spawn_keel([*train_cmd(small_corpus, run_dir, 2)[:-2], "train.steps=100000"], tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while len(events(run_dir, "start")) < 2 or not losses(run_dir):
@@ -184,8 +192,9 @@ def test_a_second_job_on_the_same_run_directory_is_refused(small_corpus: Path, t
         assert not [e for e in read_jsonl(run_dir / "events.jsonl")[n_events:] if e["kind"] == "start"]
         assert first.poll() is None, "the first job goes on"
     finally:
-        os.killpg(first.pid, 9)
+        kill_tagged(tag)
         first.wait()
+    assert not tagged(tag)
 
 
 def test_retention_keeps_the_last_the_permanent_and_those_being_read(small_corpus: Path, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ One checkpoint, `step-NNNNNN/`:
   *.distcp, .metadata   model and optimizer (torch.distributed.checkpoint: any layout can load it)
   rng-rank-RRRRR.pt     each rank's RNG streams
   train_state.json      step, tokens seen, data cursor, callback state
-  manifest.json         written last: every file with its size and sha256, step, layout, versions
+  manifest.json         written last: every file with its size and checksum, step, layout, versions
 
 The training loop waits only while the state is copied into reusable host buffers (pinned on CUDA).
 A writer thread per rank then writes the copy with DCP over its own gloo group, checksums what this
@@ -15,8 +15,10 @@ ones. At most one save is in flight: the next one first waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
 import threading
 import time
@@ -30,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import keel
 from keel.checkpoint.manifest import (
+    CHECKSUM,
     FORMAT,
     MANIFEST,
     check_files,
@@ -52,6 +54,7 @@ from keel.checkpoint.manifest import (
     uncommitted,
     verify,
 )
+from keel.checkpoint.staging import HostStager
 from keel.checkpoint.storage import Storage, locate
 from keel.config import Config
 from keel.data.tokenizer import get_tokenizer
@@ -99,9 +102,7 @@ class CheckpointManager:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # The writer thread's collectives run beside the training loop's, so they get a group of their own.
         self.group = dist.new_group(backend="gloo")
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.stager = HostStager(pin_memory=torch.cuda.is_available())
         self.pending: Future[SaveOutcome] | None = None
         if self.rank == 0:
             self._clean_leftovers()
@@ -143,6 +144,8 @@ class CheckpointManager:
         return outcome
 
     def _run(self, future: Future, args: tuple) -> None:
+        with contextlib.suppress(OSError):  # where cores are shared, the training loop goes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
             future.set_result(self._write(*args))
         except BaseException as e:  # a bug: surfaces in the loop through finish()
@@ -165,7 +168,7 @@ class CheckpointManager:
                 self.storage.write_durably(f"{staging}/{TRAIN_STATE}", train_state)
             if self.on_write is not None:
                 self.on_write(step, self.storage.path(staging))
-            files = {f: {"size": size, "sha256": self.storage.digest(f"{staging}/{f}")}
+            files = {f: {"size": size, CHECKSUM: self.storage.digest(f"{staging}/{f}")}
                      for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
         except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
             error = _first_line(e)
@@ -190,7 +193,8 @@ class CheckpointManager:
         if not errors:
             files = {f: entry for _, mine, _ in reports for f, entry in mine.items()}
             outcome.bytes = sum(entry["size"] for entry in files.values())
-            manifest = {"format": FORMAT, "step": outcome.step, "tokens_seen": tokens_seen, "layout": self.layout,
+            manifest = {"format": FORMAT, "checksum": CHECKSUM, "step": outcome.step, "tokens_seen": tokens_seen,
+                        "layout": self.layout,
                         "world_size": self.world_size, "config_digest": self.cfg.digest(),
                         "model": asdict(self.cfg.model), "tokenizer": get_tokenizer(self.cfg.data.tokenizer).describe(),
                         "seed": self.cfg.train.seed,

@@ -1,7 +1,9 @@
 """manifest.json: what a committed checkpoint holds, and the proof that it is whole.
 
-The manifest is written last. It names every file of the checkpoint with its size and sha256, so a
-missing, truncated or bit-flipped file is found before the state is trusted.
+The manifest is written last. It names every file of the checkpoint with its size and checksum, so a
+missing, truncated or bit-flipped file is found before the state is trusted. The checksum is XXH3-128:
+it reads at memory speed (about 12 GB/s on one core, against under 2 GB/s for sha256), so verifying a
+checkpoint before resuming costs a fraction of loading it; it guards against corruption, not forgery.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from keel.checkpoint.storage import Storage
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+CHECKSUM = "xxh3_128"
 _STEP = re.compile(r"step-(\d{6,})")
 
 
@@ -67,8 +70,8 @@ def check_files(storage: Storage, name: str, manifest: dict, which: Iterable[str
             problems.append(f"{fname} is missing")
         elif present[fname] != want["size"]:
             problems.append(f"{fname} has {present[fname]} bytes, the manifest says {want['size']}")
-        elif checksums and storage.digest(f"{name}/{fname}") != want["sha256"]:
-            problems.append(f"{fname} does not match its sha256 in the manifest (corrupted)")
+        elif checksums and storage.digest(f"{name}/{fname}") != want[CHECKSUM]:
+            problems.append(f"{fname} does not match its checksum in the manifest (corrupted)")
     return problems
 
 
