@@ -9,7 +9,8 @@ repeat times, on the same state:
   memcpy        a plain copy of the same bytes into preallocated buffers: the floor of staging
   keel load     resume: verify every file's checksum and load (checksums run beside the load)
   dcp.load      get_state_dict → dcp.load → set_state_dict, no verification
-Then the training throughput of a window of steps containing a save, against a window without one.
+Before those, the training throughput of a window of steps containing a save, against a window
+without one, measured while the process holds only what training holds.
 Medians of the repeats; ratios against the targets of the checkpointing issue. Results go to
 bench/results/checkpoint.json.
 """
@@ -69,7 +70,7 @@ def memcpy(sources: list[torch.Tensor]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--window", type=int, default=30, help="training steps per throughput window")
+    ap.add_argument("--window", type=int, default=20, help="training steps per throughput window")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory on this disk)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -106,6 +107,35 @@ def main() -> None:
             return {"blocking_s": blocking, "write_s": outcome.write_s}
 
         first = keel_save()  # allocates the staging buffers, once per run
+
+        # Throughput first, while the process holds only what training holds: the baselines below
+        # (torch.save, dcp.load's copies) leave the allocator and the page cache in another state.
+        # How independent the two halves of the machine are: a step with a busy loop on another core.
+        alone = timed(lambda: [step() for _ in range(2)]) / 2
+        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            beside_busy_core = timed(lambda: [step() for _ in range(2)]) / 2
+        finally:
+            burner.kill()
+            burner.wait()
+        print(f"step alone {alone:.2f} s, beside a busy loop on another core {beside_busy_core:.2f} s", flush=True)
+
+        # Throughput: a window of steps with a save at its start, against one without.
+        windows: dict[str, list[float]] = {"without_save": [], "with_save": []}
+        for repeat in range(args.repeats):
+            for kind in ("without_save", "with_save") if repeat % 2 == 0 else ("with_save", "without_save"):
+                started = time.perf_counter()
+                if kind == "with_save":
+                    train_state.step += 1
+                    manager.save(parts, [optimizer], train_state)
+                for _ in range(args.window):
+                    step()
+                if kind == "with_save":  # the window holds the whole save: a write that outlasts the steps counts
+                    outcome = manager.finish()
+                    assert outcome is not None and outcome.committed
+                windows[kind].append(time.perf_counter() - started)
+            print(f"window {repeat + 1}/{args.repeats}: without {windows['without_save'][-1]:.2f} s, with "
+                  f"{windows['with_save'][-1]:.2f} s", flush=True)
         results: dict[str, list[float]] = {k: [] for k in ("keel_blocking", "keel_write", "torch_save", "dcp_save",
                                                             "memcpy", "keel_load", "dcp_load")}
         target, plain = work / "torch.pt", work / "dcp"
@@ -134,32 +164,6 @@ def main() -> None:
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in
                                                                         results.items()), flush=True)
 
-        # How independent the two halves of the machine are: a step with a busy loop on another core.
-        alone = timed(lambda: [step() for _ in range(2)]) / 2
-        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            beside_busy_core = timed(lambda: [step() for _ in range(2)]) / 2
-        finally:
-            burner.kill()
-            burner.wait()
-        print(f"step alone {alone:.2f} s, beside a busy loop on another core {beside_busy_core:.2f} s", flush=True)
-
-        # Throughput: a window of steps with a save at its start, against one without.
-        windows: dict[str, list[float]] = {"without_save": [], "with_save": []}
-        for repeat in range(args.repeats):
-            for kind in ("without_save", "with_save") if repeat % 2 == 0 else ("with_save", "without_save"):
-                started = time.perf_counter()
-                if kind == "with_save":
-                    train_state.step += 1
-                    manager.save(parts, [optimizer], train_state)
-                for _ in range(args.window):
-                    step()
-                if kind == "with_save":  # the window holds the whole save: a write that outlasts the steps counts
-                    outcome = manager.finish()
-                    assert outcome is not None and outcome.committed
-                windows[kind].append(time.perf_counter() - started)
-            print(f"window {repeat + 1}/{args.repeats}: without {windows['without_save'][-1]:.2f} s, with "
-                  f"{windows['with_save'][-1]:.2f} s", flush=True)
         events.close()
     finally:
         destroy_distributed()
