@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from keel.checkpoint.storage import fsync_path, locate
 from keel.config import ModelConfig
 from keel.errors import CheckpointError
 from keel.model.init import canonical_name
@@ -237,10 +238,8 @@ def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
 # ---------------------------------------------------------------- export
 
 def _reader(checkpoint: Path | str) -> dcp.StorageReader:
-    if "://" in str(checkpoint):  # object stores, as checkpoint.dir allows
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-        return FsspecReader(str(checkpoint))
-    return dcp.FileSystemReader(checkpoint)
+    storage, name = locate(checkpoint)  # a directory or an object-store URL, as checkpoint.dir allows
+    return storage.reader(name)
 
 
 def _read_metadata(checkpoint: Path | str) -> Metadata:
@@ -264,14 +263,6 @@ def _shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
             groups.append([i])
             total = size
     return groups
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_out(out: Path) -> None:
@@ -341,7 +332,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
         written.append(CONFIG)
         for file in written:
             (tmp / file).chmod(0o644)  # safetensors creates its files private
-            _fsync(tmp / file)
+            fsync_path(tmp / file)
         tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
         _check_out(out)  # again: something may have appeared while we wrote
         try:
@@ -349,7 +340,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
         except OSError as e:
             raise CheckpointError(f"cannot move the export into {str(out)!r}: {e.strerror}; nothing was "
                                   f"overwritten") from None
-        _fsync(out.parent)
+        fsync_path(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / file for file in written]

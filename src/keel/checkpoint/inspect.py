@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from keel.checkpoint.manifest import MANIFEST, committed, read_manifest, step_of, uncommitted, verify
+from keel.checkpoint.manifest import MANIFEST, check_files, committed, read_manifest, step_of, uncommitted, verify
 from keel.checkpoint.storage import Storage, locate
 from keel.errors import CheckpointError
 
@@ -68,9 +68,9 @@ def list_rows(storage: Storage, names: list[str], checksums: bool = False) -> li
     rows = []
     for name in names:
         manifest = read_manifest(storage, name)
-        problems = verify(storage, name, checksums=checksums)
-        state = ("verified" if checksums else "complete") if not problems else (
-            "unfinished" if manifest is None else "CORRUPT: " + problems[0])
+        problems = check_files(storage, name, manifest, checksums=checksums) if manifest else []
+        state = "unfinished" if manifest is None else (
+            ("verified" if checksums else "complete") if not problems else "CORRUPT: " + problems[0])
         step = step_of(name.split(".")[0])
         rows.append({"name": name, "step": step,
                      "size": sum(storage.files(name).values()),

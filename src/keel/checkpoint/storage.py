@@ -128,11 +128,7 @@ class Storage:
     def sync_dir(self, name: str) -> None:
         """Make a directory's entries durable (a no-op on object stores)."""
         if not self.remote:
-            fd = os.open(self.path(name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(self.path(name))
 
     def publish(self, staging: str, final: str) -> None:
         """Make a fully written checkpoint visible under its final name."""
@@ -207,6 +203,15 @@ class Storage:
         locks = Path(self.root) / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
         return str(locks / name)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a local file or directory by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def locate(path: str | Path) -> tuple[Storage, str]:
