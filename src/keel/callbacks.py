@@ -2,6 +2,7 @@
 
 The loop calls each hook of every callback in a fixed order and never knows which callbacks exist.
 A callback that keeps state implements `state_dict`/`load_state_dict` and is checkpointed with the run.
+A callback with an `inspect(report) -> Action | None` method is also a guard (see keel.guard.engine).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from keel.errors import ConfigError
 
 
 class Callback:
+    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None: ...  # the model parts and optimizers
     def on_start(self, state: Any) -> None: ...
+    # The step's micro-batches and their global batch number, before the forward pass.
+    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None: ...
+    # Gradients exist, the update has not happened. Called again after a replay's recomputation.
+    def after_backward(self, state: Any, replaying: bool) -> None: ...
     def on_step_end(self, state: Any, report: dict) -> None: ...
     def on_checkpoint_saved(self, state: Any, path: str) -> None: ...
     def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None: ...
@@ -30,7 +36,7 @@ class Callbacks:
         self.callbacks = callbacks
 
     def __getattr__(self, hook: str):
-        if not hook.startswith("on_"):
+        if not hook.startswith(("on_", "after_")):
             raise AttributeError(hook)
 
         def call(*args: Any) -> None:
@@ -42,6 +48,10 @@ class Callbacks:
         return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)
                 if hasattr(cb, "state_dict")}
 
+    def guards(self) -> list[Callback]:
+        """The callbacks that are also guards."""
+        return [cb for cb in self.callbacks if hasattr(cb, "inspect")]
+
     def load_state_dict(self, state: dict) -> None:
         for i, cb in enumerate(self.callbacks):
             key = f"{i}:{type(cb).__name__}"
@@ -49,7 +59,10 @@ class Callbacks:
                 cb.load_state_dict(state[key])
 
 
-def load_callbacks(specs: list[CallbackSpec]) -> Callbacks:
+def load_callbacks(specs: list[CallbackSpec], injections: list[str] = ()) -> Callbacks:
+    """The configured callbacks, then the fault injectors of `drill.inject`."""
+    from keel.drill.faults import parse_injection
+
     callbacks = []
     for i, spec in enumerate(specs):
         module_name, _, attr = spec.path.partition(":")
@@ -61,4 +74,4 @@ def load_callbacks(specs: list[CallbackSpec]) -> Callbacks:
             callbacks.append(cls(**spec.args))
         except TypeError as e:
             raise ConfigError(f"callbacks[{i}].args = {spec.args!r} do not fit {spec.path}: {e}") from None
-    return Callbacks(callbacks)
+    return Callbacks(callbacks + [parse_injection(spec) for spec in injections])

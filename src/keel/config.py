@@ -56,6 +56,8 @@ class DataConfig:
     prefetch: int = option(2, "batches prepared ahead by the background loader thread", ge=1)
     verify_checksums: bool = option(True, "check every shard's sha256 against the manifest at start")
     allow_corpus_change: bool = option(False, "resume even if the corpus fingerprint differs from the checkpoint's")
+    skip_batches: list[list[int]] = option([], "global batches never trained on, as [start, end) ranges of batch "
+                                           "numbers, e.g. [[1200, 1500]] (a rollback adds its own)")
 
 
 @dataclass
@@ -147,6 +149,63 @@ class CheckpointConfig:
 
 
 @dataclass
+class NumericsConfig:
+    on_nonfinite: str = option("skip", "NaN/Inf in the loss or gradients of any rank: skip the update on every "
+                               "rank, or stop the run", choices=("skip", "stop"))
+    max_consecutive: int = option(3, "skipped updates in a row before the guard rolls back instead", ge=1)
+
+
+@dataclass
+class SpikeConfig:
+    response: str = option("rollback", "what a loss or gradient-norm spike does: roll back past its data, skip "
+                           "its update, log it, or nothing", choices=("rollback", "skip", "log", "off"))
+    window: int = option(100, "recent steps the median and MAD are taken over", ge=4)
+    warmup: int = option(50, "steps in the window before spikes are looked for", ge=4)
+    loss_threshold: float = option(6.0, "robust score (MADs above the median) of a loss spike; 0: loss not checked",
+                                   ge=0)
+    grad_threshold: float = option(0.0, "robust score of a gradient-norm spike; 0: gradient norm not checked",
+                                   ge=0)
+    min_rise: float = option(0.05, "a spike must also rise this fraction above the median", ge=0)
+
+
+@dataclass
+class SdcConfig:
+    fingerprint_interval: int = option(50, "steps between comparisons of replicas' parameter and optimizer "
+                                       "fingerprints (HSDP replicas; also before every checkpoint); 0: only "
+                                       "before checkpoints", ge=0)
+    replay_interval: int = option(100, "steps between step replays (forward/backward recomputed and compared "
+                                  "bitwise; also whenever the numerics or spike guards fire); 0: only then", ge=0)
+    response: str = option("rollback", "on a suspect rank: roll back and go on, or also exit with code 76 so "
+                           "that the launcher restarts without its node", choices=("rollback", "exit"))
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = option(True, "run the built-in guards (numerics, spike, SDC) and snapshots")
+    snapshot_interval: int = option(50, "steps between in-memory snapshots of the train state (0: none; "
+                                    "rollbacks then read disk checkpoints)", ge=0)
+    snapshots: int = option(2, "in-memory snapshots kept (each a host copy of this rank's parameters and "
+                            "optimizer state)", ge=1)
+    rollback_steps: int = option(20, "a rollback returns to a state at least this many steps before the trouble",
+                                 ge=1)
+    skip_batches: int = option(100, "global batches skipped after a rollback, counted from the state rolled back "
+                               "to (always at least through the offending batch)", ge=0)
+    lr_scale: float = option(1.0, "learning-rate factor for lr_scale_steps steps after a rollback", gt=0, le=1)
+    lr_scale_steps: int = option(0, "steps the learning-rate factor lasts", ge=0)
+    max_rollbacks: int = option(3, "rollbacks at the same place (within spike.window steps; each doubles the "
+                                "skip) before the run stops", ge=1)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    sdc: SdcConfig = field(default_factory=SdcConfig)
+
+
+@dataclass
+class DrillConfig:
+    inject: list[str] = option([], "faults to inject, `KIND:key=value,...`, e.g. "
+                               "\"nan_grads:step=30,rank=1\" (see keel.drill.faults.INJECTORS)")
+
+
+@dataclass
 class CallbackSpec:
     path: str = option("", "import path of a Callback class, `package.module:Class`")
     args: dict = option({}, "keyword arguments for the class")
@@ -163,6 +222,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    drill: DrillConfig = field(default_factory=DrillConfig)
     callbacks: list[CallbackSpec] = field(default_factory=list)
 
     def digest(self) -> str:
@@ -259,6 +320,17 @@ def _check_consistency(cfg: Config) -> None:
         if not valid:
             raise ConfigError(f"monitor.peak_flops = {peak!r}: expected auto, measure, or a positive number of FLOP/s "
                               f"such as 989e12")
+    for i, (start, *end) in enumerate(cfg.data.skip_batches):
+        if len(end) != 1 or not 0 <= start < end[0]:
+            raise ConfigError(f"data.skip_batches[{i}] = {[start, *end]}: expected [start, end] with 0 <= start < end")
+    if cfg.drill.inject:
+        from keel.drill.faults import parse_injection
+
+        for spec in cfg.drill.inject:
+            parse_injection(spec)
+    if cfg.guard.spike.warmup > cfg.guard.spike.window:
+        raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
+                          f"{cfg.guard.spike.window}: the window must hold the warm-up steps")
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
@@ -423,8 +495,15 @@ def to_toml(cfg: Config) -> str:
     tree = dataclasses.asdict(cfg)
     lines = [f"name = {_toml_value(tree.pop('name'))}"]
     callbacks = tree.pop("callbacks")
+
+    def write(section: str, values: dict) -> None:  # a nested dataclass is a [section.sub] table
+        nested = {k: v for k, v in values.items() if isinstance(v, dict)}
+        lines.extend(["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in nested])
+        for key, sub in nested.items():
+            write(f"{section}.{key}", sub)
+
     for section, values in tree.items():
-        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        write(section, values)
     for cb in callbacks:
         lines += ["", "[[callbacks]]"] + [f"{k} = {_toml_value(v)}" for k, v in cb.items()]
     return "\n".join(lines) + "\n"

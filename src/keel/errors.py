@@ -19,4 +19,6 @@ class CheckpointError(KeelError):
 
 
 EXIT_BAD_INPUT = 2
+EXIT_GUARD_STOP = 3  # a guard stopped the run: the trouble needs a person, a restart would meet it again
 EXIT_PAUSED = 75
+EXIT_QUARANTINE = 76  # a rank was found computing wrong: restart without its node (see quarantine.json)

@@ -7,9 +7,10 @@ import os
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from keel.errors import EXIT_BAD_INPUT, EXIT_PAUSED
+from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+PASSED_THROUGH = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE)
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -27,7 +28,8 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: that
-    of the first worker to fail when it reports bad input or a pause, 1 for any other failure."""
+    of the first worker to fail when it reports bad input, a guard's stop, a pause or a quarantine;
+    1 for any other failure."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Workers restarted by the agent must not share the rendezvous store: they would read the
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
@@ -40,5 +42,5 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     except ChildFailedError as e:
         # The first worker to fail holds the cause; the agent then stops the others with signals.
         _, first = e.get_first_failure()
-        return first.exitcode if first.exitcode in (EXIT_BAD_INPUT, EXIT_PAUSED) else 1
+        return first.exitcode if first.exitcode in PASSED_THROUGH else 1
     return 0

@@ -119,7 +119,8 @@ def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) ->
 def test_unknown_section_without_close_match_lists_known_keys() -> None:
     message = config_error(["zzz.bar=1"])
     assert "unknown config key 'zzz' in the top level" in message
-    assert "known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, callbacks" in message
+    assert ("known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, guard, drill, "
+            "callbacks") in message
 
 
 def test_unknown_keys_in_a_file(tmp_path: Path) -> None:
@@ -197,6 +198,8 @@ def test_inclusive_bounds_are_accepted(override: str) -> None:
     ("train.device=tpu", "train.device = 'tpu': expected one of auto, cpu, cuda"),
     ("train.precision=fp16", "train.precision = 'fp16': expected one of auto, fp32, bf16"),
     ("optim.schedule=linear", "optim.schedule = 'linear': expected one of cosine, wsd, constant"),
+    ("guard.spike.response=panic", "guard.spike.response = 'panic': expected one of rollback, skip, log, off"),
+    ("guard.sdc.response=reboot", "guard.sdc.response = 'reboot': expected one of rollback, exit"),
 ])
 def test_choices(override: str, expect: str) -> None:
     assert expect in config_error([override])
@@ -213,6 +216,9 @@ def test_choices(override: str, expect: str) -> None:
      "train.global_batch = 30 must divide by train.micro_batch = 16"),
     (["train.global_batch=8", "train.micro_batch=16"],
      "train.global_batch = 8 must divide by train.micro_batch = 16"),
+    (["data.skip_batches=[[5, 3]]"], "data.skip_batches[0] = [5, 3]: expected [start, end] with 0 <= start < end"),
+    (["data.skip_batches=[[5]]"], "data.skip_batches[0] = [5]: expected [start, end]"),
+    (["guard.spike.warmup=80", "guard.spike.window=40"], "guard.spike.warmup = 80 exceeds guard.spike.window = 40"),
 ])
 def test_consistency_checks(overrides: list[str], expect: str) -> None:
     assert expect in config_error(overrides)

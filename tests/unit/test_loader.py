@@ -58,9 +58,10 @@ def make_loader():
     """Build loaders and always close them, so no prefetch thread outlives its test."""
     made: list[GlobalOrderLoader] = []
 
-    def make(dp_rank: int = 0, dp_size: int = 1, seed: int = 0, fingerprint: str = FP) -> GlobalOrderLoader:
+    def make(dp_rank: int = 0, dp_size: int = 1, seed: int = 0, fingerprint: str = FP,
+             skips: list[list[int]] | None = None) -> GlobalOrderLoader:
         loader = GlobalOrderLoader(SHARDS, seq_len=L, global_batch=GLOBAL, micro_batch=MICRO, dp_rank=dp_rank,
-                                   dp_size=dp_size, seed=seed, fingerprint=fingerprint)
+                                   dp_size=dp_size, seed=seed, fingerprint=fingerprint, skips=skips)
         made.append(loader)
         return loader
 
@@ -135,7 +136,8 @@ def test_resume_with_another_world_size(make_loader, before, after):
             rank.next()
     states = [rank.state_dict() for rank in first]
     assert all(s == states[0] for s in states)
-    assert states[0] == {"epoch": 2, "cursor": k * GLOBAL, "seed": 0, "fingerprint": FP}
+    assert states[0] == {"epoch": 2, "cursor": k * GLOBAL, "seed": 0, "fingerprint": FP,
+                         "skips": []}
 
     resumed = [make_loader(r, after) for r in range(after)]
     for rank in resumed:
@@ -240,3 +242,34 @@ def test_validation_too_small_for_the_layout():
     with pytest.raises(DataError, match="fewer than"):
         validation_batches([np.arange(2 * L + 1, dtype=np.uint16)], seq_len=L, sequences=8, micro_batch=1,
                            dp_rank=0, dp_size=4)
+
+
+def test_skipped_batches_are_never_handed_out_and_the_skips_resume(make_loader) -> None:
+    plain = make_loader()
+    every = [tokens_of(plain.next()) for _ in range(12)]  # global batches 0..11
+    skipping = make_loader()
+    skipping.skip(3, 5)
+    skipping.skip(4, 7)  # overlapping ranges merge
+    assert skipping.skips == [(3, 7)]
+    got = [tokens_of(skipping.next()) for _ in range(3)]
+    assert skipping.last_batch == 2
+    got.append(tokens_of(skipping.next()))
+    assert skipping.last_batch == 7, "batches 3..6 are jumped over"
+    assert all(torch.equal(a, b) for a, b in zip(got, every[:3] + [every[7]], strict=True))
+
+    state = skipping.state_dict()
+    assert state["skips"] == [[3, 7]] and state["cursor"] == 8 * GLOBAL
+    resumed = make_loader()
+    resumed.load_state_dict(state)
+    assert torch.equal(tokens_of(resumed.next()), every[8])
+    resumed.skip(9, 11)  # a skip added while batches are prefetched drops them
+    assert torch.equal(tokens_of(resumed.next()), every[11])
+
+
+def test_skips_from_the_config_apply_from_the_start(make_loader) -> None:
+    plain = make_loader()
+    every = [tokens_of(plain.next()) for _ in range(3)]
+    loader = make_loader(skips=[[0, 2]])
+    assert torch.equal(tokens_of(loader.next()), every[2])
+    with pytest.raises(ValueError, match="start < end"):
+        loader.skip(5, 5)

@@ -55,7 +55,7 @@ from keel.checkpoint.manifest import (
     verify,
 )
 from keel.checkpoint.staging import HostStager
-from keel.checkpoint.storage import Storage, locate
+from keel.checkpoint.storage import LATEST, Storage, locate
 from keel.config import Config
 from keel.data.tokenizer import get_tokenizer
 from keel.errors import CheckpointError
@@ -240,6 +240,26 @@ class CheckpointManager:
         if self.policy.keep_every:
             keep |= {n for n in names if step_of(n) % self.policy.keep_every == 0}
         return [n for n in names if n not in keep and self.storage.remove_unless_read(n)]
+
+    def retire_after(self, step: int, events: EventLog, now: int) -> list[str]:
+        """Remove the committed checkpoints of steps after `step`: a rollback abandoned them (after a
+        spike they lead back into the bad data, after silent corruption they may hold it). The save in
+        flight must have been finished. Every rank calls this; rank 0 removes."""
+        retired: list[str] = []
+        if self.rank == 0:
+            for name in committed(self.storage):
+                if step_of(name) > step and self.storage.remove_unless_read(name):
+                    retired.append(name)
+            remaining = committed(self.storage)
+            if retired and remaining:
+                self.storage.set_latest(remaining[-1])
+            elif retired:
+                self.storage.remove(LATEST)
+            if retired:
+                events.emit("checkpoint", now, "retired", names=retired,
+                            reason=f"newer than step {step}, the state the run went back to")
+        dist.barrier()
+        return retired
 
     def _clean_leftovers(self) -> None:
         for name in uncommitted(self.storage):

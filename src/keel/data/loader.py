@@ -4,8 +4,11 @@ The training split is cut into fixed-length sequences (seq_len + 1 tokens, conse
 share one boundary token). Epoch e visits them in the order of a permutation seeded by (seed, e).
 A global cursor counts sequences consumed; step s consumes global batch s; each data-parallel rank
 takes its contiguous slice of the global batch and splits it into micro-batches. The state is
-(epoch, cursor, seed, corpus fingerprint), so a run resumed on any number of processes reads exactly
-the same global batches.
+(epoch, cursor, seed, corpus fingerprint, skipped batches), so a run resumed on any number of processes
+reads exactly the same global batches.
+
+Global batch b is the one that starts at cursor b × global_batch. Ranges of global batches can be
+skipped (a rollback past a poisoned stretch of data, or `data.skip_batches`): the cursor jumps over them.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class SequenceIndex:
 
 class GlobalOrderLoader:
     def __init__(self, shards: list[np.ndarray], *, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, fingerprint: str, prefetch: int = 2) -> None:
+                 dp_rank: int, dp_size: int, seed: int, fingerprint: str, prefetch: int = 2,
+                 skips: list[list[int]] | None = None) -> None:
         if global_batch % (micro_batch * dp_size):
             raise ValueError("global_batch must divide by micro_batch × dp_size")
         self.index = SequenceIndex(shards, seq_len)
@@ -52,10 +56,14 @@ class GlobalOrderLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.fingerprint, self.prefetch = seed, fingerprint, prefetch
         self.cursor = 0  # sequences consumed by the batches handed out so far
+        self.skips: list[tuple[int, int]] = []  # [start, end) global batch ranges never handed out
+        self.last_batch = -1  # the global batch number of the batch handed out last
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        for start, end in skips or []:
+            self.skip(start, end)
 
     # ------------------------------------------------------------ order
 
@@ -87,8 +95,29 @@ class GlobalOrderLoader:
 
     # ------------------------------------------------------------ iteration with prefetch
 
+    def skip(self, start: int, end: int) -> None:
+        """Never hand out global batches start .. end-1."""
+        if not 0 <= start < end:
+            raise ValueError(f"a skipped range needs 0 <= start < end, not [{start}, {end})")
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self.skips, (start, end)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.skips = merged
+        if self._thread is not None:  # the prefetched batches may lie in the new range
+            self.close()
+
+    def _past_skips(self, cursor: int) -> int:
+        for start, end in self.skips:
+            if start * self.global_batch <= cursor < end * self.global_batch:
+                cursor = end * self.global_batch
+        return cursor
+
     def _produce(self, cursor: int) -> None:
         while not self._stop.is_set():
+            cursor = self._past_skips(cursor)
             try:
                 batch = self.rank_micro_batches(cursor)
             except BaseException as e:  # handed to the training thread, which raises it
@@ -115,7 +144,8 @@ class GlobalOrderLoader:
         if isinstance(batch, BaseException):
             self.close()
             raise batch
-        self.cursor += self.global_batch
+        self.cursor = self._past_skips(self.cursor) + self.global_batch
+        self.last_batch = self.cursor // self.global_batch - 1
         return batch
 
     def close(self) -> None:
@@ -127,7 +157,8 @@ class GlobalOrderLoader:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "fingerprint": self.fingerprint}
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "fingerprint": self.fingerprint,
+                "skips": [list(r) for r in self.skips]}
 
     def load_state_dict(self, state: dict, allow_corpus_change: bool = False) -> None:
         if state["fingerprint"] != self.fingerprint and not allow_corpus_change:
@@ -139,6 +170,8 @@ class GlobalOrderLoader:
                             f"train.seed = {self.seed}; resume with the original seed")
         self.close()
         self.cursor = int(state["cursor"])
+        for start, end in state.get("skips", []):
+            self.skip(start, end)
 
 
 def validation_batches(shards: list[np.ndarray], *, seq_len: int, sequences: int, micro_batch: int,

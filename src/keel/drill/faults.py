@@ -5,13 +5,17 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import tomllib
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from keel.callbacks import Callback
 from keel.checkpoint.manifest import step_name
+from keel.errors import ConfigError
+from keel.guard.snapshots import local
 
 
 class SigkillAfterCheckpoint(Callback):
@@ -59,3 +63,133 @@ class FillDiskBeforeCheckpoint(Callback):
     def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
         if step == self.step and dist.get_rank() == 0:
             self.filler.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- faults in the math
+
+
+def _step_being_made(state: Any) -> int:
+    return state.step + 1
+
+
+class NanInGradients(Callback):
+    """Put a NaN in one gradient element of `rank` during step `step`. By default the NaN is
+    reproducible (a replay of the step meets it again), as a numerical overflow would be; with
+    `transient` it is not, as a hardware fault would not be."""
+
+    def __init__(self, step: int, rank: int = 1, transient: bool = False) -> None:
+        self.step, self.rank, self.transient = step, rank, transient
+        self.params: list = []
+
+    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+        self.params = [p for part in parts for p in part.parameters()]
+
+    def after_backward(self, state: Any, replaying: bool) -> None:
+        if _step_being_made(state) == self.step and dist.get_rank() == self.rank and not (replaying and self.transient):
+            grad = next(p.grad for p in self.params if p.grad is not None)
+            with torch.no_grad():
+                local(grad).view(-1)[0] = float("nan")
+
+
+class PoisonedBatch(Callback):
+    """Replace the tokens of global batches `batch` .. `batch + count - 1` (batch b is the one step
+    b + 1 reads when nothing is skipped) with uniform random ones, on `rank` or (-1) on every rank,
+    i.e. the whole global batch. The data is poisoned whichever step reads it, the way a corrupt shard
+    or a bad mixture would be."""
+
+    def __init__(self, batch: int, count: int = 1, rank: int = -1, vocab: int = 256, seed: int = 0) -> None:
+        self.batch, self.count, self.rank, self.vocab, self.seed = batch, count, rank, vocab, seed
+
+    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
+        if not self.batch <= batch < self.batch + self.count or self.rank not in (-1, dist.get_rank()):
+            return
+        generator = torch.Generator().manual_seed(self.seed + batch * 1000 + dist.get_rank())
+        for inputs, targets in micro_batches:
+            # inputs and targets are views of one token block: (tokens[:-1], tokens[1:])
+            tokens = torch.randint(0, self.vocab, (inputs.shape[0], inputs.shape[1] + 1), generator=generator)
+            inputs.copy_(tokens[:, :-1])
+            targets.copy_(tokens[:, 1:])
+
+
+BIT_FLIP_TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
+
+
+class BitFlip(Callback):
+    """Flip bit `bit` (0 = lowest mantissa bit; 31 = sign of a float32) of element `element` of tensor
+    `tensor` of `rank`'s `target`: its parameters or optimizer moments after step `step`'s update, or
+    its gradients of step `step` before the update (once: a replay computes them right)."""
+
+    def __init__(self, step: int, rank: int = 1, target: str = "params", tensor: int = 0, element: int = 0,
+                 bit: int = 20) -> None:
+        if target not in BIT_FLIP_TARGETS:
+            raise ValueError(f"bitflip target {target!r}: expected one of {', '.join(BIT_FLIP_TARGETS)}")
+        self.step, self.rank, self.target = step, rank, target
+        self.tensor, self.element, self.bit = tensor, element, bit
+        self.params: list = []
+        self.optimizers: list = []
+        self.done = False
+
+    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+        self.params = [p for part in parts for p in part.parameters()]
+        self.optimizers = optimizers
+
+    def _flip(self, t: torch.Tensor) -> None:
+        flat = local(t).detach().view(-1)
+        bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+        with torch.no_grad():
+            bits[self.element % bits.numel()] ^= torch.tensor(1, dtype=bits.dtype) << self.bit
+        self.done = True
+
+    def _mine(self, state: Any) -> bool:
+        return not self.done and dist.get_rank() == self.rank and state.step == self.step
+
+    def after_backward(self, state: Any, replaying: bool) -> None:
+        if self.target == "grads" and not replaying and _step_being_made(state) == self.step and \
+                dist.get_rank() == self.rank and not self.done:
+            self._flip(self.params[self.tensor].grad)
+
+    def on_step_end(self, state: Any, report: dict) -> None:
+        if self.target == "params" and self._mine(state):
+            self._flip(self.params[self.tensor])
+        elif self.target in ("exp_avg", "exp_avg_sq") and self._mine(state):
+            param = self.params[self.tensor]
+            optimizer = next(o for o in self.optimizers if param in o.state)
+            self._flip(optimizer.state[param][self.target])
+
+
+class SkipUpdateAt(Callback):
+    """A guard that drops the update of step `step`: the clean reference for a skipped step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def inspect(self, report: Any) -> Any:
+        from keel.guard.actions import Action
+
+        return Action("skip", "drill", f"told to skip step {self.step}") if report.step == self.step else None
+
+
+INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitflip": BitFlip,
+             "skip_update": SkipUpdateAt, "sigkill_after_checkpoint": SigkillAfterCheckpoint,
+             "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
+             "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint}
+
+
+def parse_injection(spec: str) -> Callback:
+    """`KIND:key=value,...` → the injector, e.g. `bitflip:step=40,rank=1,target=params,bit=30`."""
+    kind, _, args = spec.partition(":")
+    if kind not in INJECTORS:
+        raise ConfigError(f"drill.inject {spec!r}: unknown fault {kind!r}; expected one of {', '.join(INJECTORS)}")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, args.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"drill.inject {spec!r}: expected key=value, not {item!r}")
+        try:
+            kwargs[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            kwargs[key.strip()] = raw
+    try:
+        return INJECTORS[kind](**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"drill.inject {spec!r}: {e}") from None

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_lo
 from keel.config import Config
 from keel.model.llama import Llama
 from keel.parallel.mesh import Mesh
-from keel.train.step import apply_update, plain, set_lr
+from keel.train.step import plain
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "interleaved_zb": ScheduleInterleavedZeroBubble}
@@ -52,8 +52,8 @@ def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Pipeline:
-    """This rank's stages and the schedule that runs them. `train_step` and `evaluate` mirror the
-    functions of `keel.train.step` for a pipelined model."""
+    """This rank's stages and the schedule that runs them. `forward_backward` and `evaluate` mirror
+    the functions of `keel.train.step` for a pipelined model."""
 
     def __init__(self, cfg: Config, mesh: Mesh, parts: list[Llama], stages: list[int],
                  optimizers: list[torch.optim.Optimizer], loss_parallel: bool) -> None:
@@ -88,12 +88,9 @@ class Pipeline:
             return torch.zeros((), device=device)
         return torch.stack([plain(loss.detach()) for loss in losses]).mean()
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
-                   grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-        set_lr(self.optimizers, lr)
-        loss = self._run(self.schedule.step, micro_batches)
-        params = [p for part in self.parts for p in part.parameters()]
-        return loss, apply_update(self.optimizers, params, grad_clip, pp_group=self.pp_group)
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run the schedule's forward and backward; gradients accumulate in this rank's stages."""
+        return self._run(self.schedule.step, micro_batches)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

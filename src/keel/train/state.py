@@ -19,6 +19,7 @@ class TrainState:
     callbacks: dict = field(default_factory=dict)  # name → state of each stateful callback
     train_seconds: float = 0.0  # wall time spent training, summed over restarts
     interruptions: int = 0  # times the run was resumed: the observed failure rate for the checkpoint interval
+    guards: dict = field(default_factory=dict)  # guard histories and counters (keel.guard.engine.Guards.state_dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,10 +19,8 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float,
-                       pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients (across shards, ranks and pipeline stages); clip to
-    `max_norm` unless it is 0."""
+def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients (across shards, ranks and pipeline stages)."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
@@ -29,6 +29,13 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float,
         total = total**2
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
+    return total
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float,
+                       pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global gradient norm; clips to `max_norm` unless it is 0."""
+    total = grad_norm(params, pp_group)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
@@ -50,14 +57,11 @@ def apply_update(optimizers: list[torch.optim.Optimizer], params: list[nn.Parame
     return grad_norm
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
-               autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns this rank's mean loss over its micro-batches and the global gradient norm, as tensors
-    (no host synchronisation here). With `loss_parallel` the logits stay sharded over the vocabulary
-    (tensor parallel) and the loss and its backward are computed on the shards."""
-    set_lr([optimizer], lr)
+def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                     autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False) -> torch.Tensor:
+    """Accumulate the gradients of this rank's micro-batches; returns its mean loss as a tensor (no host
+    synchronisation here). With `loss_parallel` the logits stay sharded over the vocabulary (tensor
+    parallel) and the loss and its backward are computed on the shards."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     loss_sum = torch.zeros((), device=device)
@@ -70,7 +74,76 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
             loss.backward()
         loss_sum += plain(loss.detach())
-    return loss_sum, apply_update([optimizer], list(model.parameters()), grad_clip)
+    return loss_sum
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
+               autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward, clip and update in one call: this rank's mean loss and the global gradient norm."""
+    set_lr([optimizer], lr)
+    loss = forward_backward(model, micro_batches, autocast_dtype=autocast_dtype, loss_parallel=loss_parallel)
+    return loss, apply_update([optimizer], list(model.parameters()), grad_clip)
+
+
+class Stepper:
+    """One training step of this rank's model parts (a whole model, or pipeline stages), cut where the
+    guards look: after the backward, before the update."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any, *,
+                 grad_clip: float, autocast_dtype: torch.dtype | None, loss_parallel: bool) -> None:
+        self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
+        self.grad_clip, self.autocast_dtype, self.loss_parallel = grad_clip, autocast_dtype, loss_parallel
+        self.params = [p for part in parts for p in part.parameters()]
+        self.pp_group = pipeline.pp_group if pipeline is not None else None
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(micro_batches)
+        return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
+                                loss_parallel=self.loss_parallel)
+
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.params, self.pp_group)
+
+    def nonfinite_here(self, loss: torch.Tensor) -> bool:
+        """Whether this rank's own loss or gradient shards hold a NaN or Inf (a host synchronisation:
+        asked only once the step report says some rank does)."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
+                 if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else []
+        return not bool(torch.isfinite(torch.stack([loss.detach().float().reshape(()), *norms])).all())
+
+    def update(self, lr: float, total_norm: torch.Tensor) -> None:
+        """Clip with the norm already computed, step, clear the gradients."""
+        set_lr(self.optimizers, lr)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total_norm, foreach=True)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.drop()
+
+    def drop(self) -> None:
+        """Skip the update: the gradients are cleared, parameters and optimizer state stay as they are."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def recompute(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                  after_backward: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Run this step's forward and backward again from scratch (then `after_backward`, as the loop
+        does); returns the loss and the gradients it produced, and puts back those of the first computation."""
+        first = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            loss = self.forward_backward(micro_batches)
+            after_backward()
+            again = [p.grad for p in self.params]
+        finally:
+            for p, g in zip(self.params, first, strict=True):
+                p.grad = g
+        return loss, again
 
 
 @torch.no_grad()

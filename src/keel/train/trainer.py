@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
 from keel.errors import ConfigError, KeelError
+from keel.guard.actions import CONTINUE
+from keel.guard.engine import Guards
+from keel.guard.report import reduce_report
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
@@ -30,7 +34,7 @@ from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
 from keel.run_lock import RunLock, held_by_launcher
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.state import TrainState, seed_everything
-from keel.train.step import evaluate, train_step
+from keel.train.step import Stepper, evaluate
 
 
 def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
@@ -118,12 +122,16 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     loader = GlobalOrderLoader(
         corpus.splits["train"], seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=cfg.train.seed,
-        fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch)
+        fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
                                      micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.layout.dp)
-    callbacks = load_callbacks(cfg.callbacks)
+    callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
     manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write)
+    stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
+                      loss_parallel=tp)
+    guards = Guards(cfg, mesh, parts, optimizers, stepper.params, loader, manager, callbacks.guards(), events, say,
+                    run_dir)
 
     # Resume: the newest checkpoint of the run that verifies, unless told otherwise.
     state = TrainState()
@@ -141,6 +149,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         state.interruptions += 1
         loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
         callbacks.load_state_dict(state.callbacks)
+        guards.load_state_dict(state.guards)
         callbacks.on_checkpoint_loaded(state, resume_from)
         if rank0:
             events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen)
@@ -184,65 +193,100 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             say(f"checkpoint interval (Young/Daly): every {decision['interval_s']:.1f} s of training for a blocking "
                 f"cost of {decision['delta_s']:.3f} s and a mean time between failures of {decision['mtbf_s']:.0f} s")
 
+    def finish_pending_save() -> None:
+        outcome = manager.finish()
+        if outcome is not None:
+            after_save(outcome)
+
+    callbacks.on_build(parts, optimizers)
     callbacks.on_start(state)
+    guards.begin(state)
     started = last_save = time.perf_counter()
     train_loss = val_loss = float("nan")
     final_saved = True
     try:
         while state.step < cfg.train.steps:
+            step = state.step + 1  # the step being made
             waited = time.perf_counter()
             micro_batches = loader.next()
-            meter.add_data_wait(time.perf_counter() - waited)
-            lr = lr_at(state.step, cfg.optim, cfg.train.steps)
-            with comm.profile(state.step + 1):
-                if pipeline:
-                    loss, grad_norm = pipeline.train_step(micro_batches, lr=lr, grad_clip=cfg.optim.grad_clip)
+            data_s = time.perf_counter() - waited
+            meter.add_data_wait(data_s)
+            callbacks.on_step_start(state, micro_batches, loader.last_batch)
+            lr = lr_at(state.step, cfg.optim, cfg.train.steps) * guards.lr_factor(state.step)
+            log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
+            report, action = None, CONTINUE
+            with comm.profile(step):
+                computing = time.perf_counter()
+                loss = stepper.forward_backward(micro_batches)
+                callbacks.after_backward(state, False)
+                grad_norm = stepper.grad_norm()
+                if guards.reporting or log_step:
+                    # The step's one host synchronisation: the guards' report, which also tells every rank
+                    # whether the background save has finished everywhere and how long ago the last one was.
+                    report = reduce_report(step, loss, grad_norm, mesh.layout.dp * mesh.layout.tp,
+                                           [float(manager.done()), time.perf_counter() - last_save],
+                                           partial(stepper.nonfinite_here, loss), data_s=data_s,
+                                           step_s=time.perf_counter() - computing)
+                    replay = partial(stepper.recompute, micro_batches, partial(callbacks.after_backward, state, True))
+                    action = guards.inspect(state, report, replay)
+                if action.kind == "continue":
+                    stepper.update(lr, grad_norm)
                 else:
-                    loss, grad_norm = train_step(parts[0], optimizers[0], micro_batches, lr=lr,
-                                                 grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
-                                                 loss_parallel=tp)
+                    stepper.drop()
+            if action.kind not in ("continue", "skip"):
+                finish_pending_save()
+                state, code = guards.apply(action, state)
+                if code is not None:
+                    return code
+                if action.rolls_back:
+                    continue
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
             last_step = state.step == cfg.train.steps
-            report = {"step": state.step, "optim/lr": lr}
+            metrics = {"step": state.step, "optim/lr": lr}
             save_now = policy.due_by_step(state.step) or last_step
-
-            if state.step % cfg.train.log_interval == 0 or last_step:
-                # Sum over ranks: the ranks that compute the loss (the last pipeline stage) hold means over
-                # equal shares, each once per tensor-parallel rank. The same reduction tells every rank
-                # whether the background save has finished everywhere and how long ago the last one was.
-                shared = torch.cat([loss.detach().float().reshape(1), torch.tensor(
-                    [float(manager.done()), time.perf_counter() - last_save], device=loss.device)])
-                dist.all_reduce(shared)
-                train_loss = shared[0].item() / (mesh.layout.dp * mesh.layout.tp)
-                if shared[1].item() == ctx.world_size:
+            if report is not None:
+                if report.extras[0] == ctx.world_size:
                     after_save(manager.finish())
-                save_now = save_now or policy.due_by_time(shared[2].item() / ctx.world_size)
-                report.update({"train/loss": train_loss, "optim/grad_norm": grad_norm.item(),
-                               "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
-                               "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device)})
-                log.metric(report)
-                say.step(state.step, cfg.train.steps, report)
+                save_now = save_now or policy.due_by_time(report.extras[1] / ctx.world_size)
+
+            if log_step:
+                train_loss = report.loss
+                metrics.update({"train/loss": train_loss, "optim/grad_norm": report.grad_norm,
+                                "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
+                                "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics()})
+                log.metric(metrics)
+                say.step(state.step, cfg.train.steps, metrics)
 
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
                 val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
                                      evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
                 log.metric({"step": state.step, "val/loss": val_loss})
-                report["val/loss"] = val_loss
+                metrics["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
                 callbacks.on_eval(state, val_loss)
+
+            checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
+            if checked.kind != "continue":
+                finish_pending_save()
+                state, code = guards.apply(checked, state)
+                if code is not None:
+                    return code
+                if checked.rolls_back:
+                    continue
 
             if save_now:
                 state.train_seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 state.loader = loader.state_dict()
                 state.callbacks = callbacks.state_dict()
+                state.guards = guards.state_dict()
                 for outcome in manager.save(parts, optimizers, state, wait=last_step):
                     after_save(outcome)
                     final_saved = outcome.committed
                 last_save = time.perf_counter()
-            callbacks.on_step_end(state, report)
+            callbacks.on_step_end(state, metrics)
     finally:
         loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
 

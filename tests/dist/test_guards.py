@@ -1,0 +1,176 @@
+"""Guards against real faults in real multi-process runs: each faulted run is compared with a clean
+run that does what the guard should have done (skip a step, omit a stretch of data, or nothing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from keel.checkpoint.inspect import state_sha256
+from keel.monitor.sinks import read_jsonl
+from tests.conftest import SMALL_RUN, run_keel
+
+pytestmark = pytest.mark.dist
+
+STEPS = 40
+# Snapshots every 10 steps; a spike rolls back at least 5 steps and skips at least 8 batches.
+GUARDS = ["guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=8", "guard.spike.warmup=20",
+          "guard.spike.window=40"]
+LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "dp2_replicated": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+           "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16"]}
+
+
+def train(corpus: Path, run_dir: Path, *extra: str, nproc: int = 2, steps: int = STEPS,
+          expect: int = 0) -> None:
+    cmd = ["train", "--nproc", str(nproc), "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={steps}",
+           f"data.dir={corpus}", *GUARDS, *extra]
+    result = run_keel(cmd, cwd=run_dir.parent)
+    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def events(run_dir: Path, kind: str = "guard") -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+def final_state(run_dir: Path, steps: int = STEPS) -> str:
+    return state_sha256(run_dir / "checkpoints" / f"step-{steps:06d}")
+
+
+def train_state(run_dir: Path, steps: int = STEPS) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "train_state.json").read_text())
+
+
+def final_loss(run_dir: Path) -> float:
+    return [r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def clean(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Clean reference runs, one per layout, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in made:
+            run_dir = tmp_path_factory.mktemp("clean") / layout
+            train(small_corpus, run_dir, *LAYOUTS[layout], nproc=2 if layout != "hsdp2x2" else 4)
+            assert not events(run_dir), "a clean run takes no guard action"
+            made[layout] = run_dir
+        return made[layout]
+
+    return get
+
+
+def test_nan_on_one_rank_skips_that_step_on_every_rank(small_corpus: Path, tmp_path: Path) -> None:
+    faulted, told = tmp_path / "nan", tmp_path / "told-to-skip"
+    train(small_corpus, faulted, 'drill.inject=["nan_grads:step=12,rank=1"]')
+    train(small_corpus, told, 'drill.inject=["skip_update:step=12"]')
+
+    [skip] = events(faulted)
+    assert (skip["step"], skip["action"], skip["detail"]["guard"]) == (12, "skip", "numerics")
+    assert skip["detail"]["ranks"] == [1], "the event names the rank whose gradients held the NaN"
+    assert [(e["step"], e["action"]) for e in events(told)] == [(12, "skip")]
+    assert final_state(faulted) == final_state(told), "the skip is exact: nothing else changed"
+    assert train_state(faulted)["guards"]["counts"]["numerics_skip"] == 1
+
+
+def test_poisoned_batch_is_rolled_back_and_its_data_skipped(small_corpus: Path, tmp_path: Path) -> None:
+    steps = 80
+    faulted, omitted = tmp_path / "poisoned", tmp_path / "omits-the-window"
+    train(small_corpus, faulted, 'drill.inject=["poison_batch:batch=49"]', steps=steps)
+
+    spike, rolled = events(faulted)
+    assert (spike["step"], spike["action"], spike["detail"]["guard"]) == (50, "rollback", "spike")
+    assert spike["detail"]["loss"] > 1.5 * spike["detail"]["loss_median"], "detected at the poisoned step"
+    assert rolled["action"] == "rolled_back" and rolled["detail"]["to_step"] == 40
+    assert rolled["detail"]["source"] == "the in-memory snapshot of step 40"
+    assert rolled["detail"]["skipped_batches"] == [40, 50]  # from the snapshot through the poisoned batch
+    assert train_state(faulted, steps)["loader"]["skips"] == [[40, 50]]
+
+    train(small_corpus, omitted, "data.skip_batches=[[40, 50]]", steps=steps)
+    assert final_loss(faulted) == pytest.approx(final_loss(omitted), rel=0.02)
+    assert final_state(faulted, steps) == final_state(omitted, steps), "and in fact bitwise equal"
+
+
+def test_a_spike_that_keeps_coming_back_escalates_then_stops(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "persistent"
+    train(small_corpus, run_dir, 'drill.inject=["poison_batch:batch=69,count=40"]', "guard.snapshots=3", steps=100,
+          expect=3)
+    decided = events(run_dir)
+    spikes = [e["step"] for e in decided if e["action"] == "rollback"]
+    skips = [e["detail"]["skipped_batches"] for e in decided if e["action"] == "rolled_back"]
+    # Each repeat goes further back and skips twice as many batches (8, 16, 32), always past the spike's.
+    assert spikes == [70, 61, 51] and skips == [[60, 70], [50, 71], [40, 72]]
+    assert [e["detail"]["repeat"] for e in decided if e["action"] == "rollback"] == [0, 1, 2]
+    assert (decided[-1]["step"], decided[-1]["action"]) == (41, "stop")
+    assert "3 rollbacks" in decided[-1]["detail"]["reason"]
+    assert not (run_dir / "checkpoints" / "step-000100").exists()
+
+
+def test_bit_flip_in_replicated_parameters_is_caught_by_fingerprints(clean, small_corpus: Path,
+                                                                      tmp_path: Path) -> None:
+    run_dir = tmp_path / "flipped"
+    train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
+          'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]')
+    decided = events(run_dir)
+    assert (decided[0]["step"], decided[0]["action"]) == (30, "rollback"), "caught at the next check"
+    assert decided[0]["detail"]["tied"] == [0, 1]
+    assert decided[1]["detail"]["to_step"] == 20, "back to the newest verified state"
+    [named] = [e for e in decided if e["action"] == "quarantine"]
+    assert named["step"] == 30 and "rank(s) 1 named" in named["detail"]["reason"]
+    [record] = json.loads((run_dir / "quarantine.json").read_text())
+    assert record["ranks"] == [1] and record["hosts"] and record["evidence"]["departed_at"] == {"0": 27, "1": 26}
+    assert [e["action"] for e in events(run_dir, "alert")] == ["sdc_suspect"]
+    assert final_state(run_dir) == final_state(clean("dp2_replicated")), "the flip left no trace"
+
+
+def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "flipped"
+    train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",
+          'drill.inject=["bitflip:step=25,rank=1,target=grads,tensor=3,element=5,bit=3"]')
+    decided = events(run_dir)
+    assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (25, "quarantine", "replay")
+    assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["differing_gradients"] == {"1": 1}
+    assert decided[1]["action"] == "rolled_back" and decided[1]["detail"]["to_step"] == 20
+    assert json.loads((run_dir / "quarantine.json").read_text())[0]["ranks"] == [1]
+    assert final_state(run_dir) == final_state(clean("fsdp2"))
+
+
+def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_nothing(
+        clean, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "hsdp"
+    flip = 'drill.inject=["bitflip:step=25,rank=1,target=exp_avg,tensor=2,element=0,bit=30"]'
+    common = [*LAYOUTS["hsdp2x2"], "guard.sdc.fingerprint_interval=10", "checkpoint.interval=10"]
+    train(small_corpus, run_dir, *common, "guard.sdc.response=exit", flip, nproc=4, expect=76)
+    # Rank 1's huge first moment blows up its replica's next update: the numerics guard fires, the check it
+    # calls finds the replicas of rank 1's shard (1 and 3) disagreeing, and re-execution names rank 1.
+    decided = events(run_dir)
+    assert [(e["detail"]["guard"], e["action"]) for e in decided] == [
+        ("numerics", "skip"), ("sdc", "rollback"), ("sdc", "rolled_back"), ("sdc", "quarantine")]
+    assert decided[1]["detail"]["tied"] == [1, 3] and decided[2]["detail"]["to_step"] == 20
+    [record] = json.loads((run_dir / "quarantine.json").read_text())
+    assert record["ranks"] == [1] and 25 < record["step"] <= 30
+    # Nothing after the last verified step (20) was checkpointed: the check before a save would have failed.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000010", "step-000020"]
+
+    train(small_corpus, run_dir, *common, nproc=4)  # the restart, on healthy hardware
+    assert [e["step"] for e in events(run_dir, "resume")] == [20]
+    assert final_state(run_dir) == final_state(clean("hsdp2x2"))
+
+
+def test_no_false_positives_over_two_thousand_clean_steps(small_corpus: Path, tmp_path: Path) -> None:
+    """Default thresholds, every detector at a short interval, three layouts: not one guard action."""
+    stress = ["guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5", "checkpoint.interval=500",
+              "eval.interval=0", "train.log_interval=50"]
+    default_spike = ["guard.spike.warmup=50", "guard.spike.window=100"]
+    checked = 0
+    for layout, nproc, steps in (("single", 1, 1000), ("dp2_replicated", 2, 600), ("fsdp2", 2, 400)):
+        run_dir = tmp_path / layout
+        train(small_corpus, run_dir, *LAYOUTS.get(layout, []), *stress, *default_spike, nproc=nproc, steps=steps)
+        assert events(run_dir) == [], layout
+        counts = train_state(run_dir, steps)["guards"]["counts"]
+        assert counts["sdc_replays"] == steps // 5
+        assert counts.get("sdc_checks", 0) == (steps // 5 if layout == "dp2_replicated" else 0)
+        checked += steps
+    assert checked >= 2000

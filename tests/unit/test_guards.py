@@ -1,0 +1,229 @@
+"""Guard building blocks in one process: actions, the numerics and spike guards, fingerprints, the
+snapshot ring, skipped data and the fault injection specs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from keel.config import GuardConfig, OptimConfig, load_config
+from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, parse_injection
+from keel.errors import ConfigError
+from keel.guard.actions import CONTINUE, KINDS, Action, strongest
+from keel.guard.numerics import NumericsGuard
+from keel.guard.report import StepReport
+from keel.guard.sdc import fingerprint, same_bits
+from keel.guard.snapshots import SnapshotRing, live_tensors
+from keel.guard.spike import SpikeGuard, robust_score
+from keel.train.optim import build_optimizer
+
+
+def report(step: int, loss: float = 3.0, grad_norm: float = 1.0, nonfinite: list[int] | None = None) -> StepReport:
+    return StepReport(step=step, loss=loss, grad_norm=grad_norm, local_loss=loss, nonfinite_ranks=nonfinite or [])
+
+
+# ------------------------------------------------------------------ actions
+
+
+def test_strongest_action_wins_and_first_of_equals() -> None:
+    skip_a, skip_b = Action("skip", "a"), Action("skip", "b")
+    rollback = Action("rollback", "spike", to_step=3)
+    assert strongest([None, CONTINUE]) is CONTINUE
+    assert strongest([skip_a, rollback, skip_b]) is rollback
+    assert strongest([skip_a, skip_b]) is skip_a
+    assert strongest([rollback, Action("stop", "x")]).kind == "stop"
+    assert [Action(k).severity for k in KINDS] == sorted(Action(k).severity for k in KINDS)
+    with pytest.raises(ValueError, match="unknown guard action"):
+        Action("explode")
+
+
+def test_quarantine_rolls_back_only_with_a_target() -> None:
+    assert Action("quarantine", ranks=(1,), to_step=5).rolls_back
+    assert not Action("quarantine", ranks=(1,)).rolls_back
+    assert not Action("skip").rolls_back
+
+
+# ------------------------------------------------------------------ numerics
+
+
+def test_numerics_skips_then_rolls_back_after_consecutive_skips() -> None:
+    cfg = GuardConfig()
+    guard = NumericsGuard(cfg)
+    assert guard.inspect(report(10)) is None
+    first = guard.inspect(report(11, loss=float("nan"), nonfinite=[1]))
+    assert first.kind == "skip" and first.evidence["ranks"] == [1]
+    assert guard.inspect(report(12, grad_norm=float("inf"), nonfinite=[0])).kind == "skip"
+    third = guard.inspect(report(13, grad_norm=float("nan"), nonfinite=[0, 1]))
+    assert third.kind == "rollback" and third.evidence["consecutive"] == 3
+    assert third.to_step == 13 - 3 - cfg.rollback_steps + 1 and third.skip_batches == cfg.skip_batches
+    assert guard.inspect(report(14)) is None and guard.consecutive == 0
+
+
+def test_numerics_can_stop_instead() -> None:
+    cfg = GuardConfig()
+    cfg.numerics.on_nonfinite = "stop"
+    assert NumericsGuard(cfg).inspect(report(3, loss=float("inf"), nonfinite=[0])).kind == "stop"
+
+
+# ------------------------------------------------------------------ spikes
+
+
+def test_robust_score_is_mads_above_the_median() -> None:
+    score, median = robust_score([1.0, 2.0, 3.0, 4.0, 5.0], 8.0)
+    assert median == 3.0 and score == pytest.approx(5.0 / 1.4826)
+    # A flat window: the MAD is floored at 1% of the median, so noise does not become a spike.
+    score, _ = robust_score([2.0] * 10, 2.001)
+    assert score == pytest.approx(0.05)
+
+
+def noisy_losses(n: int, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    return [3.0 - 0.001 * i + rng.gauss(0, 0.03) for i in range(n)]
+
+
+def test_spike_guard_ignores_noise_and_warmup_and_rolls_back_on_a_spike() -> None:
+    cfg = GuardConfig(rollback_steps=7, skip_batches=40)
+    cfg.spike.grad_threshold = 12.0
+    guard = SpikeGuard(cfg)
+    assert guard.inspect(report(1, loss=50.0)) is None  # warm-up: nothing is judged yet
+    guard.history.clear()
+    for step, loss in enumerate(noisy_losses(300), start=1):
+        assert guard.inspect(report(step, loss=loss, grad_norm=1.0 + 0.05 * random.Random(step).random())) is None
+    assert len(guard.history) == cfg.spike.window
+    action = guard.inspect(report(301, loss=4.5))
+    assert action.kind == "rollback" and action.guard == "spike"
+    assert action.to_step == 301 - 7 and action.skip_batches == 40
+    assert action.evidence["loss"] == 4.5 and action.evidence["loss_score"] > cfg.spike.loss_threshold
+    assert guard.history[-1][0] == 300, "a spike does not enter the window"
+    grad = guard.inspect(report(302, loss=2.7, grad_norm=40.0))
+    assert grad.kind == "rollback" and "grad_norm" in grad.evidence and "loss" not in grad.evidence
+
+
+def test_spike_needs_a_real_rise_and_honours_the_response() -> None:
+    cfg = GuardConfig()
+    cfg.spike.min_rise = 0.5
+    guard = SpikeGuard(cfg)
+    for step in range(1, 101):
+        guard.inspect(report(step, loss=3.0 + (0.001 if step % 2 else 0.0)))
+    assert guard.inspect(report(101, loss=3.5)) is None  # many MADs, but under a 50% rise
+    for response, kind in (("skip", "skip"), ("log", "continue")):
+        cfg.spike.response = response
+        action = guard.inspect(report(102, loss=9.0))
+        assert action.kind == kind and action.reason
+    cfg.spike.response = "off"
+    assert guard.inspect(report(103, loss=9.0)) is None
+
+
+def test_spike_history_survives_a_checkpoint() -> None:
+    guard = SpikeGuard(GuardConfig())
+    for step in range(1, 61):
+        guard.inspect(report(step))
+    assert guard.history[-1][0] == 60
+    again = SpikeGuard(GuardConfig())
+    again.load_state_dict(guard.state_dict())
+    assert again.history == guard.history
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, 32), (torch.bfloat16, 16)])
+def test_fingerprint_changes_for_a_flip_of_any_bit(dtype: torch.dtype, bits: int) -> None:
+    t = torch.randn(1000).to(dtype)
+    clean = fingerprint([t])
+    assert torch.equal(clean, fingerprint([t.clone()]))
+    int_view = {32: torch.int32, 16: torch.int16}[bits]
+    for bit in range(bits):
+        flipped = t.clone()
+        flipped.view(int_view)[123] ^= torch.tensor(1, dtype=int_view) << bit
+        assert not torch.equal(fingerprint([flipped]), clean), bit
+
+
+def test_fingerprint_has_one_entry_per_tensor_and_reads_missing_gradients_as_zero() -> None:
+    a, b = torch.ones(3), torch.zeros(2)
+    fp = fingerprint([a, None, b])
+    assert fp.shape == (3,) and fp[1] == 0 and fp[2] == 0 and fp[0] != 0
+    assert same_bits(float("nan"), float("nan")) and not same_bits(0.0, -0.0)
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+def tiny_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    return model, build_optimizer(model, OptimConfig())
+
+
+def train_one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(5, 4)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_snapshot_ring_restores_parameters_optimizer_state_and_rng_exactly() -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    ring = SnapshotRing([optimizer], count=2, pin_memory=False)
+    ring.take(0, {"train": {"step": 0}})
+    train_one_step(model, optimizer)
+    ring.take(1, {"train": {"step": 1}})
+    saved = [t.clone() for t in live_tensors([optimizer])[0]]
+    expected_draw = torch.rand(3)
+    for _ in range(3):
+        train_one_step(model, optimizer)
+    ring.take(4, {"train": {"step": 4}})
+    assert [s.step for s in ring.snapshots] == [1, 4], "the ring keeps the newest two"
+    assert ring.newest(3).step == 1 and ring.newest(0) is None
+
+    host = ring.restore(ring.newest(3))
+    assert host == {"train": {"step": 1}}
+    for now, then in zip(live_tensors([optimizer])[0], saved, strict=True):
+        assert torch.equal(now, then)
+    assert torch.equal(torch.rand(3), expected_draw), "RNG streams come back too"
+    assert [s.step for s in ring.snapshots] == [1], "snapshots of abandoned steps are dropped"
+
+
+def test_restoring_a_snapshot_from_before_the_first_update_clears_optimizer_state() -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    ring = SnapshotRing([optimizer], count=1, pin_memory=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    ring.take(0, {})
+    train_one_step(model, optimizer)
+    ring.restore(ring.newest(0))
+    assert not optimizer.state
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+# ------------------------------------------------------------------ fault injection specs
+
+
+def test_injection_specs_build_injectors() -> None:
+    nan = parse_injection("nan_grads:step=30,rank=1,transient=true")
+    assert isinstance(nan, NanInGradients) and (nan.step, nan.rank, nan.transient) == (30, 1, True)
+    flip = parse_injection("bitflip:step=4,rank=0,target=exp_avg_sq,tensor=2,element=7,bit=31")
+    assert isinstance(flip, BitFlip) and (flip.target, flip.tensor, flip.element, flip.bit) == ("exp_avg_sq", 2, 7, 31)
+    assert isinstance(parse_injection("poison_batch:batch=9"), PoisonedBatch)
+    assert isinstance(parse_injection("skip_update:step=3"), SkipUpdateAt)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("meteor:step=3", "unknown fault 'meteor'"),
+    ("bitflip:step=3,target=weights", "bitflip target 'weights'"),
+    ("nan_grads:step", "expected key=value"),
+    ("nan_grads:when=3", "unexpected keyword"),
+])
+def test_bad_injection_specs_are_config_errors(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f'drill.inject=["{spec}"]'])
+
+
+def test_bit_flip_changes_one_bit_of_one_element() -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    flip = BitFlip(step=1, rank=0, target="params", tensor=0, element=5, bit=30)
+    flip.on_build([model], [optimizer])
+    before = model[0].weight.detach().clone()
+    flip._flip(model[0].weight)
+    changed = (before.view(torch.int32) ^ model[0].weight.detach().view(torch.int32)).view(-1)
+    assert changed.count_nonzero() == 1 and changed[5] == 1 << 30
