@@ -1,12 +1,13 @@
 """Detection matrix: which guard catches a single flipped bit, where, and how soon.
 
 For each target (parameters, gradients, Adam's first and second moments) and bit (sign, exponent,
-mantissa), a real 2-process run of the small test model gets one bit of one element of rank 1's
+mantissa), a real multi-process run of the small test model gets one bit of one element of rank 1's
 tensor flipped at step 13 (parameters and moments after that step's update, gradients before it),
 and the outcome is compared with a clean run of the same layout:
 
   replicated  two data-parallel replicas: fingerprints every 5 steps, replays every 5 (not at 13)
-  sharded     FSDP over both ranks, no replicas: a replay at every step is the only SDC detector
+  4 replicas  four data-parallel replicas (4 processes), the same intervals: a majority can outvote
+  sharded     FSDP over two ranks, no replicas: a replay at every step is the only SDC detector
 
 A cell reads `detector +latency, outcome`: the first guard that acted and how many steps after the
 flip; `exact` = rolled back and finished bitwise equal to the clean run; `recovered` = rolled back,
@@ -37,10 +38,12 @@ MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
          "optim.warmup_steps=5", "eval.interval=0", "eval.sequences=8", f"checkpoint.interval={STEPS}",
          f"train.steps={STEPS}", "guard.snapshot_interval=5", "guard.snapshots=3", "guard.rollback_steps=3",
          "guard.skip_batches=4", "guard.spike.warmup=8", "guard.spike.window=20"]
-LAYOUTS = {
-    "replicated": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "guard.sdc.fingerprint_interval=5",
-                   "guard.sdc.replay_interval=5"],
-    "sharded": ["parallel.dp_shard=2", "guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=1"],
+LAYOUTS = {  # name: (processes, overrides)
+    "replicated": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "guard.sdc.fingerprint_interval=5",
+                       "guard.sdc.replay_interval=5"]),
+    "4 replicas": (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.global_batch=16",
+                       "guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5"]),
+    "sharded": (2, ["parallel.dp_shard=2", "guard.sdc.replay_interval=1"]),
 }
 TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
 BITS = {31: "sign", 30: "exponent (top)", 23: "exponent (lowest)", 22: "mantissa (top)", 0: "mantissa (lowest)"}
@@ -56,8 +59,9 @@ def subprocess_runner(args: list[str], cwd: Path) -> int:
 
 
 def train(runner: Runner, corpus: Path, run_dir: Path, layout: str, *extra: str) -> None:
-    code = runner(["train", "--nproc", "2", "--run-dir", str(run_dir), f"data.dir={corpus}", *MODEL,
-                   *LAYOUTS[layout], *extra], run_dir.parent)
+    nproc, overrides = LAYOUTS[layout]
+    code = runner(["train", "--nproc", str(nproc), "--run-dir", str(run_dir), f"data.dir={corpus}", *MODEL,
+                   *overrides, *extra], run_dir.parent)
     if code != 0:
         raise RuntimeError(f"{run_dir.name}: keel train exited {code}")
 
@@ -67,13 +71,12 @@ def final_state(run_dir: Path) -> str:
 
 
 def cell(runner: Runner, corpus: Path, work: Path, layout: str, target: str, bit: int, clean: str) -> dict:
-    run_dir = work / f"{layout}-{target}-{bit}"
+    run_dir = work / f"{layout.replace(' ', '_')}-{target}-{bit}"
     train(runner, corpus, run_dir, layout,
           f'drill.inject=["bitflip:step={FLIP_AT},rank=1,target={target},tensor={TENSOR},element={ELEMENT},bit={bit}"]')
     acted = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "guard" and e["action"] != "rolled_back"]
     same = final_state(run_dir) == clean
-    suspects = sorted({r for e in acted if e["action"] == "quarantine" for r in e["detail"].get("ranks", [])} |
-                      {r for e in acted if e["action"] == "quarantine" for r in _named(e["detail"]["reason"])})
+    suspects = sorted({r for e in acted if e["action"] == "quarantine" for r in e["detail"]["ranks"]})
     if acted:
         first = acted[0]
         detector = first["detail"].get("detector") or first["detail"]["guard"]
@@ -85,16 +88,11 @@ def cell(runner: Runner, corpus: Path, work: Path, layout: str, target: str, bit
             "outcome": "absorbed" if same else "missed", "named": [], "actions": []}
 
 
-def _named(reason: str) -> list[int]:
-    head = reason.removeprefix("rank(s) ").split(" ", 1)[0] if reason.startswith("rank(s) ") else ""
-    return [int(r) for r in head.replace(",", " ").split() if r.isdigit()]
-
-
 def run_matrix(runner: Runner, corpus: Path, work: Path, layouts: tuple[str, ...] = tuple(LAYOUTS),
                targets: tuple[str, ...] = TARGETS, bits: tuple[int, ...] = tuple(BITS)) -> list[dict]:
     cells = []
     for layout in layouts:
-        clean_dir = work / f"{layout}-clean"
+        clean_dir = work / f"{layout.replace(' ', '_')}-clean"
         train(runner, corpus, clean_dir, layout)
         clean = final_state(clean_dir)
         for target in targets:
@@ -106,7 +104,8 @@ def run_matrix(runner: Runner, corpus: Path, work: Path, layouts: tuple[str, ...
 def describe(c: dict) -> str:
     if c["detector"] is None:
         return c["outcome"]
-    named = f", rank {','.join(map(str, c['named']))} named" if c["named"] else ""
+    named = f", {'ranks' if len(c['named']) > 1 else 'rank'} {' and '.join(map(str, c['named']))} named" \
+        if c["named"] else ""
     return f"{c['detector']} +{c['latency']}, {c['outcome']}{named}"
 
 

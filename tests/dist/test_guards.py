@@ -19,7 +19,8 @@ STEPS = 40
 GUARDS = ["guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=8", "guard.spike.warmup=20",
           "guard.spike.window=40"]
 LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "dp2_replicated": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
-           "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16"]}
+           "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16"],
+           "dp4_replicated": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.global_batch=16"]}
 
 
 def train(corpus: Path, run_dir: Path, *extra: str, nproc: int = 2, steps: int = STEPS,
@@ -54,7 +55,7 @@ def clean(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
     def get(layout: str) -> Path:
         if layout not in made:
             run_dir = tmp_path_factory.mktemp("clean") / layout
-            train(small_corpus, run_dir, *LAYOUTS[layout], nproc=2 if layout != "hsdp2x2" else 4)
+            train(small_corpus, run_dir, *LAYOUTS[layout], nproc=4 if "16" in LAYOUTS[layout][-1] else 2)
             assert not events(run_dir), "a clean run takes no guard action"
             made[layout] = run_dir
         return made[layout]
@@ -91,6 +92,35 @@ def test_poisoned_batch_is_rolled_back_and_its_data_skipped(small_corpus: Path, 
     train(small_corpus, omitted, "data.skip_batches=[[40, 50]]", steps=steps)
     assert final_loss(faulted) == pytest.approx(final_loss(omitted), rel=0.02)
     assert final_state(faulted, steps) == final_state(omitted, steps), "and in fact bitwise equal"
+
+
+def test_without_snapshots_a_rollback_reads_the_checkpoint_and_lowers_the_learning_rate(
+        small_corpus: Path, tmp_path: Path) -> None:
+    steps = 80
+    run_dir = tmp_path / "from-disk"
+    train(small_corpus, run_dir, 'drill.inject=["poison_batch:batch=49"]', "guard.snapshot_interval=0",
+          "guard.lr_scale=0.5", "guard.lr_scale_steps=5", steps=steps)
+    _, rolled = events(run_dir)
+    assert rolled["detail"]["source"] == f"checkpoint {run_dir / 'checkpoints' / 'step-000040'}"
+    assert rolled["detail"]["skipped_batches"] == [40, 50] and rolled["detail"]["lr_scale"] == 0.5
+    lrs = {}
+    for record in read_jsonl(run_dir / "metrics.jsonl"):
+        if "optim/lr" in record:
+            lrs.setdefault(record["step"], []).append(record["optim/lr"])
+    # Steps 41-50 ran twice: before the spike at the scheduled rate, after the rollback at half of it for 5 steps.
+    assert [lrs[s][1] / lrs[s][0] for s in range(41, 48)] == pytest.approx([0.5] * 5 + [1.0] * 2)
+    assert final_loss(run_dir) == pytest.approx(3.0, abs=0.6)
+
+
+def test_a_majority_of_replicas_names_the_odd_one_at_once(clean, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "four-replicas"
+    train(small_corpus, run_dir, *LAYOUTS["dp4_replicated"], "guard.sdc.fingerprint_interval=10",
+          'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=0,element=7,bit=0"]', nproc=4)
+    quarantine, rolled = events(run_dir)
+    assert (quarantine["step"], quarantine["action"], quarantine["detail"]["outvoted"]) == (30, "quarantine", [1])
+    assert quarantine["detail"]["ranks"] == [1], "outvoted by three replicas: no re-execution needed to name it"
+    assert rolled["detail"]["to_step"] == 20
+    assert final_state(run_dir) == final_state(clean("dp4_replicated"))
 
 
 def test_a_spike_that_keeps_coming_back_escalates_then_stops(small_corpus: Path, tmp_path: Path) -> None:

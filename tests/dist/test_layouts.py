@@ -57,13 +57,22 @@ def model_params(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("model.")}
 
 
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_jsonl(run_dir / "metrics.jsonl") if key in r}
+
+
 def assert_same_training(run_dir: Path, reference: Path, steps: range) -> float:
-    """Losses within rtol 1e-5 at every step; final parameters within 0.1 × peak LR. Returns the
+    """Losses within rtol 1e-5 at every step, gradient and update norms (reduced over the layout's
+    shards, replicas and stages) within 1e-3; final parameters within 0.1 × peak LR. Returns the
     largest parameter difference seen."""
     got, want = losses(run_dir), losses(reference)
     assert sorted(got) == list(steps)
     for step in steps:
         assert math.isclose(got[step], want[step], rel_tol=1e-5), (step, got[step], want[step])
+    for key in ("optim/grad_norm", "optim/update_norm"):
+        got_norms, want_norms = logged(run_dir, key), logged(reference, key)
+        for step in steps:
+            assert math.isclose(got_norms[step], want_norms[step], rel_tol=1e-3), (key, step)
     params, ref_params = model_params(run_dir, steps[-1]), model_params(reference, steps[-1])
     assert params.keys() == ref_params.keys()
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in params)

@@ -213,3 +213,26 @@ def test_grad_norm_and_clip_leaves_small_or_unclipped_gradients(max_norm: float)
     params = _params_with_grads([3.0, 4.0], [12.0])
     assert float(grad_norm_and_clip(params, max_norm)) == pytest.approx(13.0)
     assert torch.equal(params[0].grad, torch.tensor([3.0, 4.0])) and torch.equal(params[1].grad, torch.tensor([12.0]))
+
+
+def test_update_norm_is_the_norm_of_the_change_the_step_made() -> None:
+    import torch.distributed as dist
+
+    from keel.train.optim import update_norm_sq
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+        assert float(update_norm_sq([optimizer])) == 0.0, "no update yet"
+        for _ in range(3):
+            model(torch.randn(5, 4)).square().mean().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            moved = sum(float((p.detach() - b).double().square().sum()) for p, b in zip(model.parameters(), before,
+                                                                                      strict=True))
+            assert float(update_norm_sq([optimizer])) == pytest.approx(moved, rel=1e-5)
+    finally:
+        dist.destroy_process_group()

@@ -54,6 +54,8 @@ class Guards:
         self.builtin: list[NumericsGuard | SpikeGuard] = [NumericsGuard(self.g), SpikeGuard(self.g)] if on else []
         self.guards: list[Any] = [*self.builtin, *user_guards]  # users' guards keep their state as callbacks
         self.sdc = SdcGuard(self.g, mesh, optimizers, params, cfg.train.deterministic) if on else None
+        if on and not cfg.train.deterministic:
+            say("note: step replays are off: with train.deterministic = false a recomputed step may differ by rounding")
         self.ring = (SnapshotRing(optimizers, self.g.snapshots, pin_memory=torch.cuda.is_available())
                      if on and self.g.snapshot_interval else None)
         hosts: list = [None] * dist.get_world_size()
@@ -228,7 +230,9 @@ class Guards:
     def _record(self, action: Action, step: int) -> None:
         self.counts[f"{action.guard}_{action.kind}"] += 1
         if self.rank0:
-            self.events.emit("guard", step, action.kind, guard=action.guard, reason=action.reason, **action.evidence)
+            named = {"ranks": list(action.ranks)} if action.kind == "quarantine" else {}
+            self.events.emit("guard", step, action.kind, guard=action.guard, reason=action.reason,
+                             **{**action.evidence, **named})
 
     # ------------------------------------------------------------ metrics and state
 

@@ -25,6 +25,7 @@ class StepReport:
     extras: list[float] = field(default_factory=list)  # the caller's values, summed over ranks
     data_s: float = 0.0  # this step's wait for data
     step_s: float = 0.0  # this step's forward and backward, until the report
+    update_norm: float | None = None  # ‖θ_new − θ_old‖ of this step's update: measured on logged steps only
 
     @property
     def finite(self) -> bool:

@@ -4,8 +4,8 @@ Replica fingerprints: ranks that hold the same shard (the data-parallel replicas
 fingerprint of their parameters and optimizer state every `fingerprint_interval` steps and before
 every checkpoint. A rank that disagrees with the majority of its replicas is the suspect. Two replicas
 cannot outvote each other: the run then rolls back to the newest verified state and re-executes, and
-the rank whose own loss departed first from its re-execution (or, failing that, whose state changed
-when re-executed) is the suspect.
+the replica whose disputed tensors lie far further from their re-executed values (or, failing that,
+whose own loss departed first from its re-execution) is the suspect.
 
 Step replay: every `replay_interval` steps, and whenever the numerics or spike guards fire, each rank
 recomputes the step's forward and backward and compares its loss and gradient fingerprint bitwise with
@@ -44,6 +44,15 @@ def fingerprint(tensors: list[torch.Tensor | None]) -> torch.Tensor:
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
+DECISIVE = 4.0  # how much further one replica must have moved than the other to be named alone
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference; a NaN or Inf on either side counts as infinitely far."""
+    diff = (a.double() - local(b).detach().to("cpu", torch.float64)).abs()
+    return float("inf") if not torch.isfinite(diff).all() else float(diff.max()) if diff.numel() else 0.0
+
+
 def same_bits(a: float, b: float) -> bool:
     """Equal as float32 bit patterns (a NaN equals the same NaN)."""
     return struct.pack("f", a) == struct.pack("f", b)
@@ -62,6 +71,7 @@ class SdcGuard:
         self.last_verified = 0  # newest step whose state passed a check
         self.losses: dict[int, float] = {}  # this rank's own loss at each step since then
         self.pending: dict | None = None  # a two-replica disagreement, waiting for its re-execution
+        self.disputed: dict[int, torch.Tensor] = {}  # this rank's copy of the tensors in dispute
         self.check_s = self.replay_s = 0.0  # cost of the last check and replay
 
     # ------------------------------------------------------------ step replay (before the update)
@@ -120,50 +130,68 @@ class SdcGuard:
         dist.all_gather_object(everyone, (verdict, len(differing), attribution))
         self.check_s = time.perf_counter() - started
         outvoted = sorted({r for (kind, ranks), _, _ in everyone if kind == "outvoted" for r in ranks})
-        tied = sorted({r for (kind, ranks), _, _ in everyone if kind == "tie" for r in ranks})
+        tied = sorted({tuple(ranks) for (kind, ranks), _, _ in everyone if kind == "tie"})
         tensors = max(n for _, n, _ in everyone)
         if outvoted or tied:
-            evidence = {"detector": "fingerprint", "outvoted": outvoted, "tied": tied, "differing_tensors": tensors,
-                        "last_verified_step": self.last_verified}
+            evidence = {"detector": "fingerprint", "outvoted": outvoted, "tied": [r for g in tied for r in g],
+                        "differing_tensors": tensors, "last_verified_step": self.last_verified}
             if outvoted and not tied:
                 return Action("quarantine", self.name, f"rank(s) {', '.join(map(str, outvoted))} disagree with "
                               f"their replicas at step {step}", evidence, ranks=tuple(outvoted), to_step=step,
                               verified_only=True)
-            self.pending = {"step": step, "ranks": tied or outvoted, "losses": sorted(self.losses.items()),
-                            "fingerprint": mine.tolist()}
-            return Action("rollback", self.name, f"replicas {', '.join(map(str, tied))} disagree at step {step} "
-                          f"and cannot outvote each other: re-executing from the newest verified state to tell "
-                          f"which one departed", evidence, to_step=step, verified_only=True)
+            self.pending = {"step": step, "groups": [list(g) for g in tied], "losses": sorted(self.losses.items())}
+            # This rank's copy of the tensors its replicas disagree on, to measure against the re-execution.
+            live = live_tensors(self.optimizers)[0]
+            self.disputed = {i: live[i].detach().to("cpu", copy=True) for i in differing}
+            return Action("rollback", self.name, f"replicas {' and '.join(', '.join(map(str, g)) for g in tied)} "
+                          f"disagree at step {step} and cannot outvote each other: re-executing from the newest "
+                          f"verified state to tell which one departed", evidence, to_step=step, verified_only=True)
         self.last_verified = step
         self.losses = {s: v for s, v in self.losses.items() if s > step}
         if self.pending is not None and step == self.pending["step"]:
             return self._attribute(step, [a for _, _, a in everyone])
         return None
 
-    def _attribution_evidence(self, step: int, mine: torch.Tensor) -> tuple[int | None, bool] | None:
-        """For a pending two-replica disagreement, once re-executed to its step: the first step where this
-        rank's loss differs from the first execution, and whether its state changed."""
+    def _attribution_evidence(self, step: int, mine: torch.Tensor) -> tuple[float | None, int | None] | None:
+        """For a pending two-replica disagreement, once re-executed to its step: how far this rank's
+        disputed tensors were from their re-executed values (largest absolute difference; unknown if
+        the run restarted in between), and the first step where its loss differed."""
         if self.pending is None or step != self.pending["step"]:
             return None
+        deviation = None
+        if self.disputed:
+            live = live_tensors(self.optimizers)[0]
+            deviation = max(_max_abs_diff(old, live[i]) for i, old in self.disputed.items())
         departed = [s for s, loss in self.pending["losses"] if s in self.losses and not same_bits(loss, self.losses[s])]
-        return (departed[0] if departed else None, mine.tolist() != self.pending["fingerprint"])
+        return deviation, departed[0] if departed else None
 
     def _attribute(self, step: int, evidence: list) -> Action:
-        candidates = self.pending["ranks"]
-        self.pending = None
-        departed = {r: evidence[r][0] for r in candidates if evidence[r][0] is not None}
-        if departed:
-            first = min(departed.values())
-            suspects = [r for r, s in departed.items() if s == first]
-            how = f"its loss departed first from the re-execution, at step {first}"
-        else:
-            suspects = [r for r in candidates if evidence[r][1]] or list(candidates)
-            how = "its state changed when re-executed" if len(suspects) < len(candidates) else \
-                "they cannot be told apart"
-        return Action("quarantine", self.name, f"rank(s) {', '.join(map(str, suspects))} named after "
-                      f"re-executing to step {step}: {how}",
-                      {"detector": "fingerprint", "attributed_by": "re-execution", "candidates": candidates,
-                       "departed_at": departed}, ranks=tuple(suspects))
+        """In each pair of disagreeing replicas, the suspect is the one whose state had moved far further
+        from the re-executed one (a corrupted value, against the small drift the other caught through
+        the averaged gradients), or else the one whose loss departed first; otherwise both."""
+        suspects, how = [], {}
+        for group in self.pending["groups"]:
+            deviation = {r: evidence[r][0] for r in group}
+            departed = {r: evidence[r][1] for r in group if evidence[r][1] is not None}
+            known = sorted((d, r) for r, d in deviation.items() if d is not None)
+            if len(known) == len(group) and known[-1][0] > 0 and known[-1][0] >= DECISIVE * known[-2][0]:
+                suspects.append(known[-1][1])
+                how[known[-1][1]] = (f"its state was {known[-1][0]:.3g} from the re-executed one, the other "
+                                     f"replica's {known[-2][0]:.3g}")
+            elif departed and list(departed.values()).count(min(departed.values())) == 1:
+                first = min(departed, key=departed.get)
+                suspects.append(first)
+                how[first] = f"its loss departed first from the re-execution, at step {departed[first]}"
+            else:
+                suspects += group
+                how.update({r: "the replicas cannot be told apart" for r in group})
+        self.pending, self.disputed = None, {}
+        return Action("quarantine", self.name, f"rank(s) {', '.join(map(str, suspects))} named after re-executing "
+                      f"to step {step}: " + "; ".join(f"rank {r}: {why}" for r, why in how.items()),
+                      {"detector": "fingerprint", "attributed_by": "re-execution",
+                       "deviation": {r: e[0] for r, e in enumerate(evidence) if e is not None},
+                       "departed_at": {r: e[1] for r, e in enumerate(evidence) if e is not None}},
+                      ranks=tuple(suspects))
 
     # ------------------------------------------------------------ state
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from keel.config import OptimConfig
 
@@ -36,3 +38,45 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if step < decay_start:
         return cfg.lr
     return cfg.lr + (floor - cfg.lr) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+def copies_held(p: torch.Tensor, pp: int) -> int:
+    """How many ranks hold each element of `p`, so that a sum over all ranks counts every element once:
+    the sizes of the mesh dimensions it is replicated over, times the ranks outside its mesh that are
+    not other pipeline stages (`pp` of them hold different parameters). A plain tensor: one rank's."""
+    if not isinstance(p, DTensor):
+        return 1
+    mesh = p.device_mesh
+    replicated = math.prod(mesh.size(i) for i, placement in enumerate(p.placements) if placement.is_replicate())
+    return replicated * max(1, dist.get_world_size() // (mesh.size() * pp))
+
+
+def update_norm_sq(optimizers: list[torch.optim.AdamW], pp: int = 1) -> torch.Tensor:
+    """This rank's share of the squared L2 norm of the update AdamW just applied, ‖θ_new − θ_old‖²,
+    recovered from θ_new and the moments one tensor at a time (AdamW: θ_new = θ_old·(1 − lr·wd) −
+    lr·m̂/(√v̂ + ε)), so no copy of the parameters is kept. Summed over all ranks it is the global one."""
+    total = torch.zeros((), dtype=torch.float64, device=_device(optimizers))
+    with torch.no_grad():
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    state = optimizer.state.get(p)
+                    if not state:
+                        continue
+                    step = float(state["step"])
+                    m, v = _local(state["exp_avg"]).double(), _local(state["exp_avg_sq"]).double()
+                    adam = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + eps)
+                    new = _local(p).double()
+                    old = (new + lr * adam) / (1 - lr * wd)
+                    total += (new - old).square().sum() / copies_held(p, pp)
+    return total
+
+
+def _device(optimizers: list[torch.optim.Optimizer]) -> torch.device:
+    return next(_local(p).device for o in optimizers for g in o.param_groups for p in g["params"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

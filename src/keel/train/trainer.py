@@ -32,7 +32,7 @@ from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
 from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
 from keel.run_lock import RunLock, held_by_launcher
-from keel.train.optim import build_optimizer, lr_at
+from keel.train.optim import build_optimizer, lr_at, update_norm_sq
 from keel.train.state import TrainState, seed_everything
 from keel.train.step import Stepper, evaluate
 
@@ -253,7 +253,11 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
 
             if log_step:
                 train_loss = report.loss
+                applied = update_norm_sq(optimizers, mesh.layout.pp) * (action.kind == "continue")
+                dist.all_reduce(applied)
+                report.update_norm = applied.item() ** 0.5
                 metrics.update({"train/loss": train_loss, "optim/grad_norm": report.grad_norm,
+                                "optim/update_norm": report.update_norm,
                                 "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
                                 "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics()})
                 log.metric(metrics)
