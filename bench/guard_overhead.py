@@ -92,11 +92,16 @@ def main() -> None:
               f"{r['fingerprint_fraction']:>13.4f}{r['replay_fraction']:>9.3f}{r['snapshot_fraction']:>10.4f}")
     print("ratio: guards on / off, median over repeats (target <= 1.03); the last three columns: one fingerprint "
           "check, one replay, one snapshot, as fractions of a step")
+    # One entry per config: a run of one config keeps the others' results.
+    earlier = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else []
+    kept = [r for r in earlier if r["config"] not in {n["config"] for n in results}]
+    for r in results:
+        r.update({"nproc": args.nproc, "steps": args.steps, "repeats": args.repeats,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "benchmark": "guard_overhead", "nproc": args.nproc, "steps": args.steps, "repeats": args.repeats,
-        "target": 1.03, "results": results, "machine": platform.machine(), "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "benchmark": "guard_overhead", "target": 1.03, "results": kept + results, "machine": platform.machine(),
+        "cpus": os.cpu_count(),
     }, indent=1) + "\n")
 
 

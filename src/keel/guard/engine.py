@@ -101,6 +101,7 @@ class Guards:
                 found.append(self.sdc.check(report.step - 1))
             if any(found):  # corruption explains what the other guards saw: its response replaces theirs
                 actions = found
+                self.rollback_steps = [s for s in self.rollback_steps if s != report.step]
                 for action in found:
                     if action is not None:
                         self._record(action, report.step)
@@ -124,10 +125,9 @@ class Guards:
             return action
         recent = [s for s in self.rollback_steps if step - s <= self.g.spike.window]
         if len(recent) >= self.g.max_rollbacks:
-            stop = Action("stop", action.guard, f"{len(recent)} rollbacks within {self.g.spike.window} steps (at steps "
-                          f"{', '.join(map(str, recent))}) did not clear it: {action.reason}",
+            return Action("stop", action.guard, f"{len(recent)} rollbacks within {self.g.spike.window} steps (at "
+                          f"steps {', '.join(map(str, recent))}) did not clear it: {action.reason}",
                           {**action.evidence, "rollbacks_at": recent})
-            return stop
         self.rollback_steps.append(step)
         return dataclasses.replace(action, skip_batches=action.skip_batches * 2 ** len(recent),
                                    evidence={**action.evidence, "repeat": len(recent)})
@@ -160,7 +160,7 @@ class Guards:
         return state, None
 
     def _roll_back(self, action: Action, state: TrainState) -> TrainState:
-        target = action.to_step
+        target = max(0, action.to_step)
         if action.verified_only and self.sdc is not None:
             target = min(target, self.sdc.last_verified)
         batch_now = self.loader.cursor // self.loader.global_batch - 1  # the batch of the step being undone

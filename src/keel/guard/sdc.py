@@ -32,16 +32,21 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def fingerprint(tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """One int64 per tensor: the sum of its elements' bit patterns read as integers. Any single flipped
-    bit, in any position, changes it; so does any change of one element."""
+    bit, in any position, changes it; so does any change of one element. Computed where the tensors
+    are and read back once."""
+    present = [local(t).detach() for t in tensors if t is not None]
+    if not present:
+        return torch.zeros(len(tensors), dtype=torch.int64)
+    zero = torch.zeros((), dtype=torch.int64, device=present[0].device)
     sums = []
     for t in tensors:
         if t is None:
-            sums.append(torch.zeros((), dtype=torch.int64))
+            sums.append(zero)
             continue
         t = local(t).detach()
         bits = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
-        sums.append(bits.sum(dtype=torch.int64).cpu())
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+        sums.append(bits.sum(dtype=torch.int64))
+    return torch.stack(sums).cpu()
 
 
 DECISIVE = 4.0  # how much further one replica must have moved than the other to be named alone
