@@ -18,7 +18,7 @@ from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
 from keel.errors import ConfigError, KeelError
-from keel.guard.actions import CONTINUE
+from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
 from keel.model.flops import flops_per_token, param_count
@@ -193,10 +193,15 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             say(f"checkpoint interval (Young/Daly): every {decision['interval_s']:.1f} s of training for a blocking "
                 f"cost of {decision['delta_s']:.3f} s and a mean time between failures of {decision['mtbf_s']:.0f} s")
 
-    def finish_pending_save() -> None:
+    def carry_out(action: Action) -> int | None:
+        """Let the guards roll back, stop or quarantine, once the save in flight has finished; returns
+        an exit code when the run must end."""
+        nonlocal state
         outcome = manager.finish()
         if outcome is not None:
             after_save(outcome)
+        state, code = guards.apply(action, state)
+        return code
 
     callbacks.on_build(parts, optimizers)
     callbacks.on_start(state)
@@ -234,9 +239,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 else:
                     stepper.drop()
             if action.kind not in ("continue", "skip"):
-                finish_pending_save()
-                state, code = guards.apply(action, state)
-                if code is not None:
+                if (code := carry_out(action)) is not None:
                     return code
                 if action.rolls_back:
                     continue
@@ -273,9 +276,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
 
             checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
             if checked.kind != "continue":
-                finish_pending_save()
-                state, code = guards.apply(checked, state)
-                if code is not None:
+                if (code := carry_out(checked)) is not None:
                     return code
                 if checked.rolls_back:
                     continue
