@@ -15,7 +15,7 @@ import torch.distributed as dist
 from keel.callbacks import Callback
 from keel.checkpoint.manifest import step_name
 from keel.errors import ConfigError
-from keel.guard.snapshots import local
+from keel.train.step import local
 
 
 class SigkillAfterCheckpoint(Callback):

@@ -13,14 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from keel.train.state import rng_state, set_rng_state
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from keel.train.step import local
 
 
 def live_tensors(optimizers: list[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[tuple[int, tuple]]]:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from keel.config import OptimConfig
+from keel.train.step import local
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -66,17 +67,13 @@ def update_norm_sq(optimizers: list[torch.optim.AdamW], pp: int = 1) -> torch.Te
                     if not state:
                         continue
                     step = float(state["step"])
-                    m, v = _local(state["exp_avg"]).double(), _local(state["exp_avg_sq"]).double()
+                    m, v = local(state["exp_avg"]).double(), local(state["exp_avg_sq"]).double()
                     adam = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + eps)
-                    new = _local(p).double()
+                    new = local(p).double()
                     old = (new + lr * adam) / (1 - lr * wd)
                     total += (new - old).square().sum() / copies_held(p, pp)
     return total
 
 
 def _device(optimizers: list[torch.optim.Optimizer]) -> torch.device:
-    return next(_local(p).device for o in optimizers for g in o.param_groups for p in g["params"])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return next(local(p).device for o in optimizers for g in o.param_groups for p in g["params"])

@@ -19,6 +19,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (across shards, ranks and pipeline stages)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -110,8 +115,7 @@ class Stepper:
     def nonfinite_here(self, loss: torch.Tensor) -> bool:
         """Whether this rank's own loss or gradient shards hold a NaN or Inf (a host synchronisation:
         asked only once the step report says some rank does)."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params
-                 if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         norms = torch._foreach_norm(grads) if grads else []
         return not bool(torch.isfinite(torch.stack([loss.detach().float().reshape(()), *norms])).all())
 
