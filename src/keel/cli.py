@@ -1,4 +1,4 @@
-"""`keel` command line: train, data prepare, ckpt, config."""
+"""`keel` command line: train, pause, status, quarantine, data prepare, ckpt, config."""
 
 from __future__ import annotations
 
@@ -36,7 +36,24 @@ def parser() -> argparse.ArgumentParser:
                         "that checkpoint")
     t.add_argument("--nproc", type=int, default=None,
                    help="launch N processes on this machine through torchrun's elastic agent")
-    t.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts the elastic agent may make")
+    t.add_argument("--max-restarts", type=int, default=None,
+                   help="worker-group restarts the elastic agent may make (default: health.max_restarts)")
+    t.add_argument("--nnodes", default="1", help="MIN:MAX nodes of an elastic job: run the same command on every "
+                   "node (with --rdzv-endpoint); the job goes on with at least MIN")
+    t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (one node's address) for "
+                   "--nnodes")
+
+    pa = sub.add_parser("pause", help="ask a running job to checkpoint at the next step and exit 75")
+    pa.add_argument("run_dir", type=Path)
+    st = sub.add_parser("status", help="running, paused, finished, stopped or failed; step, checkpoint, events")
+    st.add_argument("run_dir", type=Path)
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    st.add_argument("--events", type=int, default=5, help="last events shown")
+    q = sub.add_parser("quarantine", help="keep a node out of a run: its launcher leaves, the others go on")
+    q.add_argument("run_dir", type=Path)
+    q.add_argument("node", help="node name (KEEL_NODE of its launcher, else its host name)")
+    q.add_argument("--reason", default="keel quarantine", help="recorded in quarantine.json")
+    q.add_argument("--release", action="store_true", help="let the node back in")
 
     d = sub.add_parser("data", help="prepare token shards")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -90,6 +107,7 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.checkpoint.manager import check_resume, checkpoint_root
     from keel.checkpoint.manifest import committed
+    from keel.health.quarantine import node_name
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
     from keel.run_lock import RunLock, held_by_launcher
@@ -100,7 +118,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = 1 if worker or args.nproc is None else args.nproc
     if nproc < 1:
         raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
-    if not worker:
+    elastic = not worker and args.nnodes != "1"
+    if elastic:
+        check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
+    max_restarts = cfg.health.max_restarts if args.max_restarts is None else args.max_restarts
+    if not worker and not elastic:
         resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
     ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
@@ -114,12 +136,68 @@ def cmd_train(args: argparse.Namespace) -> int:
             from keel.checkpoint.export import check_hf_matches
 
             check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
-    # The launcher holds the run directory for the whole job; torchrun's own workers lock it in rank 0.
-    with RunLock(run_dir) if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
-        if nproc > 1 or args.max_restarts > 0:
-            return launch(nproc, args.max_restarts, args.argv)
+    # The launcher holds the run directory for the whole job (each node's launcher its own lock in an
+    # elastic job); torchrun's own workers lock it in rank 0.
+    lock = RunLock(run_dir, node_name() if elastic else "")
+    with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
+        if nproc > 1 or max_restarts > 0 or elastic:
+            return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,
+                          rdzv_endpoint=args.rdzv_endpoint, shutdown_grace_s=cfg.health.shutdown_grace_s,
+                          no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.train.trainer import train
         return train(cfg, run_dir, resume)
+
+
+def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
+    from keel.health.quarantine import is_quarantined, node_name
+
+    lo, _, hi = nnodes.partition(":")
+    if not (lo.isdigit() and (hi or lo).isdigit() and 0 < int(lo) <= int(hi or lo)):
+        raise KeelError(f"--nnodes {nnodes!r}: expected MIN:MAX with 0 < MIN <= MAX, e.g. 1:2")
+    host, _, port = endpoint.rpartition(":")
+    if not (host and port.isdigit()):
+        raise KeelError(f"--rdzv-endpoint {endpoint!r}: an elastic job (--nnodes {nnodes}) needs HOST:PORT of the "
+                        f"rendezvous, the same on every node")
+    if is_quarantined(run_dir, node_name()):
+        raise KeelError(f"node {node_name()} is listed in {run_dir / 'quarantine.json'}; it does not rejoin the run "
+                        f"(`keel quarantine {run_dir} {node_name()} --release` lets it back in)")
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from keel.health.signals import request_pause
+    from keel.health.status import job_alive
+
+    if not job_alive(args.run_dir):
+        raise KeelError(f"no keel job is running in {args.run_dir}; `keel status {args.run_dir}` shows where it "
+                        f"stands")
+    path = request_pause(args.run_dir)
+    print(f"asked the job in {args.run_dir} to pause at its next step ({path}); `keel status {args.run_dir}` "
+          f"shows when it has")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from keel.health.status import run_status, status_lines
+
+    info = run_status(args.run_dir, args.events)
+    print(json.dumps(info) if args.json else "\n".join(status_lines(info)))
+    return 0
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from keel.health.quarantine import add_to_quarantine, release
+
+    if not args.run_dir.is_dir():
+        raise KeelError(f"run directory {str(args.run_dir)!r} does not exist")
+    if args.release:
+        n = release(args.run_dir, args.node)
+        print(f"released {args.node} ({n} record(s) removed from {args.run_dir / 'quarantine.json'})")
+    else:
+        add_to_quarantine(args.run_dir, [args.node], source="keel quarantine", reason=args.reason)
+        print(f"quarantined {args.node}: its launcher leaves the job; the other nodes go on without it")
+    return 0
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
@@ -191,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         args.overrides = args.overrides + rest
     args.argv = argv
-    handler = {"train": cmd_train, "data": cmd_data, "ckpt": cmd_ckpt, "config": cmd_config}[args.command]
+    handler = {"train": cmd_train, "data": cmd_data, "ckpt": cmd_ckpt, "config": cmd_config, "pause": cmd_pause,
+               "status": cmd_status, "quarantine": cmd_quarantine}[args.command]
     try:
         return handler(args)
     except KeelError as e:

@@ -200,6 +200,45 @@ class GuardConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    enabled: bool = option(True, "watch every rank for a section (setup, step, checkpoint, eval) that runs past "
+                           "its timeout; on a hang dump all stacks to logs/, name the stuck ranks, exit so the "
+                           "elastic agent restarts the workers")
+    warmup_steps: int = option(20, "steps observed before the step timeout is learned", ge=1)
+    factor: float = option(5.0, "a learned timeout is this many times the longest duration observed", gt=1)
+    min_timeout_s: float = option(60.0, "floor of every learned timeout (seconds)", gt=0)
+    initial_timeout_s: float = option(900.0, "step, eval and checkpoint timeout until learned (seconds)", gt=0)
+    setup_timeout_s: float = option(1800.0, "timeout of setup: process group to the first step (seconds)", gt=0)
+    poll_s: float = option(1.0, "how often the watchdog thread looks at its rank and at the others' hang reports",
+                           gt=0)
+
+
+@dataclass
+class StragglerConfig:
+    interval: int = option(20, "steps between gathers of every rank's compute time (0: off)", ge=0)
+    factor: float = option(1.5, "a rank is slow when its compute time is this many times the median rank's", gt=1)
+    patience: int = option(2, "consecutive slow gathers before a rank is reported", ge=1)
+    action: str = option("log", "log: event and warning · quarantine: also list its node in quarantine.json and "
+                         "exit 76 so the run restarts without it", choices=("log", "quarantine"))
+
+
+@dataclass
+class HealthConfig:
+    max_restarts: int = option(0, "worker-group restarts the elastic agent may make (--max-restarts overrides)",
+                               ge=0)
+    no_progress_restarts: int = option(2, "stop (exit 3, do not requeue) after this many restarts in a row that "
+                                       "did not get past the step the run had reached", ge=1)
+    shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
+                                   "SIGKILL", ge=1)
+    preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "
+                            "on), fail (exit 2 naming the node and rank) or off", choices=("warn", "fail", "off"))
+    preflight_probe_mib: int = option(64, "size of the storage and all-reduce probes (MiB)", ge=1)
+    min_host_memory_gib: float = option(1.0, "preflight: host memory that must be available (GiB)", ge=0)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+
+@dataclass
 class DrillConfig:
     inject: list[str] = option([], "faults to inject, `KIND:key=value,...`, e.g. "
                                "\"nan_grads:step=30,rank=1\" (see keel.drill.faults.INJECTORS)")
@@ -223,6 +262,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     drill: DrillConfig = field(default_factory=DrillConfig)
     callbacks: list[CallbackSpec] = field(default_factory=list)
 

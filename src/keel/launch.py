@@ -1,16 +1,36 @@
-"""`keel train --nproc N`: hand the command to torchrun's elastic agent, which starts N workers."""
+"""`keel train --nproc N [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT]`: hand the command to torchrun's
+elastic agent, one agent per node.
+
+The agent is torchrun's own (`LocalElasticAgent`), taught three things about keel's exit codes:
+a worker's "do not retry" (bad input, a guard's stop, a pause) ends the job instead of using up the
+restarts; a node listed in the run's quarantine.json leaves the job the way a preempted node does
+(so the rendezvous stays open and the other nodes go on without it); and a run that keeps failing
+without getting past the same step stops before its restart budget is spent.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from pathlib import Path
 
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
+from torch.distributed.run import config_from_args, get_args_parser
 
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
+from keel.health.quarantine import is_quarantined, node_name
+from keel.health.status import read_status
 
-LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
-PASSED_THROUGH = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE)
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
+FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED)  # a restart would meet the same end
+# A node that stops sending keep-alives is dropped from the rendezvous after interval × attempts seconds.
+KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
+QUARANTINE_POLL_S = 5.0
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -26,21 +46,116 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
-    """Run the workers under torchrun (standalone c10d rendezvous on a free port). Exit code: that
-    of the first worker to fail when it reports bad input, a guard's stop, a pause or a quarantine;
-    1 for any other failure."""
+class LeaveJob(SignalException):
+    """This node is quarantined: stop its workers and leave without closing the rendezvous."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(f"node {node} is listed in quarantine.json", signal.SIGTERM)
+
+
+class KeelAgent(LocalElasticAgent):
+    """torchrun's agent, deciding about restarts with keel's exit codes and the run's quarantine list."""
+
+    run_dir: Path
+    elastic: bool
+    no_progress_limit: int
+    outcome: tuple[int, str, bool] | None  # the job's exit code, why, and whether the launcher must say so
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        now = time.monotonic()
+        if now - self._quarantine_checked > QUARANTINE_POLL_S or result.state == WorkerState.FAILED:
+            self._quarantine_checked = now
+            if is_quarantined(self.run_dir, node_name()):
+                raise LeaveJob(node_name())
+        if result.state != WorkerState.FAILED:
+            return result
+        codes = sorted({f.exitcode for f in result.failures.values()})
+        final = [c for c in codes if c in FINAL]
+        if final:
+            self._give_up(final[0], f"a worker exited with {final[0]}", announce=False)  # it said why
+        elif EXIT_QUARANTINE in codes and not self.elastic:
+            self._give_up(EXIT_QUARANTINE, "a rank was quarantined; requeue the job without its node")
+        elif self._remaining_restarts == 0:
+            self._give_up(EXIT_GUARD_STOP, f"the workers failed {worker_group.spec.max_restarts + 1} times "
+                          f"(--max-restarts {worker_group.spec.max_restarts}); not retrying")
+        else:
+            step = int(read_status(self.run_dir).get("step", 0))
+            self._stalled = self._stalled + 1 if step <= self._last_step else 0
+            self._last_step = max(step, self._last_step)
+            if self._stalled >= self.no_progress_limit:
+                self._give_up(EXIT_GUARD_STOP, f"{self._stalled} restarts in a row did not get past step {step}; "
+                              f"not retrying (health.no_progress_restarts = {self.no_progress_limit})")
+        return result
+
+    def _give_up(self, code: int, why: str, announce: bool = True) -> None:
+        self.outcome = (code, why, announce)
+        self._remaining_restarts = 0  # the agent's loop then stops the workers and returns the failure
+
+    def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int) -> None:
+        self.run_dir, self.elastic, self.no_progress_limit = run_dir, elastic, no_progress_limit
+        self.outcome = None
+        self._quarantine_checked = time.monotonic()
+        self._stalled, self._last_step = 0, int(read_status(run_dir).get("step", 0))
+
+
+def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nnodes: str = "1",
+           rdzv_endpoint: str = "", rdzv_timeout_s: int = 900, shutdown_grace_s: int = 120,
+           no_progress_restarts: int = 2, say=print) -> int:
+    """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
+    2 bad input, 3 stopped (do not requeue), 75 paused (rerun resumes), 76 this node or a rank was
+    quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Workers restarted by the agent must not share the rendezvous store: they would read the
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ["KEEL_NODE"] = node_name()  # the workers name their node as the launcher does
+    elastic = nnodes != "1"
+    if elastic:
+        os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rdzv_timeout_s)
+        rendezvous = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                      "--rdzv-id", f"keel-{run_dir.resolve().name}",
+                      "--rdzv-conf", f"join_timeout={rdzv_timeout_s},last_call_timeout=2,"
+                                     f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"]
+    else:
+        rendezvous = ["--standalone"]
     args = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--module", "keel", *worker_argv(argv)])
+        *rendezvous, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        f"--shutdown-timeout={shutdown_grace_s}", "--module", "keel", *worker_argv(argv)])
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"keel-{os.getpid()}"
+    config, cmd, cmd_args = config_from_args(args)
+
+    agents: list[KeelAgent] = []
+
+    def make_agent(*a, **kw) -> KeelAgent:
+        agent = KeelAgent(*a, **kw)
+        agent.prepare(run_dir, elastic, no_progress_restarts)
+        agents.append(agent)
+        return agent
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = make_agent  # launch_agent builds its agent through this name
     try:
-        run(args)
+        launcher_api.launch_agent(config, cmd, list(cmd_args))
     except ChildFailedError as e:
         # The first worker to fail holds the cause; the agent then stops the others with signals.
+        outcome = agents[0].outcome if agents else None
+        if outcome is not None:
+            code, why, announce = outcome
+            if announce:
+                say(f"keel: {why}")
+            return code
         _, first = e.get_first_failure()
-        return first.exitcode if first.exitcode in PASSED_THROUGH else 1
+        return first.exitcode if first.exitcode in (*FINAL, EXIT_QUARANTINE) else 1
+    except LeaveJob as e:
+        say(f"keel: {e}; this node leaves the job, the others go on without it")
+        return EXIT_QUARANTINE
+    except SignalException as e:
+        # SIGTERM (preemption): the agent passed it to the workers, which paused at a step boundary.
+        if read_status(run_dir).get("state") == "paused":
+            return EXIT_PAUSED
+        return 128 + int(e.sigval)
+    finally:
+        launcher_api.LocalElasticAgent = original
     return 0

@@ -20,13 +20,14 @@ class RunLock:
     """An exclusive advisory lock (flock) on RUN_DIR/.lock, held for the life of the job and released
     by the kernel when the holder exits, however it exits."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, node: str = "") -> None:
+        """`node`: in an elastic multi-node job each node's launcher holds its own lock (.lock.NODE)."""
+        self.run_dir, self.name = run_dir, LOCK + (f".{node}" if node else "")
         self.fd = -1
 
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / LOCK
+        path = self.run_dir / self.name
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

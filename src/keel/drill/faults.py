@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,84 @@ class FillDiskBeforeCheckpoint(Callback):
     def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
         if step == self.step and dist.get_rank() == 0:
             self.filler.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- faults of processes and machines
+
+
+def attempt() -> int:
+    """Which start of the worker group this is (0 first; torchrun counts its restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class _InStep(Callback):
+    """A fault delivered inside step `step` on `rank`, after the backward, in the first `attempts`
+    starts of the workers only (so that the restarted run gets past it, or meets it again)."""
+
+    def __init__(self, step: int, rank: int = 1, attempts: int = 1) -> None:
+        self.step, self.rank, self.attempts = step, rank, attempts
+
+    def after_backward(self, state: Any, replaying: bool) -> None:
+        if (not replaying and _step_being_made(state) == self.step and dist.get_rank() == self.rank
+                and attempt() < self.attempts):
+            self.deliver()
+
+    def deliver(self) -> None:
+        raise NotImplementedError
+
+
+class KillInStep(_InStep):
+    """SIGKILL this rank in the middle of a step."""
+
+    def deliver(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangInStep(_InStep):
+    """This rank sleeps forever in the middle of a step; the others wait for it in the next collective."""
+
+    def deliver(self) -> None:
+        while True:
+            time.sleep(3600)
+
+
+class SignalInStep(_InStep):
+    """Send `signal` (SIGTERM, SIGUSR1) to this rank's own process in the middle of a step."""
+
+    def __init__(self, step: int, rank: int = 1, attempts: int = 1, signal: str = "SIGTERM") -> None:
+        super().__init__(step, rank, attempts)
+        self.signal = signal
+
+    def deliver(self) -> None:
+        os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class SlowRank(Callback):
+    """Make `rank` `factor` times slower from step `from_step` on: after its backward it sleeps for
+    (factor − 1) × the time the step took it so far (outside any collective)."""
+
+    def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1) -> None:
+        self.rank, self.factor, self.from_step = rank, factor, from_step
+        self.started = 0.0
+
+    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
+        self.started = time.perf_counter()
+
+    def after_backward(self, state: Any, replaying: bool) -> None:
+        if not replaying and _step_being_made(state) >= self.from_step and dist.get_rank() == self.rank:
+            time.sleep((self.factor - 1) * (time.perf_counter() - self.started))
+
+
+class WrongAllReduce(Callback):
+    """`rank` adds a wrong value to its part of preflight's all-reduce probe, as a rank with a faulty
+    link or device would."""
+
+    def __init__(self, rank: int = 1) -> None:
+        self.rank = rank
+
+    def corrupt_probe(self, tensor: torch.Tensor) -> None:
+        if dist.get_rank() == self.rank:
+            tensor.add_(1.0)
 
 
 # ---------------------------------------------------------------- faults in the math
@@ -172,7 +251,8 @@ class SkipUpdateAt(Callback):
 INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitflip": BitFlip,
              "skip_update": SkipUpdateAt, "sigkill_after_checkpoint": SigkillAfterCheckpoint,
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
-             "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint}
+             "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint, "kill": KillInStep, "hang": HangInStep,
+             "signal": SignalInStep, "slow": SlowRank, "wrong_allreduce": WrongAllReduce}
 
 
 def parse_injection(spec: str) -> Callback:

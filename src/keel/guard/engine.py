@@ -10,7 +10,6 @@ takes the same branch. Each decision is an event with its evidence and a counter
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,11 +30,10 @@ from keel.guard.report import StepReport
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
 from keel.guard.spike import SpikeGuard
+from keel.health.quarantine import add_to_quarantine
 from keel.monitor.sinks import EventLog, host
 from keel.parallel.mesh import Mesh
 from keel.train.state import TrainState
-
-QUARANTINE = "quarantine.json"
 
 
 class GuardStop(Exception):
@@ -214,17 +212,14 @@ class Guards:
         self.snapshot_s = time.perf_counter() - started
 
     def _quarantine(self, action: Action, step: int) -> None:
-        record = {"time": round(time.time(), 3), "step": step, "ranks": list(action.ranks),
-                  "hosts": [self.hosts[r] for r in action.ranks], "guard": action.guard, "reason": action.reason,
-                  "evidence": action.evidence}
+        hosts = [self.hosts[r] for r in action.ranks]
         self.counts["quarantines"] += 1
         if not self.rank0:
             return
-        path = self.run_dir / QUARANTINE
-        records = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps(records + [record], indent=1) + "\n")
+        add_to_quarantine(self.run_dir, hosts, source=f"guard.{action.guard}", reason=action.reason, step=step,
+                          ranks=list(action.ranks), evidence=action.evidence)
         self.events.emit("alert", step, "sdc_suspect", severity="critical",
-                         message=f"rank(s) {', '.join(map(str, action.ranks))} on {', '.join(record['hosts'])} "
+                         message=f"rank(s) {', '.join(map(str, action.ranks))} on {', '.join(hosts)} "
                                  f"suspected of silent data corruption: {action.reason}")
 
     def _record(self, action: Action, step: int) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def host() -> str:
-    return socket.gethostname()
+    from keel.health.quarantine import node_name
+
+    return node_name()
 
 
 class RunLog:

@@ -20,6 +20,7 @@ class TrainState:
     train_seconds: float = 0.0  # wall time spent training, summed over restarts
     interruptions: int = 0  # times the run was resumed: the observed failure rate for the checkpoint interval
     guards: dict = field(default_factory=dict)  # guard histories and counters (keel.guard.engine.Guards.state_dict)
+    health: dict = field(default_factory=dict)  # learned watchdog timeouts (keel.health.watchdog.Watchdog.state_dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

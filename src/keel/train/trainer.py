@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -17,10 +18,13 @@ from keel.checkpoint.manager import CheckpointManager, SaveOutcome
 from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
-from keel.errors import ConfigError, KeelError
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigError, KeelError
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
+from keel.health.signals import StopRequests
+from keel.health.status import read_status, write_status
+from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
@@ -46,18 +50,35 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
     ctx = init_distributed(device)
     crashed = True
     lock = None
+    requests = StopRequests(run_dir, ctx.rank)
     try:
         if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
             lock = _lock_in_rank0(run_dir, ctx.rank)
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
-            code = _train(cfg, run_dir, resume, ctx, mesh, log)
+            watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
+            watchdog.start()
+            try:
+                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog)
+            except Exception as e:
+                if watchdog.cfg.enabled and is_collective_timeout(e):
+                    watchdog.collective_timed_out(e)  # names the stuck ranks, then ends the process
+                raise
+            finally:
+                watchdog.stop()
         crashed = False
         return code
     except KeelError:
         crashed = False  # bad input: every rank meets it at the same point
         raise
+    except BaseException as e:
+        if ctx.rank == 0 and run_dir.is_dir():
+            last = read_status(run_dir)
+            write_status(run_dir, "failed", last.get("step", 0), checkpoint=last.get("checkpoint"),
+                         reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     finally:
+        requests.close()
         destroy_distributed(wait_for_peers=not crashed)
         if lock is not None:
             lock.release()
@@ -105,7 +126,8 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
     return parts, stages
 
 
-def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog) -> int:
+def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog,
+           requests: StopRequests, watchdog: Watchdog) -> int:
     rank0, events, say = ctx.rank == 0, log.events, log.say
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
@@ -150,14 +172,22 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
         callbacks.load_state_dict(state.callbacks)
         guards.load_state_dict(state.guards)
+        watchdog.load_state_dict(state.health)
         callbacks.on_checkpoint_loaded(state, resume_from)
         if rank0:
             events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen)
         say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
     if state.step >= cfg.train.steps:
+        if rank0:
+            write_status(run_dir, "finished", state.step, checkpoint=manager.latest())
         return _already_finished(cfg, run_dir, state, events, say, rank0)
+    def status(kind: str, **detail: object) -> None:
+        if rank0:
+            write_status(run_dir, kind, state.step, checkpoint=manager.latest(), **detail)
+
     if rank0:
         (run_dir / "config.toml").write_text(to_toml(cfg))
+    status("running", pid=os.getpid(), host=host(), world_size=ctx.world_size)
     n_params = param_count(cfg.model)
     say(f"training {cfg.name}: {n_params / 1e6:.2f}M parameters, {ctx.world_size} × {ctx.device.type} "
         f"({mesh.layout.describe()}), "
@@ -167,6 +197,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     peak, peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, dtype)
     say(f"MFU against {peak_note}")
+    if cfg.health.watchdog.enabled:
+        watchdog.hosts = guards.hosts
+        say(watchdog.describe(rendezvous_timeout()))
     meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
                       ctx.world_size, peak)
     comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
@@ -178,6 +211,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "
                 f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
             callbacks.on_checkpoint_saved(state, outcome.path)
+            status("running")
         else:
             say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}); training continues, "
                 f"the next save retries")
@@ -201,6 +235,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         if outcome is not None:
             after_save(outcome)
         state, code = guards.apply(action, state)
+        if code is not None:
+            status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
         return code
 
     callbacks.on_build(parts, optimizers)
@@ -212,6 +248,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     try:
         while state.step < cfg.train.steps:
             step = state.step + 1  # the step being made
+            watchdog.begin("step", step)
             waited = time.perf_counter()
             micro_batches = loader.next()
             data_s = time.perf_counter() - waited
@@ -219,21 +256,26 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             callbacks.on_step_start(state, micro_batches, loader.last_batch)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps) * guards.lr_factor(state.step)
             log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
-            report, action = None, CONTINUE
+            action = CONTINUE
             with comm.profile(step):
                 computing = time.perf_counter()
+                watchdog.phase("forward_backward")
                 loss = stepper.forward_backward(micro_batches)
                 callbacks.after_backward(state, False)
+                watchdog.phase("reduce")  # from here on a rank waits for the others in collectives
                 grad_norm = stepper.grad_norm()
-                if guards.reporting or log_step:
-                    # The step's one host synchronisation: the guards' report, which also tells every rank
-                    # whether the background save has finished everywhere and how long ago the last one was.
-                    report = reduce_report(step, loss, grad_norm, mesh.layout.dp * mesh.layout.tp,
-                                           [float(manager.done()), time.perf_counter() - last_save],
-                                           partial(stepper.nonfinite_here, loss), data_s=data_s,
-                                           step_s=time.perf_counter() - computing)
+                # The step's one host synchronisation: the guards' report, which also tells every rank
+                # whether the background save has finished everywhere, how long ago the last one was, and
+                # whether any rank was asked to pause.
+                report = reduce_report(step, loss, grad_norm, mesh.layout.dp * mesh.layout.tp,
+                                       [float(manager.done()), time.perf_counter() - last_save,
+                                        float(requests.pending())],
+                                       partial(stepper.nonfinite_here, loss), data_s=data_s,
+                                       step_s=time.perf_counter() - computing)
+                if guards.reporting:
                     replay = partial(stepper.recompute, micro_batches, partial(callbacks.after_backward, state, True))
                     action = guards.inspect(state, report, replay)
+                watchdog.phase("update")
                 if action.kind == "continue":
                     stepper.update(lr, grad_norm)
                 else:
@@ -248,11 +290,11 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             meter.step_done()
             last_step = state.step == cfg.train.steps
             metrics = {"step": state.step, "optim/lr": lr}
-            save_now = policy.due_by_step(state.step) or last_step
-            if report is not None:
-                if report.extras[0] == ctx.world_size:
-                    after_save(manager.finish())
-                save_now = save_now or policy.due_by_time(report.extras[1] / ctx.world_size)
+            pause = report.extras[2] > 0  # every rank sees the same sum: all pause at this step
+            if report.extras[0] == ctx.world_size:
+                after_save(manager.finish())
+            save_now = (policy.due_by_step(state.step) or last_step or pause
+                        or policy.due_by_time(report.extras[1] / ctx.world_size))
 
             if log_step:
                 train_loss = report.loss
@@ -265,10 +307,14 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                                 "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics()})
                 log.metric(metrics)
                 say.step(state.step, cfg.train.steps, metrics)
+                status("running")
 
+            watchdog.end()
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
+                watchdog.begin("eval", state.step)
                 val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
                                      evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
+                watchdog.end()
                 log.metric({"step": state.step, "val/loss": val_loss})
                 metrics["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
@@ -287,10 +333,15 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 state.loader = loader.state_dict()
                 state.callbacks = callbacks.state_dict()
                 state.guards = guards.state_dict()
-                for outcome in manager.save(parts, optimizers, state, wait=last_step):
+                state.health = watchdog.state_dict()
+                watchdog.begin("checkpoint", state.step)
+                for outcome in manager.save(parts, optimizers, state, wait=last_step or pause):
                     after_save(outcome)
                     final_saved = outcome.committed
+                watchdog.end()
                 last_save = time.perf_counter()
+            if pause and not last_step:
+                return _pause(requests, state.step, final_saved, manager.latest(), events, say, status, rank0)
             callbacks.on_step_end(state, metrics)
     finally:
         loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
@@ -301,6 +352,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
                "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
                "run_dir": str(run_dir), "checkpoint": manager.latest()}
+    requests.consume()  # a pause asked for at the last step has nothing left to pause
+    status("finished" if final_saved else "failed")
     if rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         events.emit("finish", state.step, "finished", train_loss=train_loss, val_loss=val_loss,
@@ -311,6 +364,29 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             f"run the same command again to redo the steps after it")
         return 1
     return 0
+
+
+def rendezvous_timeout() -> float | None:
+    """The elastic agent's join timeout, when the launcher set one (an elastic multi-node job)."""
+    value = os.environ.get("KEEL_RDZV_TIMEOUT_S")
+    return float(value) if value else None
+
+
+def _pause(requests: StopRequests, step: int, saved: bool, checkpoint: str | None, events: EventLog,
+           say: Progress, status: Callable[..., None], rank0: bool) -> int:
+    """Every rank has written its part of the step's checkpoint (synchronously); the rerun resumes there."""
+    reason = requests.reason()
+    dist.barrier()  # no rank leaves while another still commits: the agent would stop it half-way
+    requests.consume()
+    if rank0:
+        events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=saved)
+    status("paused", reason=reason)
+    if saved:
+        say(f"paused at step {step} ({reason}): checkpoint {checkpoint} committed; run the same command to resume")
+    else:
+        say(f"warning: paused at step {step} ({reason}) but its checkpoint failed; the rerun resumes from "
+            f"{checkpoint or 'the start'}")
+    return EXIT_PAUSED
 
 
 def _validate(sums: tuple[torch.Tensor, torch.Tensor]) -> float:

@@ -1,0 +1,289 @@
+"""The hang watchdog: one thread per rank that knows which section of the loop its rank is in.
+
+Sections are `setup` (process group to the first step), `step`, `checkpoint` and `eval`. Each has a
+timeout: configured at first, then learned from the longest duration observed × `factor`, stored in
+the train state so that a restarted run is protected from its first step. The timeouts keep an
+explicit order: collective (the process groups' own timeout, half a step's) < step < rendezvous (the
+launcher's, for a restart). Within a step the loop marks its progress (`phase`), so that when one rank
+sleeps and the others wait for it in a collective, the sleeper can be told from the waiters.
+
+On a hang, found by this thread (a section past its timeout) or by the main thread (a collective
+that timed out), the rank raises the alarm in the process group's store. Every rank's watchdog sees
+it, writes every thread's Python stack to `logs/stacks-rank-R.txt` (faulthandler) and publishes where
+it is; the rank that raised the alarm names the stuck ranks in a `hang` event; then all abort the
+process group and exit with EXIT_HANG, so that the elastic agent restarts the workers, which resume
+from the latest verified checkpoint. A rank that cannot run Python at all (stuck holding the GIL) is
+caught by faulthandler's own timer, which dumps its stacks and ends the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import torch.distributed as dist
+
+from keel.config import WatchdogConfig
+from keel.errors import EXIT_HANG
+from keel.monitor.sinks import EventLog
+
+SECTIONS = ("setup", "step", "checkpoint", "eval")
+PHASES = ("data", "forward_backward", "reduce", "update")  # progress marks within a step, in order
+COLLECTIVE_SHARE = 0.5  # a collective's timeout is this share of its step's
+
+
+class Watchdog:
+    def __init__(self, cfg: WatchdogConfig, run_dir: Path, rank: int, world: int, events: EventLog,
+                 say: Callable[[str], None], hosts: list[str] | None = None) -> None:
+        self.cfg, self.rank, self.world, self.events, self.say = cfg, rank, world, events, say
+        self.hosts = hosts or []
+        self.logs = run_dir / "logs"
+        self.timeouts = {"setup": cfg.setup_timeout_s, "step": cfg.initial_timeout_s,
+                         "checkpoint": cfg.initial_timeout_s, "eval": cfg.initial_timeout_s}
+        self.longest: dict[str, float] = {}  # section → longest duration seen (steps after the warm-up only)
+        self.steps_seen = 0
+        self.section_name, self.section_step, self.section_start = "setup", 0, time.monotonic()
+        self.phase_index = 0
+        self.prefix = f"keel/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stacks: IO[str] | None = None
+        self._exit: Callable[[int], None] = os._exit
+        self._handling = threading.Lock()  # the thread and the main thread may both meet the hang
+        self.reporter, self.alarm = False, {}
+
+    # ------------------------------------------------------------ what the loop calls
+
+    def start(self) -> None:
+        if not self.cfg.enabled:
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._stacks = open(self.logs / f"stacks-rank-{self.rank}.txt", "a")  # noqa: SIM115 (open for the run)
+        self._arm_backstop(self.timeouts["setup"])
+        self._thread = threading.Thread(target=self._watch, name="keel-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self, name: str, step: int) -> None:
+        """Enter a section (the one before, if not ended, is left unmeasured: e.g. a step rolled back)."""
+        self.section_name, self.section_step, self.phase_index = name, step, 0
+        self.section_start = time.monotonic()
+        self._arm_backstop(self.timeouts[name])
+
+    def end(self) -> None:
+        self._observed(self.section_name, time.monotonic() - self.section_start)
+        self.section_name = "idle"
+
+    def phase(self, name: str) -> None:
+        self.phase_index = PHASES.index(name)
+
+    def collective_timed_out(self, error: BaseException) -> None:
+        """The main thread's collective gave up waiting: a peer is stuck. Never returns."""
+        self._raise_alarm(f"a collective timed out in {self.section_name} ({str(error).splitlines()[0][:200]})")
+        self._await_verdict()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.cfg.enabled:
+            faulthandler.cancel_dump_traceback_later()
+        if self._stacks is not None:
+            self._stacks.close()
+            self._stacks = None
+            path = self.logs / f"stacks-rank-{self.rank}.txt"
+            if path.stat().st_size == 0:
+                path.unlink()  # nothing was dumped
+
+    # ------------------------------------------------------------ learned timeouts
+
+    def _observed(self, name: str, seconds: float) -> None:
+        if name == "step":
+            self.steps_seen += 1
+            if self.steps_seen <= self.cfg.warmup_steps:  # the first steps compile, allocate and warm caches
+                if self.steps_seen == self.cfg.warmup_steps:
+                    self._learn("step", seconds)
+                return
+        if name != "setup":
+            self._learn(name, seconds)
+
+    def _learn(self, name: str, seconds: float) -> None:
+        longest = max(self.longest.get(name, 0.0), seconds)
+        self.longest[name] = longest
+        before = self.timeouts[name]
+        self.timeouts[name] = max(self.cfg.min_timeout_s, self.cfg.factor * longest)
+        if name == "step" and self.timeouts[name] != before:
+            set_collective_timeout(self.timeouts["step"] * COLLECTIVE_SHARE)
+
+    def collective_timeout(self) -> float:
+        return self.timeouts["step"] * COLLECTIVE_SHARE
+
+    def describe(self, rendezvous_s: float | None) -> str:
+        order = (f"collective {self.collective_timeout():.0f} s < step {self.timeouts['step']:.0f} s"
+                 + (f" < rendezvous {rendezvous_s:.0f} s" if rendezvous_s else ""))
+        learned = "learned" if "step" in self.longest else f"until learned after {self.cfg.warmup_steps} steps"
+        return (f"watchdog timeouts ({learned}): {order}; checkpoint {self.timeouts['checkpoint']:.0f} s, eval "
+                f"{self.timeouts['eval']:.0f} s, setup {self.timeouts['setup']:.0f} s")
+
+    def state_dict(self) -> dict:
+        return {"timeouts": dict(self.timeouts), "longest": dict(self.longest)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.timeouts.update(state.get("timeouts", {}))
+        self.longest.update(state.get("longest", {}))
+        if "step" in self.longest:
+            self.steps_seen = self.cfg.warmup_steps  # learned already: every step counts from here on
+            set_collective_timeout(self.collective_timeout())
+
+    # ------------------------------------------------------------ the watching thread
+
+    def _arm_backstop(self, timeout_s: float) -> None:
+        """faulthandler's own thread needs no GIL: past twice the timeout it dumps and ends the process."""
+        if self._stacks is not None:
+            faulthandler.dump_traceback_later(2 * timeout_s + 2 * self.cfg.poll_s, exit=True, file=self._stacks)
+
+    def _watch(self) -> None:
+        store = _store()
+        while not self._stop.wait(self.cfg.poll_s):
+            name = self.section_name
+            if name in self.timeouts and time.monotonic() - self.section_start > self.timeouts[name]:
+                self._raise_alarm(f"{name} of step {self.section_step} ran past its {self.timeouts[name]:.0f} s "
+                                  f"timeout on rank {self.rank}")
+                self._await_verdict()
+            try:
+                if store is not None and store.check([self.prefix + "alarm"]):
+                    self._await_verdict()
+            except Exception:  # noqa: BLE001 - the store lives in rank 0: if it is gone, so is the job
+                store = None
+
+    def _where(self) -> dict:
+        return {"rank": self.rank, "section": self.section_name, "step": self.section_step,
+                "phase": PHASES[self.phase_index] if self.section_name == "step" else self.section_name,
+                "progress": [self.section_step, self.phase_index],
+                "elapsed_s": round(time.monotonic() - self.section_start, 2)}
+
+    def _raise_alarm(self, reason: str) -> None:
+        store = _store()
+        self.reporter = False
+        if store is not None:
+            with contextlib.suppress(Exception):
+                self.reporter = store.add(self.prefix + "detectors", 1) == 1
+                if self.reporter:
+                    store.set(self.prefix + "alarm", json.dumps({"by": self.rank, "reason": reason}))
+        else:
+            self.reporter = True
+        if self.reporter:
+            self.alarm = {"by": self.rank, "reason": reason}
+
+    def _await_verdict(self) -> None:
+        """Dump this rank's stacks, say where it is, let the reporter name the stuck ranks, then exit."""
+        if not self._handling.acquire(blocking=False):
+            while True:  # the other thread is on it and will end the process
+                time.sleep(1)
+        if self._stacks is not None:
+            self._stacks.write(f"\n=== rank {self.rank}: hang at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                               f"{json.dumps(self._where())}\n")
+            self._stacks.flush()
+            faulthandler.dump_traceback(file=self._stacks, all_threads=True)
+            self._stacks.flush()
+        store = _store()
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.set(f"{self.prefix}where/{self.rank}", json.dumps(self._where()))
+        if self.reporter:
+            self._report(store)
+        else:
+            _wait_for(store, self.prefix + "verdict", 4 * self.cfg.poll_s + 5)
+        abort_process_groups()
+        self._exit(EXIT_HANG)
+
+    def _report(self, store: Any) -> None:
+        deadline = time.monotonic() + 3 * self.cfg.poll_s + 3
+        where: dict[int, dict] = {}
+        while time.monotonic() < deadline and len(where) < self.world:
+            for r in range(self.world):
+                if r not in where:
+                    with contextlib.suppress(Exception):
+                        if store is None and r == self.rank:
+                            where[r] = self._where()
+                        elif store is not None and store.check([f"{self.prefix}where/{r}"]):
+                            where[r] = json.loads(store.get(f"{self.prefix}where/{r}"))
+            time.sleep(0.2)
+        stuck = stuck_ranks(where, self.world)
+        self.events.emit("hang", self.section_step, "restart", stuck_ranks=stuck,
+                         hosts=[self.hosts[r] for r in stuck if r < len(self.hosts)],
+                         section=where.get(stuck[0], {}).get("section", "unknown") if stuck else "unknown",
+                         reason=self.alarm["reason"], detected_by=self.rank, where=where,
+                         timeouts={k: round(v, 1) for k, v in self.timeouts.items()},
+                         stacks=str(self.logs / "stacks-rank-*.txt"))
+        self.say(f"error: hang: rank(s) {', '.join(map(str, stuck))} stuck ({self.alarm['reason']}); stacks in "
+                 f"{self.logs}; exiting so that the agent restarts the workers from the latest checkpoint")
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.set(self.prefix + "verdict", json.dumps({"stuck": stuck}))
+        time.sleep(1.0)  # the store lives in rank 0: let the others read the verdict before it goes
+
+
+def stuck_ranks(where: dict[int, dict], world: int) -> list[int]:
+    """Ranks that could not say where they are, else those furthest behind: in a hang the others wait
+    for them in a collective, further on. When all are at the same place, all are named."""
+    silent = [r for r in range(world) if r not in where]
+    if silent:
+        return silent
+    behind = min(tuple(w["progress"]) for w in where.values())
+    return sorted(r for r, w in where.items() if tuple(w["progress"]) == behind)
+
+
+def _store() -> Any:
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (ValueError, RuntimeError):
+        return None
+
+
+def _wait_for(store: Any, key: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store is not None and time.monotonic() < deadline:
+        try:
+            if store.check([key]):
+                return
+        except Exception:  # noqa: BLE001 - rank 0 (the store) has gone: nothing more to wait for
+            return
+        time.sleep(0.2)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """The process groups' own timeout: a collective waiting longer than this raises in the main thread."""
+    if not dist.is_initialized():
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def abort_process_groups() -> None:
+    """Tear the communicators down without waiting for peers (bounded: an abort must not hang too)."""
+    if not dist.is_initialized():
+        return
+
+    def abort() -> None:
+        with contextlib.suppress(Exception):  # not every backend can abort; exiting closes its sockets anyway
+            dist.distributed_c10d._abort_process_group()
+
+    thread = threading.Thread(target=abort, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
