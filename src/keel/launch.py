@@ -64,7 +64,8 @@ class KeelAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         now = time.monotonic()
-        if now - self._quarantine_checked > QUARANTINE_POLL_S or result.state == WorkerState.FAILED:
+        # Only an elastic job can go on without a node; a one-node job ends with the workers' 76.
+        if self.elastic and (now - self._quarantine_checked > QUARANTINE_POLL_S or result.state == WorkerState.FAILED):
             self._quarantine_checked = now
             if is_quarantined(self.run_dir, node_name()):
                 raise LeaveJob(node_name())

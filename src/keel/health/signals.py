@@ -53,7 +53,7 @@ class StopRequests:
                 return json.loads(self.control.read_text()).get("reason", "keel pause")
             except (OSError, ValueError):
                 return "keel pause"
-        return "another rank was asked to pause"
+        return ""
 
     def consume(self) -> None:
         """The pause is done: the rerun must not pause again at its first step."""

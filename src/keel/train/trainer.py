@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from keel.callbacks import load_callbacks
 from keel.checkpoint.interval import IntervalPolicy
-from keel.checkpoint.manager import CheckpointManager, SaveOutcome
+from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
 from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import open_corpus
@@ -22,8 +22,11 @@ from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigErr
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
+from keel.health.preflight import run_preflight, verdict
+from keel.health.quarantine import quarantined_nodes
 from keel.health.signals import StopRequests
 from keel.health.status import read_status, write_status
+from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
@@ -134,6 +137,15 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     if cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
                           f"vocabulary ({corpus.vocab_size}); set model.vocab_size >= {corpus.vocab_size}")
+    callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
+    if cfg.health.preflight != "off":
+        probes = [cb.corrupt_probe for cb in callbacks.callbacks if hasattr(cb, "corrupt_probe")]
+        checks = run_preflight(cfg, checkpoint_root(cfg, run_dir).path(), param_count(cfg.model), events, say,
+                               corrupt=probes[0] if probes else None, device=ctx.device)
+        if (code := verdict(checks, cfg.health.preflight, run_dir, ctx.rank)) is not None:
+            say(f"error: preflight failed; the nodes at fault are in {run_dir / 'quarantine.json'}; exiting with "
+                f"code {code} so that the job goes on without them")
+            return code
     seed_everything(cfg.train.seed, ctx.rank)
     dtype = precision_dtype(cfg, ctx.device)
     autocast_dtype = dtype if dtype != torch.float32 else None
@@ -148,7 +160,6 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
                                      micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.layout.dp)
-    callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
     manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write)
     stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
                       loss_parallel=tp)
@@ -202,7 +213,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         say(watchdog.describe(rendezvous_timeout()))
     meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
                       ctx.world_size, peak)
-    comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
+    straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, guards.hosts, events, say, run_dir,
+                                  ctx.device)
+    comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type, also_every=straggler.cfg.interval)
     policy = IntervalPolicy(cfg.checkpoint)
 
     def after_save(outcome: SaveOutcome) -> None:
@@ -285,12 +298,13 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                     return code
                 if action.rolls_back:
                     continue
+            leave = straggler.due(step) and straggler.observe(step, comm.compute_s)
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
             last_step = state.step == cfg.train.steps
             metrics = {"step": state.step, "optim/lr": lr}
-            pause = report.extras[2] > 0  # every rank sees the same sum: all pause at this step
+            pause = report.extras[2] > 0 or leave  # every rank sees the same sum: all stop at this step
             if report.extras[0] == ctx.world_size:
                 after_save(manager.finish())
             save_now = (policy.due_by_step(state.step) or last_step or pause
@@ -304,7 +318,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 metrics.update({"train/loss": train_loss, "optim/grad_norm": report.grad_norm,
                                 "optim/update_norm": report.update_norm,
                                 "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
-                                "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics()})
+                                "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics(),
+                                **straggler.last})
                 log.metric(metrics)
                 say.step(state.step, cfg.train.steps, metrics)
                 status("running")
@@ -341,7 +356,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 watchdog.end()
                 last_save = time.perf_counter()
             if pause and not last_step:
-                return _pause(requests, state.step, final_saved, manager.latest(), events, say, status, rank0)
+                return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
+                                  run_dir, events, say, status, rank0)
             callbacks.on_step_end(state, metrics)
     finally:
         loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
@@ -372,20 +388,31 @@ def rendezvous_timeout() -> float | None:
     return float(value) if value else None
 
 
-def _pause(requests: StopRequests, step: int, saved: bool, checkpoint: str | None, events: EventLog,
-           say: Progress, status: Callable[..., None], rank0: bool) -> int:
-    """Every rank has written its part of the step's checkpoint (synchronously); the rerun resumes there."""
-    reason = requests.reason()
+def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, checkpoint: str | None,
+               hosts: list[str], run_dir: Path, events: EventLog, say: Progress, status: Callable[..., None],
+               rank0: bool) -> int:
+    """Every rank has written its part of the step's checkpoint (synchronously). Exit 75 (paused: the
+    rerun resumes there), or 76 when a node of this job is quarantined (a straggler, or `keel
+    quarantine`, whose launcher then stopped its workers): the other nodes restart without it.
+    `asked`: how many ranks were asked to pause (a signal each, and rank 0 the control file)."""
+    reason = requests.reason() if requests.pending() else f"asked on {asked:.0f} other rank(s)"
+    elastic = rendezvous_timeout() is not None  # only an elastic job can go on without a node
+    leaving = [sorted(quarantined_nodes(run_dir) & set(hosts)) if rank0 and elastic else None]
+    dist.broadcast_object_list(leaving, src=0)  # every rank exits with the same code
     dist.barrier()  # no rank leaves while another still commits: the agent would stop it half-way
     requests.consume()
+    where = f"checkpoint {checkpoint} committed" if saved else f"its checkpoint failed, the newest is {checkpoint}"
+    if leaving[0]:
+        if rank0:
+            events.emit("leave", step, "quarantine", nodes=leaving[0], checkpoint=checkpoint, saved=saved)
+        status("stopped", reason=f"node(s) {', '.join(leaving[0])} quarantined: restarting without them")
+        say(f"stopped at step {step}: node(s) {', '.join(leaving[0])} quarantined; {where}; exiting with code "
+            f"{EXIT_QUARANTINE} so that the job goes on without them")
+        return EXIT_QUARANTINE
     if rank0:
         events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=saved)
     status("paused", reason=reason)
-    if saved:
-        say(f"paused at step {step} ({reason}): checkpoint {checkpoint} committed; run the same command to resume")
-    else:
-        say(f"warning: paused at step {step} ({reason}) but its checkpoint failed; the rerun resumes from "
-            f"{checkpoint or 'the start'}")
+    say(f"paused at step {step} ({reason}): {where}; run the same command to resume")
     return EXIT_PAUSED
 
 

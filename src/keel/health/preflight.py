@@ -1,0 +1,261 @@
+"""Preflight: what must hold before a run spends the cluster's time, checked at every start and restart.
+
+- checkpoint storage: writable, free space for two checkpoints, write and read-back throughput
+  (one rank per node writes a probe file, reads it back and compares);
+- collectives: an all-reduce and an all-gather of known per-rank values; a rank whose result is wrong,
+  or whose part arrives wrong at the others, is named; the all-reduce bus bandwidth is reported;
+- compute: a fixed matmul timed on every rank; a rank slower than `SLOW_FACTOR` × the median is named;
+- host memory available; GPUs through NVML when present (ECC errors, throttling, temperature).
+
+Every rank gathers every result, so every rank takes the same branch. With `health.preflight = fail`
+a failed check ends the run naming the node and rank: a storage failure is bad input (exit 2); a
+node's own fault (wrong collective, slow compute, memory, GPU) also lists the node in quarantine.json
+and exits 76, so that an elastic job goes on without it. With `warn` it is reported and the run goes
+on. The results are a `preflight` event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from keel.config import Config
+from keel.errors import EXIT_QUARANTINE, KeelError
+from keel.health.quarantine import add_to_quarantine, node_name
+from keel.monitor.sinks import EventLog
+
+SLOW_FACTOR = 2.0  # compute probe: a rank this many times slower than the median is named
+GPU_MAX_TEMP_C = 85
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    rank: int = -1  # the rank at fault (or checked); -1: the rank that ran the check
+    node: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+STORAGE_CHECKS = ("storage_writable", "storage_readback", "storage_free")
+
+
+def checkpoint_bytes(n_params: int) -> int:
+    """A checkpoint holds fp32 parameters and two fp32 Adam moments: 12 bytes per parameter."""
+    return 12 * n_params
+
+
+def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: EventLog, say: Callable[[str], None],
+                  corrupt: Callable[[torch.Tensor], None] | None = None, device: torch.device | None = None
+                  ) -> list[Check]:
+    """All ranks call it together. Returns every rank's checks (the same list on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = device or torch.device("cpu")
+    probe_bytes = cfg.health.preflight_probe_mib << 20
+    mine: list[Check] = []
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: the node's view of the storage
+        mine += storage_checks(checkpoint_dir, 2 * checkpoint_bytes(n_params), probe_bytes)
+        mine.append(host_memory_check(cfg.health.min_host_memory_gib))
+    if device.type == "cuda":
+        mine += gpu_checks(device)
+    mine.append(compute_probe(device))
+    mine += collective_checks(probe_bytes, device, corrupt)
+    for check in mine:
+        if check.rank < 0:
+            check.rank, check.node = rank, node_name()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, [asdict(c) for c in mine])
+    checks = blame_senders([Check(**c) for per_rank in gathered for c in per_rank])
+    checks += slow_ranks(checks)
+    failed = [c for c in checks if not c.ok]
+    if rank == 0:
+        events.emit("preflight", 0, "failed" if failed else "passed", mode=cfg.health.preflight,
+                    checks=[asdict(c) for c in checks])
+    for c in failed:
+        say(f"preflight: {c.name} FAILED on node {c.node} rank {c.rank}: {c.detail}")
+    summary = [c for c in checks if c.ok and c.rank == 0 and c.name in ("storage_throughput", "allreduce_bandwidth")]
+    if summary:
+        say("preflight: " + "; ".join(c.detail for c in summary))
+    return checks
+
+
+def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | None:
+    """With `mode = fail`: raise for bad storage, or quarantine the nodes at fault and return 76."""
+    failed = [c for c in checks if not c.ok]
+    if not failed or mode != "fail":
+        return None
+    storage = [c for c in failed if c.name in STORAGE_CHECKS]
+    if storage:
+        c = storage[0]
+        raise KeelError(f"preflight check {c.name} failed on node {c.node} rank {c.rank}: {c.detail} "
+                        f"(health.preflight = \"warn\" reports it and goes on)")
+    if rank == 0:
+        for c in failed:
+            add_to_quarantine(run_dir, [c.node], source="preflight", reason=f"{c.name}: {c.detail}", ranks=[c.rank])
+    return EXIT_QUARANTINE
+
+
+def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Check]:
+    if "://" in directory:
+        return [Check("storage_writable", True, f"{directory}: object storage, probed by the first save")]
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".preflight-{node_name()}-{os.getpid()}"
+        data = os.urandom(min(probe_bytes, 1 << 20)) * max(1, probe_bytes >> 20)
+        started = time.perf_counter()
+        with open(probe, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - started
+        started = time.perf_counter()
+        back = probe.read_bytes()
+        read_s = time.perf_counter() - started
+        probe.unlink()
+    except OSError as e:
+        return [Check("storage_writable", False, f"cannot write to the checkpoint directory {directory}: "
+                      f"{e.strerror or e}")]
+    checks = [Check("storage_writable", True, f"{directory} is writable")]
+    if hashlib.sha256(back).digest() != hashlib.sha256(data).digest():
+        checks.append(Check("storage_readback", False, f"a probe file written to {directory} read back different"))
+    mib = len(data) / 2**20
+    checks.append(Check("storage_throughput", True, f"checkpoint storage writes {mib / write_s:.0f} MiB/s and reads "
+                        f"{mib / read_s:.0f} MiB/s", values={"write_mib_s": mib / write_s,
+                                                             "read_mib_s": mib / read_s}))
+    free = shutil.disk_usage(path).free
+    checks.append(Check("storage_free", free >= need_bytes, f"{free / 2**30:.1f} GiB free in {directory}, two "
+                        f"checkpoints need {need_bytes / 2**30:.2f} GiB",
+                        values={"free_bytes": free, "need_bytes": need_bytes}))
+    return checks
+
+
+def host_memory_check(min_gib: float) -> Check:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return Check("host_memory", available >= min_gib * 2**30,
+                 f"{available / 2**30:.1f} GiB of host memory available (at least {min_gib:g} GiB needed)",
+                 values={"available_bytes": available})
+
+
+def compute_probe(device: torch.device, n: int = 256, repeats: int = 8) -> Check:
+    a = torch.randn(n, n, device=device)
+    (a @ a).sum().item()  # warm up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a = torch.tanh(a @ a)
+    a.sum().item()
+    seconds = time.perf_counter() - started
+    return Check("compute_probe", True, f"{repeats} matmuls of {n}×{n} in {seconds * 1e3:.1f} ms",
+                 values={"seconds": seconds})
+
+
+def slow_ranks(checks: list[Check]) -> list[Check]:
+    times = {c.rank: c.values["seconds"] for c in checks if c.name == "compute_probe"}
+    if len(times) < 2:
+        return []
+    median = statistics.median(times.values())
+    return [Check("compute_speed", False, f"its compute probe took {t / median:.1f}× the median rank's "
+                  f"({t * 1e3:.1f} ms vs {median * 1e3:.1f} ms)", rank=r,
+                  node=next(c.node for c in checks if c.rank == r)) for r, t in times.items()
+            if t > SLOW_FACTOR * median]
+
+
+def blame_senders(checks: list[Check]) -> list[Check]:
+    """A part that arrived wrong is its sender's fault: one check per sender, on the sender's node. A
+    wrong all-reduce result is explained by such a sender; without one, the ranks with a wrong result
+    are named when they are a minority (their receiving side), else no rank can be told apart."""
+    nodes = {c.rank: c.node for c in checks if c.name == "compute_probe"}
+    receivers: dict[int, list[int]] = {}
+    for c in checks:
+        if c.name == "allgather_correct":
+            receivers.setdefault(c.values["sender"], []).append(c.values["receiver"])
+    wrong_sums = [c for c in checks if c.name == "allreduce_correct"]
+    kept = [c for c in checks if c.name != "allgather_correct" and (c.name != "allreduce_correct" or (
+        not receivers and len(wrong_sums) * 2 < len(nodes)))]
+    if wrong_sums and not receivers and len(wrong_sums) * 2 >= len(nodes):
+        kept.append(Check("allreduce_correct", False, f"all-reduce result wrong on {len(wrong_sums)} of "
+                          f"{len(nodes)} ranks; no rank could be told apart", rank=0, node=nodes.get(0, "?")))
+    return kept + [Check("allgather_correct", False, f"its part of an all-gather arrived wrong at rank(s) "
+                         f"{', '.join(map(str, sorted(at)))}" + (f", and the all-reduce result was wrong on "
+                                                                  f"{len(wrong_sums)} rank(s)" if wrong_sums else ""),
+                         rank=sender, node=nodes.get(sender, "?")) for sender, at in sorted(receivers.items())]
+
+
+def _rank_values(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+    """Known to every rank: small integers, so that sums are exact in fp32."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(0, 64, (numel,), generator=generator).float().to(device)
+
+
+def collective_checks(probe_bytes: int, device: torch.device,
+                      corrupt: Callable[[torch.Tensor], None] | None) -> list[Check]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = max(1024, probe_bytes // 4)
+    expected = sum(_rank_values(r, numel, device) for r in range(world))
+    mine = _rank_values(rank, numel, device)
+    if corrupt is not None:
+        corrupt(mine)
+    checks = []
+    # All-gather: the others' parts, as they arrive here. A part that differs names its sender.
+    small = mine[:1024].clone()
+    parts = [torch.empty_like(small) for _ in range(world)]
+    dist.all_gather(parts, small)
+    bad = [r for r, part in enumerate(parts) if not torch.equal(part, _rank_values(r, numel, device)[:1024])]
+    for sender in bad:
+        checks.append(Check("allgather_correct", False, f"the part from rank {sender} arrived wrong at rank {rank}",
+                            rank=sender, values={"sender": sender, "receiver": rank}))
+    # All-reduce: correctness here, and the bus bandwidth (2(n-1)/n of the bytes cross each link).
+    buffer = mine.clone()
+    dist.barrier()
+    started = time.perf_counter()
+    dist.all_reduce(buffer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    wrong = int((buffer != expected).sum())
+    if wrong:
+        checks.append(Check("allreduce_correct", False, f"all-reduce result wrong in {wrong} of {numel} elements"))
+    busbw = 2 * (world - 1) / world * numel * 4 / seconds
+    checks.append(Check("allreduce_bandwidth", True, f"all-reduce of {numel * 4 / 2**20:.0f} MiB over {world} ranks "
+                        f"at {busbw / 1e9:.2f} GB/s bus bandwidth", values={"busbw_gbs": busbw / 1e9}))
+    return checks
+
+
+def gpu_checks(device: torch.device) -> list[Check]:
+    try:
+        import pynvml
+    except ImportError:
+        return [Check("gpu_nvml", True, "nvidia-ml-py not installed (pip install keel[gpu]): GPU checks skipped")]
+    try:
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        checks = []
+        try:
+            ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                     pynvml.NVML_VOLATILE_ECC)
+            checks.append(Check("gpu_ecc", ecc == 0, f"GPU {index}: {ecc} uncorrected ECC errors since boot"))
+        except pynvml.NVMLError:
+            checks.append(Check("gpu_ecc", True, f"GPU {index}: ECC counts not exposed"))
+        temp = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+        checks.append(Check("gpu_temperature", temp < GPU_MAX_TEMP_C, f"GPU {index}: {temp} °C"))
+        reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        bad = reasons & (pynvml.nvmlClocksThrottleReasonHwSlowdown | pynvml.nvmlClocksThrottleReasonSwThermalSlowdown
+                         | pynvml.nvmlClocksThrottleReasonHwThermalSlowdown)
+        checks.append(Check("gpu_throttle", not bad, f"GPU {index}: clock throttle reasons 0x{reasons:x}"))
+        return checks
+    except pynvml.NVMLError as e:
+        return [Check("gpu_nvml", False, f"NVML failed: {e}")]
