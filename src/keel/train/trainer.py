@@ -357,7 +357,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 last_save = time.perf_counter()
             if pause and not last_step:
                 return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
-                                  run_dir, events, say, status, rank0)
+                                  run_dir, events, say, status, rank0, straggler=leave)
             callbacks.on_step_end(state, metrics)
     finally:
         loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
@@ -390,14 +390,15 @@ def rendezvous_timeout() -> float | None:
 
 def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, checkpoint: str | None,
                hosts: list[str], run_dir: Path, events: EventLog, say: Progress, status: Callable[..., None],
-               rank0: bool) -> int:
+               rank0: bool, straggler: bool) -> int:
     """Every rank has written its part of the step's checkpoint (synchronously). Exit 75 (paused: the
     rerun resumes there), or 76 when a node of this job is quarantined (a straggler, or `keel
     quarantine`, whose launcher then stopped its workers): the other nodes restart without it.
     `asked`: how many ranks were asked to pause (a signal each, and rank 0 the control file)."""
     reason = requests.reason() if requests.pending() else f"asked on {asked:.0f} other rank(s)"
-    elastic = rendezvous_timeout() is not None  # only an elastic job can go on without a node
-    leaving = [sorted(quarantined_nodes(run_dir) & set(hosts)) if rank0 and elastic else None]
+    # Only an elastic job can go on without a node, unless a straggler's node was just listed.
+    consult = straggler or rendezvous_timeout() is not None
+    leaving = [sorted(quarantined_nodes(run_dir) & set(hosts)) if rank0 and consult else None]
     dist.broadcast_object_list(leaving, src=0)  # every rank exits with the same code
     dist.barrier()  # no rank leaves while another still commits: the agent would stop it half-way
     requests.consume()
