@@ -142,7 +142,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
         if nproc > 1 or max_restarts > 0 or elastic:
             return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,
-                          rdzv_endpoint=args.rdzv_endpoint, shutdown_grace_s=cfg.health.shutdown_grace_s,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
+                          shutdown_grace_s=cfg.health.shutdown_grace_s,
                           no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.train.trainer import train
         return train(cfg, run_dir, resume)

@@ -228,10 +228,14 @@ class HealthConfig:
                                ge=0)
     no_progress_restarts: int = option(2, "stop (exit 3, do not requeue) after this many restarts in a row that "
                                        "did not get past the step the run had reached", ge=1)
+    rendezvous_timeout_s: int = option(900, "elastic jobs (--nnodes): how long a (re)starting node waits for the "
+                                       "others to join; longer than a step's watchdog timeout", ge=1)
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
                                    "SIGKILL", ge=1)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "
-                            "on), fail (exit 2 naming the node and rank) or off", choices=("warn", "fail", "off"))
+                            "on), fail (end the run naming the node and rank: exit 2 for the checkpoint storage, "
+                            "76 with the node quarantined for a node's own fault) or off",
+                            choices=("warn", "fail", "off"))
     preflight_probe_mib: int = option(64, "size of the storage and all-reduce probes (MiB)", ge=1)
     min_host_memory_gib: float = option(1.0, "preflight: host memory that must be available (GiB)", ge=0)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)

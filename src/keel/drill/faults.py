@@ -117,19 +117,19 @@ class SignalInStep(_InStep):
 
 
 class SlowRank(Callback):
-    """Make `rank` `factor` times slower from step `from_step` on: after its backward it sleeps for
-    (factor − 1) × the time the step took it so far (outside any collective)."""
+    """Make `rank` (-1: every rank) slower from step `from_step` on: after its backward it sleeps for
+    `seconds`, or else for (factor − 1) × the time the step took it so far (outside any collective)."""
 
-    def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1) -> None:
-        self.rank, self.factor, self.from_step = rank, factor, from_step
+    def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1, seconds: float = 0.0) -> None:
+        self.rank, self.factor, self.from_step, self.seconds = rank, factor, from_step, seconds
         self.started = 0.0
 
     def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
         self.started = time.perf_counter()
 
     def after_backward(self, state: Any, replaying: bool) -> None:
-        if not replaying and _step_being_made(state) >= self.from_step and dist.get_rank() == self.rank:
-            time.sleep((self.factor - 1) * (time.perf_counter() - self.started))
+        if not replaying and _step_being_made(state) >= self.from_step and self.rank in (-1, dist.get_rank()):
+            time.sleep(self.seconds or (self.factor - 1) * (time.perf_counter() - self.started))
 
 
 class WrongAllReduce(Callback):

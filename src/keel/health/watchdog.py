@@ -38,6 +38,7 @@ from keel.monitor.sinks import EventLog
 SECTIONS = ("setup", "step", "checkpoint", "eval")
 PHASES = ("data", "forward_backward", "reduce", "update")  # progress marks within a step, in order
 COLLECTIVE_SHARE = 0.5  # a collective's timeout is this share of its step's
+BACKSTOP_GRACE_S = 60.0
 
 
 class Watchdog:
@@ -145,9 +146,10 @@ class Watchdog:
     # ------------------------------------------------------------ the watching thread
 
     def _arm_backstop(self, timeout_s: float) -> None:
-        """faulthandler's own thread needs no GIL: past twice the timeout it dumps and ends the process."""
+        """faulthandler's own thread needs no GIL: well past the timeout (time for this thread to have
+        handled the hang, had it been able to run) it dumps the stacks and ends the process."""
         if self._stacks is not None:
-            faulthandler.dump_traceback_later(2 * timeout_s + 2 * self.cfg.poll_s, exit=True, file=self._stacks)
+            faulthandler.dump_traceback_later(2 * timeout_s + BACKSTOP_GRACE_S, exit=True, file=self._stacks)
 
     def _watch(self) -> None:
         store = _store()
@@ -187,6 +189,7 @@ class Watchdog:
         if not self._handling.acquire(blocking=False):
             while True:  # the other thread is on it and will end the process
                 time.sleep(1)
+        faulthandler.cancel_dump_traceback_later()  # handled here: the backstop must not cut it short
         if self._stacks is not None:
             self._stacks.write(f"\n=== rank {self.rank}: hang at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                                f"{json.dumps(self._where())}\n")

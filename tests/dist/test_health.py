@@ -1,0 +1,250 @@
+"""A run that outlives its failures: pause and preemption, hangs, stragglers, kills, preflight and an
+elastic job that leaves a quarantined node out. Real `keel train` processes, real signals, and the
+final state compared with an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.checkpoint.inspect import state_sha256
+from keel.monitor.sinks import read_jsonl
+from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel
+
+pytestmark = pytest.mark.dist
+
+STEPS = 40
+SLOW = 'drill.inject=["slow:rank=-1,seconds=0.1"]'  # every rank 0.1 s slower per step: time to act mid-run
+
+
+def train_cmd(corpus: Path, run_dir: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> list[str]:
+    return ["train", "--nproc", str(nproc), "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={steps}",
+            f"data.dir={corpus}", "health.preflight_probe_mib=4", *extra]
+
+
+def final_checkpoint(run_dir: Path, steps: int = STEPS) -> Path:
+    return run_dir / "checkpoints" / f"step-{steps:06d}"
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if kind is None or e["kind"] == kind]
+
+
+def status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while status(run_dir).get("step", 0) < step:
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 steps on 2 processes, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("runs") / "A"
+    result = run_keel(train_cmd(small_corpus, run_dir), cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("how", ["keel_pause", "sigterm_to_launcher", "sigterm_to_one_worker"])
+def test_pause_checkpoints_exits_75_and_rerun_is_bitwise_equal(how: str, reference_run: Path, small_corpus: Path,
+                                                               tmp_path: Path) -> None:
+    run_dir = tmp_path / "P"
+    extra = [SLOW] if how != "sigterm_to_one_worker" else ['drill.inject=["signal:step=15,rank=1,signal=SIGTERM"]']
+    cmd = train_cmd(small_corpus, run_dir, *extra)
+    proc, tag = spawn_keel(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if how == "keel_pause":
+            wait_for_step(run_dir, 10, proc)
+            asked = run_keel(["pause", str(run_dir)], cwd=tmp_path)
+            assert asked.returncode == 0, asked.stderr
+        elif how == "sigterm_to_launcher":
+            wait_for_step(run_dir, 10, proc)
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode == 75, err[-3000:]
+    paused = events(run_dir, "pause")
+    assert len(paused) == 1 and paused[0]["detail"]["saved"], paused
+    step = paused[0]["step"]
+    assert 10 <= step < STEPS if how != "sigterm_to_one_worker" else step == 15
+    assert paused[0]["detail"]["reason"] == {"keel_pause": "keel pause", "sigterm_to_launcher": "SIGTERM",
+                                             "sigterm_to_one_worker": "asked on 1 other rank(s)"}[how]
+    assert status(run_dir)["state"] == "paused"
+    assert not (run_dir / "PAUSE").exists(), "the pause request must be consumed"
+    verified = run_keel(["ckpt", "verify", str(run_dir / "checkpoints" / f"step-{step:06d}")], cwd=tmp_path)
+    assert verified.returncode == 0 and "verified" in verified.stdout, verified.stdout + verified.stderr
+
+    again = run_keel(cmd, cwd=tmp_path)  # the same command resumes
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [e["step"] for e in events(run_dir, "resume")] == [step]
+    assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
+    assert status(run_dir)["state"] == "finished"
+
+
+def test_hang_is_detected_with_stacks_and_the_run_resumes_bitwise(reference_run: Path, small_corpus: Path,
+                                                                  tmp_path: Path) -> None:
+    run_dir = tmp_path / "H"
+    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["hang:step=30,rank=1"]', "health.watchdog.warmup_steps=5",
+                    "health.watchdog.min_timeout_s=4", "health.watchdog.poll_s=0.5", "--max-restarts", "1")
+    result = run_keel(cmd, cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (hang,) = events(run_dir, "hang")
+    detail = hang["detail"]
+    assert hang["step"] == 30 and detail["stuck_ranks"] == [1] and detail["section"] == "step", detail
+    # Found within the learned timeouts (4 s floor: collective 2 s < step 4 s), not the 900 s default.
+    assert detail["timeouts"]["step"] == 4.0
+    assert detail["where"]["1"]["elapsed_s"] <= detail["timeouts"]["step"] + 2, detail["where"]
+    assert detail["where"]["0"]["phase"] == "reduce" and detail["where"]["1"]["phase"] == "forward_backward"
+    stacks = {r: (run_dir / "logs" / f"stacks-rank-{r}.txt").read_text() for r in (0, 1)}
+    assert "drill/faults.py" in stacks[1] and "in deliver" in stacks[1] and "in after_backward" in stacks[1]
+    assert "_train" in stacks[0]  # rank 0's main thread, waiting in a collective
+    assert [e["step"] for e in events(run_dir, "resume")] == [20]
+    assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
+
+
+def test_straggler_is_named_within_50_steps(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "S"
+    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["slow:rank=1,factor=3"]',
+                                "health.straggler.interval=10", steps=60), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = events(run_dir, "straggler")[0]
+    assert first["step"] <= 50 and first["detail"]["rank"] == 1 and first["detail"]["host"], first
+    assert first["detail"]["ratio"] > 1.5
+    alerts = [e for e in events(run_dir, "alert") if e["action"] == "straggler"]
+    assert alerts and "rank 1" in alerts[0]["detail"]["message"]
+
+
+def test_no_straggler_in_a_clean_run_of_500_steps(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "C"
+    result = run_keel(train_cmd(small_corpus, run_dir, "health.straggler.interval=10", "train.log_interval=50",
+                                "eval.interval=0", "checkpoint.interval=500", steps=500), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert events(run_dir, "straggler") == []
+    ratios = [r["health/slowest_rank_ratio"] for r in read_jsonl(run_dir / "metrics.jsonl")
+              if "health/slowest_rank_ratio" in r]
+    assert ratios, "the straggler check must have run"
+
+
+def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run: Path, small_corpus: Path,
+                                                                  tmp_path: Path) -> None:
+    run_dir = tmp_path / "K"
+    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=1"]',
+                                "--max-restarts", "2"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [e["step"] for e in events(run_dir, "resume")] == [20]
+    assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
+
+
+def test_killed_three_times_stops_with_do_not_requeue(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "K3"
+    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=3"]',
+                                "health.no_progress_restarts=5", "--max-restarts", "2"), cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "the workers failed 3 times (--max-restarts 2); not retrying" in result.stdout
+    assert len(events(run_dir, "resume")) == 2
+
+
+def test_restarts_without_progress_stop_before_the_budget(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "NP"
+    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=9"]',
+                                "health.no_progress_restarts=2", "--max-restarts", "8"), cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "2 restarts in a row did not get past step 24" in result.stdout
+    assert len(events(run_dir, "resume")) == 2
+
+
+def test_preflight_names_a_read_only_checkpoint_directory(small_corpus: Path, tmp_path: Path) -> None:
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only file system here: {mounted.stderr.strip()}")
+    try:
+        run_dir = tmp_path / "RO"
+        result = run_keel(train_cmd(small_corpus, run_dir, "health.preflight=fail",
+                                    f"checkpoint.dir={read_only}/checkpoints"), cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"preflight check storage_writable failed on node {socket.gethostname()} rank 0: cannot write to the "
+            f"checkpoint directory {read_only}/checkpoints: Read-only file system") in result.stderr
+
+
+def test_preflight_names_the_rank_whose_collective_is_wrong(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "AR"
+    result = run_keel(train_cmd(small_corpus, run_dir, "health.preflight=fail",
+                                'drill.inject=["wrong_allreduce:rank=1"]'), cwd=tmp_path)
+    assert result.returncode == 76, result.stderr[-3000:]
+    assert "preflight: allgather_correct FAILED on node" in result.stdout
+    (record,) = json.loads((run_dir / "quarantine.json").read_text())
+    assert record["source"] == "preflight" and record["ranks"] == [1], record
+    (pre,) = events(run_dir, "preflight")
+    failed = [c for c in pre["detail"]["checks"] if not c["ok"]]
+    assert [(c["name"], c["rank"]) for c in failed] == [("allgather_correct", 1)]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(reference_run: Path, small_corpus: Path,
+                                                                          tmp_path: Path) -> None:
+    run_dir = tmp_path / "E"
+    steps = 120
+    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["slow:rank=-1,seconds=0.05"]', "train.log_interval=10",
+                    "eval.interval=0", "--nnodes", "1:2", "--rdzv-endpoint", f"localhost:{free_port()}",
+                    "--max-restarts", "2", nproc=1, steps=steps)
+    # Node a starts first, so it hosts the rendezvous store (the endpoint's node must not be the one to leave).
+    a, tag_a = spawn_keel(cmd, cwd=tmp_path, env={"KEEL_NODE": "a"}, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    time.sleep(3)
+    b, tag_b = spawn_keel(cmd, cwd=tmp_path, env={"KEEL_NODE": "b"}, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not [e for e in events(run_dir, "start") if e["detail"]["world_size"] == 2] or status(run_dir).get(
+                "step", 0) < 30:
+            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, "the job did not form"
+            time.sleep(0.1)
+        marked = run_keel(["quarantine", str(run_dir), "b", "--reason", "drill"], cwd=tmp_path)
+        assert marked.returncode == 0, marked.stderr
+        out_b, err_b = b.communicate(timeout=120)
+        out_a, err_a = a.communicate(timeout=240)
+    finally:
+        kill_tagged(tag_a)
+        kill_tagged(tag_b)
+    assert b.returncode == 76, err_b[-3000:]
+    assert "node b is listed in quarantine.json" in out_b
+    assert a.returncode == 0, err_a[-3000:]
+    story = [(e["kind"], e["detail"].get("world_size")) for e in events(run_dir)
+             if e["kind"] in ("start", "leave", "resume", "finish") and e["rank"] == 0]
+    assert story == [("start", 2), ("leave", None), ("start", 1), ("resume", None), ("finish", None)], story
+    (leave,) = events(run_dir, "leave")
+    assert leave["detail"]["nodes"] == ["b"] and leave["detail"]["saved"]
+    (resume,) = events(run_dir, "resume")
+    assert resume["step"] == leave["step"]  # nothing lost: the leave wrote the checkpoint it resumes from
+    # The same global batches: the one-node run accumulates twice the micro-batches per step.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_seen"] == steps * 8 * 64
+    metrics = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+    assert set(range(10, steps + 1, 10)) <= set(metrics)

@@ -1,0 +1,183 @@
+"""The health parts that need no process group: the watchdog's learning and verdict, signals and the
+pause file, status, quarantine, preflight's attribution, and the CLI's answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.config import StragglerConfig, WatchdogConfig
+from keel.errors import EXIT_HANG
+from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
+from keel.health.quarantine import add_to_quarantine, is_quarantined, node_name, quarantined_nodes, release
+from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
+from keel.health.status import job_alive, read_status, run_status, write_status
+from keel.health.watchdog import Watchdog, stuck_ranks
+from keel.monitor.sinks import EventLog, read_jsonl
+from keel.run_lock import RunLock
+from tests.conftest import run_keel
+
+
+def where(step: int, phase: int) -> dict:
+    return {"progress": [step, phase]}
+
+
+def test_stuck_ranks_are_the_silent_then_the_furthest_behind() -> None:
+    assert stuck_ranks({0: where(30, 2), 1: where(30, 1), 2: where(30, 2)}, 3) == [1]
+    assert stuck_ranks({0: where(30, 2), 2: where(30, 2)}, 3) == [1]  # rank 1 could not even answer
+    assert stuck_ranks({0: where(31, 0), 1: where(30, 3)}, 2) == [1]
+    assert stuck_ranks({0: where(30, 2), 1: where(30, 2)}, 2) == [0, 1]  # all at the same place: all named
+
+
+def make_watchdog(tmp_path: Path, **kw: float) -> tuple[Watchdog, list[str]]:
+    said: list[str] = []
+    cfg = WatchdogConfig(**{"warmup_steps": 3, "factor": 5.0, "min_timeout_s": 1.0, **kw})
+    return Watchdog(cfg, tmp_path, 0, 1, EventLog(tmp_path / "events.jsonl", 0), said.append), said
+
+
+def test_watchdog_learns_step_timeouts_after_warmup_in_order(tmp_path: Path) -> None:
+    dog, _ = make_watchdog(tmp_path)
+    assert dog.timeouts["step"] == 900.0  # the configured value until learned
+    for seconds in (5.0, 0.1, 0.1):  # the warm-up: only its last step counts
+        dog._observed("step", seconds)
+    assert dog.timeouts["step"] == 1.0  # max(min_timeout_s, 5 × 0.1)
+    dog._observed("step", 0.4)
+    assert dog.timeouts["step"] == pytest.approx(2.0)
+    assert dog.collective_timeout() < dog.timeouts["step"] < 900
+    assert "collective 1 s < step 2 s < rendezvous 900 s" in dog.describe(900)
+    dog._observed("checkpoint", 3.0)
+    assert dog.timeouts["checkpoint"] == pytest.approx(15.0)
+    restored, _ = make_watchdog(tmp_path)
+    restored.load_state_dict(json.loads(json.dumps(dog.state_dict())))  # as the train state stores it
+    assert restored.timeouts == dog.timeouts and restored.steps_seen == 3
+    restored._observed("step", 0.6)  # learned already: no new warm-up after a restart
+    assert restored.timeouts["step"] == pytest.approx(3.0)
+
+
+def test_watchdog_finds_a_stuck_step_dumps_stacks_and_exits(tmp_path: Path) -> None:
+    dog, said = make_watchdog(tmp_path, poll_s=0.1)
+    exits: list[int] = []
+    dog._exit = exits.append  # the real one ends the process
+    dog.timeouts["step"] = 0.3
+    dog.start()
+    try:
+        dog.begin("step", 7)
+        dog.phase("forward_backward")
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)  # this thread is "stuck" in step 7
+    finally:
+        dog._stop.set()
+    assert exits == [EXIT_HANG]
+    (hang,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "hang"]
+    assert hang["step"] == 7 and hang["detail"]["stuck_ranks"] == [0] and hang["detail"]["section"] == "step"
+    assert "ran past its 0 s timeout" in hang["detail"]["reason"]
+    stacks = (tmp_path / "logs" / "stacks-rank-0.txt").read_text()
+    assert "test_watchdog_finds_a_stuck_step_dumps_stacks_and_exits" in stacks  # the main thread's stack
+    assert any("hang: rank(s) 0 stuck" in line for line in said)
+
+
+def test_stop_requests_come_from_real_signals_and_the_pause_file(tmp_path: Path) -> None:
+    requests = StopRequests(tmp_path, rank=0)
+    try:
+        assert not requests.pending()
+        request_pause(tmp_path, reason="maintenance")
+        assert requests.pending() and requests.reason() == "maintenance"
+        requests.consume()
+        assert not (tmp_path / PAUSE_FILE).exists() and not requests.pending()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert requests.pending() and requests.reason() == "SIGUSR1"
+    finally:
+        requests.close()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    other = StopRequests(tmp_path, rank=1)  # only rank 0 reads the control file
+    request_pause(tmp_path)
+    try:
+        assert not other.pending()
+    finally:
+        other.close()
+
+
+def test_status_tells_a_dead_job_from_a_running_one(tmp_path: Path) -> None:
+    write_status(tmp_path, "running", 12, checkpoint="/x/step-000010")
+    assert read_status(tmp_path)["step"] == 12
+    info = run_status(tmp_path)
+    assert info["state"] == "failed" and "killed or crashed" in info["reason"]  # nobody holds the lock
+    with RunLock(tmp_path):
+        assert job_alive(tmp_path)
+        assert run_status(tmp_path)["state"] == "running"
+    with RunLock(tmp_path, node="b"):  # one lock per node in an elastic job
+        assert job_alive(tmp_path)
+    assert not job_alive(tmp_path)
+    write_status(tmp_path, "paused", 20, checkpoint="/x/step-000020", reason="SIGTERM")
+    info = run_status(tmp_path)
+    assert (info["state"], info["step"], info["last_checkpoint"]) == ("paused", 20, "/x/step-000020")
+
+
+def test_quarantine_lists_and_releases_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_NODE", "node-7")
+    assert node_name() == "node-7"
+    add_to_quarantine(tmp_path, ["node-7"], source="straggler", reason="slow", step=40, ranks=[3])
+    add_to_quarantine(tmp_path, ["node-2"], source="keel quarantine", reason="repair")
+    assert quarantined_nodes(tmp_path) == {"node-7", "node-2"} and is_quarantined(tmp_path, "node-7")
+    assert release(tmp_path, "node-7") == 1
+    assert quarantined_nodes(tmp_path) == {"node-2"}
+
+
+def test_preflight_blames_the_sender_of_a_wrong_part() -> None:
+    probes = [Check("compute_probe", True, "", rank=r, node=f"n{r}", values={"seconds": 0.01}) for r in range(3)]
+    wrong_sums = [Check("allreduce_correct", False, "wrong", rank=r, node=f"n{r}") for r in range(3)]
+    arrivals = [Check("allgather_correct", False, "", rank=2, values={"sender": 2, "receiver": r}) for r in range(3)]
+    blamed = [c for c in blame_senders(probes + wrong_sums + arrivals) if not c.ok]
+    assert [(c.name, c.rank, c.node) for c in blamed] == [("allgather_correct", 2, "n2")]
+    one_receiver = [c for c in blame_senders(probes + wrong_sums[:1]) if not c.ok]
+    assert [(c.name, c.rank) for c in one_receiver] == [("allreduce_correct", 0)]  # a minority: its receiving side
+    slow = slow_ranks([*probes[:2], Check("compute_probe", True, "", rank=2, node="n2", values={"seconds": 0.05})])
+    assert [(c.name, c.rank) for c in slow] == [("compute_speed", 2)]
+
+
+def test_preflight_probes_the_checkpoint_storage(tmp_path: Path) -> None:
+    checks = {c.name: c for c in storage_checks(str(tmp_path / "ckpt"), need_bytes=1 << 20, probe_bytes=1 << 20)}
+    assert checks["storage_writable"].ok and checks["storage_free"].ok
+    assert checks["storage_throughput"].values["write_mib_s"] > 0
+    assert not any(p.name.startswith(".preflight") for p in (tmp_path / "ckpt").iterdir())
+    full = {c.name: c for c in storage_checks(str(tmp_path / "ckpt"), need_bytes=1 << 60, probe_bytes=1 << 20)}
+    assert not full["storage_free"].ok and "two checkpoints need" in full["storage_free"].detail
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    (bad,) = storage_checks(str(blocked / "ckpt"), need_bytes=1, probe_bytes=1 << 20)
+    assert not bad.ok and "cannot write to the checkpoint directory" in bad.detail
+
+
+def test_straggler_config_defaults_report_within_50_steps() -> None:
+    cfg = StragglerConfig()
+    assert cfg.interval * (cfg.patience + 1) <= 60 and cfg.factor < 3
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["pause", "{tmp}"], "no keel job is running in"),
+    (["status", "{tmp}/missing"], "does not exist"),
+    (["train", "--nnodes", "2:1", "--rdzv-endpoint", "localhost:29400", "--run-dir", "{tmp}/r"],
+     "--nnodes '2:1': expected MIN:MAX"),
+    (["train", "--nnodes", "1:2", "--run-dir", "{tmp}/r"], "needs HOST:PORT of the rendezvous"),
+])
+def test_health_commands_refuse_bad_input_with_one_line(args: list[str], expect: str, tmp_path: Path) -> None:
+    result = run_keel([a.format(tmp=tmp_path) for a in args], cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], result.stderr
+
+
+def test_a_quarantined_node_does_not_rejoin(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    add_to_quarantine(run_dir, ["n1"], source="keel quarantine", reason="bad")
+    result = run_keel(["train", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400", "--run-dir", str(run_dir)],
+                      cwd=tmp_path, timeout=60, env={"KEEL_NODE": "n1"})
+    assert result.returncode == 2 and "node n1 is listed in" in result.stderr, result.stderr
+    assert "--release" in result.stderr
