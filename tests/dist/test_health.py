@@ -151,21 +151,18 @@ def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run:
     assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
 
 
-def test_killed_three_times_stops_with_do_not_requeue(small_corpus: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "K3"
-    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=3"]',
-                                "health.no_progress_restarts=5", "--max-restarts", "2"), cwd=tmp_path)
+@pytest.mark.parametrize("attempts, no_progress, max_restarts, message", [
+    (3, 5, 2, "the workers failed 3 times (--max-restarts 2); not retrying"),  # the restart budget
+    (9, 2, 8, "2 restarts in a row did not get past step 24; not retrying"),  # stopped before the budget
+])
+def test_repeated_failures_stop_with_do_not_requeue(attempts: int, no_progress: int, max_restarts: int, message: str,
+                                                    small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "K"
+    result = run_keel(train_cmd(small_corpus, run_dir, f'drill.inject=["kill:step=25,rank=1,attempts={attempts}"]',
+                                f"health.no_progress_restarts={no_progress}", "--max-restarts", str(max_restarts)),
+                      cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "the workers failed 3 times (--max-restarts 2); not retrying" in result.stdout
-    assert len(events(run_dir, "resume")) == 2
-
-
-def test_restarts_without_progress_stop_before_the_budget(small_corpus: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "NP"
-    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=9"]',
-                                "health.no_progress_restarts=2", "--max-restarts", "8"), cwd=tmp_path)
-    assert result.returncode == 3, result.stderr[-3000:]
-    assert "2 restarts in a row did not get past step 24" in result.stdout
+    assert message in result.stdout
     assert len(events(run_dir, "resume")) == 2
 
 
@@ -210,7 +207,7 @@ def free_port() -> int:
 def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(reference_run: Path, small_corpus: Path,
                                                                           tmp_path: Path) -> None:
     run_dir = tmp_path / "E"
-    steps = 120
+    steps = 160
     cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["slow:rank=-1,seconds=0.05"]', "train.log_interval=10",
                     "eval.interval=0", "--nnodes", "1:2", "--rdzv-endpoint", f"localhost:{free_port()}",
                     "--max-restarts", "2", nproc=1, steps=steps)
@@ -246,5 +243,15 @@ def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(referen
     # The same global batches: the one-node run accumulates twice the micro-batches per step.
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tokens_seen"] == steps * 8 * 64
-    metrics = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
-    assert set(range(10, steps + 1, 10)) <= set(metrics)
+    # The same batches as an uninterrupted 2-process run: the losses after the resume match it (one
+    # process sums the micro-batches in another order: equal to rounding, not bitwise).
+    reference_dir = tmp_path / "E-reference"
+    reference = run_keel(train_cmd(small_corpus, reference_dir, "train.log_interval=10", "eval.interval=0",
+                                   steps=steps), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    losses = {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+    expected = {r["step"]: r["train/loss"] for r in read_jsonl(reference_dir / "metrics.jsonl") if "train/loss" in r}
+    after = [s for s in expected if s > leave["step"]]
+    assert after and all(s in losses for s in after)
+    for s in after:
+        assert losses[s] == pytest.approx(expected[s], rel=2e-3), s

@@ -119,7 +119,7 @@ def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) ->
 def test_unknown_section_without_close_match_lists_known_keys() -> None:
     message = config_error(["zzz.bar=1"])
     assert "unknown config key 'zzz' in the top level" in message
-    assert ("known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, guard, drill, "
+    assert ("known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, guard, health, drill, "
             "callbacks") in message
 
 

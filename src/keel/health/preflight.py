@@ -107,13 +107,21 @@ def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | N
 
 
 def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Check]:
+    """Probe where the checkpoints will go: the directory, or the nearest existing one above it that
+    the run will create it in (the probe creates nothing and leaves nothing behind)."""
     if "://" in directory:
         return [Check("storage_writable", True, f"{directory}: object storage, probed by the first save")]
-    path = Path(directory)
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return [Check("storage_writable", False, f"cannot write to the checkpoint directory {directory}: "
+                      f"{path} is not a directory")]
+    free = shutil.disk_usage(path).free
+    size = max(1 << 20, min(probe_bytes, free // 10)) >> 20 << 20  # whole MiB, never a tenth of the free space
+    probe = path / f".preflight-{node_name()}-{os.getpid()}"
+    data = os.urandom(1 << 20) * (size >> 20)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".preflight-{node_name()}-{os.getpid()}"
-        data = os.urandom(min(probe_bytes, 1 << 20)) * max(1, probe_bytes >> 20)
         started = time.perf_counter()
         with open(probe, "wb") as f:
             f.write(data)
@@ -123,10 +131,11 @@ def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Ch
         started = time.perf_counter()
         back = probe.read_bytes()
         read_s = time.perf_counter() - started
-        probe.unlink()
     except OSError as e:
         return [Check("storage_writable", False, f"cannot write to the checkpoint directory {directory}: "
                       f"{e.strerror or e}")]
+    finally:
+        probe.unlink(missing_ok=True)
     checks = [Check("storage_writable", True, f"{directory} is writable")]
     if hashlib.sha256(back).digest() != hashlib.sha256(data).digest():
         checks.append(Check("storage_readback", False, f"a probe file written to {directory} read back different"))
@@ -134,7 +143,6 @@ def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Ch
     checks.append(Check("storage_throughput", True, f"checkpoint storage writes {mib / write_s:.0f} MiB/s and reads "
                         f"{mib / read_s:.0f} MiB/s", values={"write_mib_s": mib / write_s,
                                                              "read_mib_s": mib / read_s}))
-    free = shutil.disk_usage(path).free
     checks.append(Check("storage_free", free >= need_bytes, f"{free / 2**30:.1f} GiB free in {directory}, two "
                         f"checkpoints need {need_bytes / 2**30:.2f} GiB",
                         values={"free_bytes": free, "need_bytes": need_bytes}))

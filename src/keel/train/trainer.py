@@ -50,7 +50,9 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    entered = time.time()
     ctx = init_distributed(device)
+    times = {"process_created": _process_created(), "entered": entered, "group_ready": time.time()}
     crashed = True
     lock = None
     requests = StopRequests(run_dir, ctx.rank)
@@ -62,7 +64,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
             watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
             watchdog.start()
             try:
-                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog)
+                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog, times)
             except Exception as e:
                 if watchdog.cfg.enabled and is_collective_timeout(e):
                     watchdog.collective_timed_out(e)  # names the stuck ranks, then ends the process
@@ -130,7 +132,9 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
 
 
 def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog,
-           requests: StopRequests, watchdog: Watchdog) -> int:
+           requests: StopRequests, watchdog: Watchdog, times: dict[str, float]) -> int:
+    """`times`: when this process was created, entered `train` and had its process group (for the
+    start event, from which recovery times are measured)."""
     rank0, events, say = ctx.rank == 0, log.events, log.say
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
@@ -169,8 +173,11 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     # Resume: the newest checkpoint of the run that verifies, unless told otherwise.
     state = TrainState()
     events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
-                config_digest=cfg.digest())
+                config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                **times)
+    loading = time.perf_counter()
     restored = manager.restore(parts, optimizers, resume, say)
+    load_s = time.perf_counter() - loading
     if restored is None and cfg.model.init_from:
         from keel.checkpoint.export import load_hf_weights
 
@@ -186,7 +193,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         watchdog.load_state_dict(state.health)
         callbacks.on_checkpoint_loaded(state, resume_from)
         if rank0:
-            events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen)
+            events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen,
+                        load_s=round(load_s, 3))
         say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
     if state.step >= cfg.train.steps:
         if rank0:
@@ -258,6 +266,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     started = last_save = time.perf_counter()
     train_loss = val_loss = float("nan")
     final_saved = True
+    first_step = True
     try:
         while state.step < cfg.train.steps:
             step = state.step + 1  # the step being made
@@ -359,6 +368,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
                                   run_dir, events, say, status, rank0, straggler=leave)
             callbacks.on_step_end(state, metrics)
+            if first_step and rank0:  # the start's first step is done: recovery ends here
+                events.emit("step", state.step, "first")
+            first_step = False
     finally:
         loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
 
@@ -380,6 +392,12 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             f"run the same command again to redo the steps after it")
         return 1
     return 0
+
+
+def _process_created() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def rendezvous_timeout() -> float | None:

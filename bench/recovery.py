@@ -1,0 +1,245 @@
+"""Time to recover from a worker's death: keel vs a plain torchrun restart of a minimal DCP loop.
+
+Each repeat starts a 2-process job under torchrun's elastic agent (`--max-restarts 1`), waits for
+step KILL_AFTER (a checkpoint was written at step CKPT_EVERY), SIGKILLs rank 1 from outside, and
+measures the time from the kill to the first step completed after the restart, split into:
+
+  detection   kill → the agent reports the worker failed (its log line)
+  restart     → the new worker processes exist (the agent stops the rest, re-rendezvous, spawns)
+  startup     → the process group is up (interpreter and torch imports, init_process_group)
+  setup       → the checkpoint load starts (keel: preflight, model, data, guards)
+  load        → the checkpoint is loaded
+  first step  → the first step after the resume is done (warm-up)
+
+keel: `keel train --nproc 2 --max-restarts 1` on the given config. The baseline: this file run as
+`torchrun --standalone --nproc-per-node 2 --max-restarts 1 bench/recovery.py --worker`, the same
+model (keel's Llama, FSDP2, AdamW) on random tokens, `dcp.save` every CKPT_EVERY steps and
+`dcp.load` of the newest at start: what a team gets from torchrun with a minimal resuming loop.
+Results: a table, and bench/results/recovery.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "recovery.json"
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("detection", "restart", "startup", "setup", "load", "first_step")
+FAILED_LINE = re.compile(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode: -9\)")
+
+
+def agent_detected(log: str) -> float:
+    """When torchrun's agent logged the worker's failure (its log lines carry month, day and time)."""
+    for line in log.splitlines():
+        m = FAILED_LINE.match(line)
+        if m:
+            year = datetime.now().year
+            return datetime.strptime(f"{year}{m[1]}{m[2]} {m[3]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+    raise SystemExit(f"no failure line from the agent in its log:\n{log[-3000:]}")
+
+
+def spans(marks: list[float]) -> dict[str, float]:
+    """The phases between consecutive time marks."""
+    return {phase: end - start for phase, start, end in zip(PHASES, marks, marks[1:], strict=True)}
+
+
+def run_and_kill(cmd: list[str], env: dict[str, str], step_of: Callable[[], int], pid_of: Callable[[], int],
+                 step: int) -> tuple[float, str]:
+    """Start the job, SIGKILL rank 1 once `step` is done, let the agent restart and finish it.
+    Returns the time of the kill and the launcher's log."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while step_of() < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{cmd[2:4]} ended (exit {proc.returncode}) or stalled before step {step}")
+        time.sleep(0.02)
+    killed = time.time()
+    os.kill(pid_of(), signal.SIGKILL)
+    _, err = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return killed, err
+
+
+# ---------------------------------------------------------------- keel
+
+
+def keel_once(args: argparse.Namespace, work: Path) -> dict:
+    run_dir = work / "keel"
+    cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
+           "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
+           "train.log_interval=1", "eval.interval=0", *args.overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+
+    def events() -> list[dict]:
+        path = run_dir / "events.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def step() -> int:
+        try:
+            return json.loads((run_dir / "status.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def rank1_pid() -> int:
+        return next(e["detail"]["pid"] for e in events() if e["kind"] == "start" and e["rank"] == 1)
+
+    killed, err = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
+    later = [e for e in events() if e["time"] > killed]
+    starts = [e for e in later if e["kind"] == "start"]
+    resume = next(e for e in later if e["kind"] == "resume")
+    first = next(e for e in later if e["kind"] == "step" and e["action"] == "first")
+    load_start = resume["time"] - resume["detail"]["load_s"]
+    marks = [killed, agent_detected(err), min(e["detail"]["process_created"] for e in starts),
+             max(e["detail"]["group_ready"] for e in starts), load_start, resume["time"], first["time"]]
+    return spans(marks)
+
+
+# ---------------------------------------------------------------- the baseline
+
+
+def baseline_once(args: argparse.Namespace, work: Path) -> dict:
+    out_dir = work / "baseline"
+    out_dir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", str(Path(__file__).resolve()), "--worker", "--dir", str(out_dir), "--config", args.config,
+           "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+    def marks() -> list[dict]:
+        path = out_dir / "marks.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def step() -> int:
+        return max((m["step"] for m in marks() if m["what"] == "step"), default=0)
+
+    def rank1_pid() -> int:
+        return next(m["pid"] for m in marks() if m["what"] == "start" and m["rank"] == 1)
+
+    killed, err = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
+    later = [m for m in marks() if m["time"] > killed]
+    starts = [m for m in later if m["what"] == "start"]
+    loaded = next(m for m in later if m["what"] == "loaded" and m["rank"] == 0)
+    first = next(m for m in later if m["what"] == "step" and m["rank"] == 0)
+    marks_ = [killed, agent_detected(err), min(m["process_created"] for m in starts),
+              max(m["group_ready"] for m in starts), loaded["load_start"], loaded["time"], first["time"]]
+    return spans(marks_)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """The minimal resuming loop: what torchrun restarts in the baseline."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from keel.config import load_config
+    from keel.model.llama import Llama
+
+    created = psutil.Process().create_time()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group_ready = time.time()
+    out = Path(args.dir)
+
+    def mark(what: str, **kw: float) -> None:
+        with open(out / "marks.jsonl", "a") as f:
+            f.write(json.dumps({"what": what, "rank": rank, "time": time.time(), **kw}) + "\n")
+
+    mark("start", pid=os.getpid(), process_created=created, group_ready=group_ready)
+    cfg = load_config(Path(args.config), [])
+    torch.manual_seed(0)
+    model = Llama(cfg.model)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpts = sorted(out.glob("step-*"))
+    start = 0
+    if ckpts:
+        load_start = time.time()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(ckpts[-1]))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = int(ckpts[-1].name.split("-")[1])
+        mark("loaded", load_start=load_start)
+    seq, micro = cfg.train.seq_len, cfg.train.micro_batch
+    accumulation = cfg.train.global_batch // (micro * dist.get_world_size())
+    for step in range(start + 1, args.steps + 1):
+        generator = torch.Generator().manual_seed(step * 1000 + rank)
+        for _ in range(accumulation):
+            tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=generator)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            (loss / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % args.ckpt_every == 0:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(out / f"step-{step:06d}"))
+        mark("step", step=step)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.toml")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE for keel (the baseline reads the model and batch from "
+                    "the config only)")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    runs: dict[str, list[dict]] = {"keel": [], "baseline": []}
+    for repeat in range(args.repeats):
+        order = ["keel", "baseline"] if repeat % 2 == 0 else ["baseline", "keel"]
+        for who in order:
+            with tempfile.TemporaryDirectory(prefix="keel-bench-recovery-") as tmp:
+                got = (keel_once if who == "keel" else baseline_once)(args, Path(tmp))
+            runs[who].append(got)
+            print(f"  repeat {repeat} {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items())
+                  + f", total {sum(got.values()):.2f} s", flush=True)
+    median = {who: {p: statistics.median(r[p] for r in rs) for p in PHASES} for who, rs in runs.items()}
+    for m in median.values():
+        m["total"] = sum(m[p] for p in PHASES)
+    print("\n| phase | keel, s | torchrun + minimal DCP loop, s |\n|---|---|---|")
+    for p in (*PHASES, "total"):
+        print(f"| {p.replace('_', ' ')} | {median['keel'][p]:.2f} | {median['baseline'][p]:.2f} |")
+    print(f"\nratio keel / baseline (total, median of {args.repeats}): "
+          f"{median['keel']['total'] / median['baseline']['total']:.2f}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "recovery", "config": args.config, "overrides": args.overrides, "steps": args.steps,
+        "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "repeats": args.repeats,
+        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"], "runs": runs,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
