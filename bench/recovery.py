@@ -4,9 +4,12 @@ Each repeat starts a 2-process job under torchrun's elastic agent (`--max-restar
 step KILL_AFTER (a checkpoint was written at step CKPT_EVERY), SIGKILLs rank 1 from outside, and
 measures the time from the kill to the first step completed after the restart, split into:
 
-  detection   kill → the agent reports the worker failed (its log line)
-  restart     → the new worker processes exist (the agent stops the rest, re-rendezvous, spawns)
-  startup     → the process group is up (interpreter and torch imports, init_process_group)
+  detection   kill → the agent sees the worker failed (keel's agent: its `failure` event; torchrun's:
+              the same moment, recorded by this script's hook on its monitor)
+  restart     → the new workers run their first line (the agent stops the rest, re-rendezvous,
+              spawns; the interpreter starts)
+  start       → the training code is entered (imports; keel: also its command line)
+  rendezvous  → the process group is up (init_process_group)
   setup       → the checkpoint load starts (keel: preflight, model, data, guards)
   load        → the checkpoint is loaded
   first step  → the first step after the resume is done (warm-up)
@@ -24,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -32,28 +34,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
+STARTED = time.time()  # the baseline worker's first code (keel records keel.STARTED the same way)
 RESULTS = Path(__file__).parent / "results" / "recovery.json"
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("detection", "restart", "startup", "setup", "load", "first_step")
-FAILED_LINE = re.compile(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode: -9\)")
-
-
-def agent_detected(log: str) -> float:
-    """When torchrun's agent logged the worker's failure (its log lines carry month, day and time)."""
-    for line in log.splitlines():
-        m = FAILED_LINE.match(line)
-        if m:
-            year = datetime.now().year
-            return datetime.strptime(f"{year}{m[1]}{m[2]} {m[3]}", "%Y%m%d %H:%M:%S.%f").timestamp()
-    raise SystemExit(f"no failure line from the agent in its log:\n{log[-3000:]}")
+PHASES = ("detection", "restart", "start", "rendezvous", "setup", "load", "first_step")
 
 
 def spans(marks: list[float]) -> dict[str, float]:
     """The phases between consecutive time marks."""
-    return {phase: end - start for phase, start, end in zip(PHASES, marks, marks[1:], strict=True)}
+    return {phase: end - start for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True)}
 
 
 def run_and_kill(cmd: list[str], env: dict[str, str], step_of: Callable[[], int], pid_of: Callable[[], int],
@@ -98,14 +89,16 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
     def rank1_pid() -> int:
         return next(e["detail"]["pid"] for e in events() if e["kind"] == "start" and e["rank"] == 1)
 
-    killed, err = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
+    killed, _ = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
     later = [e for e in events() if e["time"] > killed]
+    detected = next(e["detail"]["detected"] for e in later if e["kind"] == "failure")
     starts = [e for e in later if e["kind"] == "start"]
     resume = next(e for e in later if e["kind"] == "resume")
     first = next(e for e in later if e["kind"] == "step" and e["action"] == "first")
     load_start = resume["time"] - resume["detail"]["load_s"]
-    marks = [killed, agent_detected(err), min(e["detail"]["process_created"] for e in starts),
-             max(e["detail"]["group_ready"] for e in starts), load_start, resume["time"], first["time"]]
+    marks = [killed, detected, min(e["detail"]["process_started"] for e in starts),
+             max(e["detail"]["entered"] for e in starts), max(e["detail"]["group_ready"] for e in starts), load_start,
+             resume["time"], first["time"]]
     return spans(marks)
 
 
@@ -115,8 +108,9 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
 def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     out_dir = work / "baseline"
     out_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           "1", str(Path(__file__).resolve()), "--worker", "--dir", str(out_dir), "--config", args.config,
+    here = str(Path(__file__).resolve())
+    cmd = [sys.executable, here, "--torchrun", str(out_dir / "marks.jsonl"), "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", here, "--worker", "--dir", str(out_dir), "--config", args.config,
            "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
@@ -130,19 +124,38 @@ def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     def rank1_pid() -> int:
         return next(m["pid"] for m in marks() if m["what"] == "start" and m["rank"] == 1)
 
-    killed, err = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
+    killed, _ = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
     later = [m for m in marks() if m["time"] > killed]
+    detected = next(m["time"] for m in later if m["what"] == "failed")
     starts = [m for m in later if m["what"] == "start"]
     loaded = next(m for m in later if m["what"] == "loaded" and m["rank"] == 0)
     first = next(m for m in later if m["what"] == "step" and m["rank"] == 0)
-    marks_ = [killed, agent_detected(err), min(m["process_created"] for m in starts),
+    marks_ = [killed, detected, min(m["process_started"] for m in starts), max(m["entered"] for m in starts),
               max(m["group_ready"] for m in starts), loaded["load_start"], loaded["time"], first["time"]]
     return spans(marks_)
 
 
+def torchrun_with_a_failure_mark(marks: str, argv: list[str]) -> None:
+    """Plain torchrun, with one hook for measuring only: the moment its agent first sees a failure."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.run import main as torchrun
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def marked(self, worker_group):  # noqa: ANN001, ANN202
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED:
+            with open(marks, "a") as f:
+                f.write(json.dumps({"what": "failed", "rank": -1, "time": time.time()}) + "\n")
+        return result
+
+    LocalElasticAgent._monitor_workers = marked
+    torchrun(argv)
+
+
 def worker(args: argparse.Namespace) -> None:
     """The minimal resuming loop: what torchrun restarts in the baseline."""
-    import psutil
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -152,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
     from keel.config import load_config
     from keel.model.llama import Llama
 
-    created = psutil.Process().create_time()
+    entered = time.time()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group_ready = time.time()
@@ -162,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
         with open(out / "marks.jsonl", "a") as f:
             f.write(json.dumps({"what": what, "rank": rank, "time": time.time(), **kw}) + "\n")
 
-    mark("start", pid=os.getpid(), process_created=created, group_ready=group_ready)
+    mark("start", pid=os.getpid(), process_started=STARTED, entered=entered, group_ready=group_ready)
     cfg = load_config(Path(args.config), [])
     torch.manual_seed(0)
     model = Llama(cfg.model)
@@ -212,6 +225,9 @@ def main() -> None:
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE for keel (the baseline reads the model and batch from "
                     "the config only)")
+    if sys.argv[1:2] == ["--torchrun"]:
+        torchrun_with_a_failure_mark(sys.argv[2], sys.argv[3:])
+        return
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -1,3 +1,6 @@
 """keel: LLM pre-training built to production standards, from one CPU process to thousands of GPUs."""
 
+import time
+
 __version__ = "0.1.0"
+STARTED = time.time()  # when this process first imported keel: recovery times are measured from it

@@ -25,6 +25,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
 from keel.health.quarantine import is_quarantined, node_name
 from keel.health.status import read_status
+from keel.monitor.sinks import EventLog
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED)  # a restart would meet the same end
@@ -72,6 +73,7 @@ class KeelAgent(LocalElasticAgent):
         if result.state != WorkerState.FAILED:
             return result
         codes = sorted({f.exitcode for f in result.failures.values()})
+        failed_at = time.time()
         final = [c for c in codes if c in FINAL]
         if final:
             self._give_up(final[0], f"a worker exited with {final[0]}", announce=False)  # it said why
@@ -87,7 +89,18 @@ class KeelAgent(LocalElasticAgent):
             if self._stalled >= self.no_progress_limit:
                 self._give_up(EXIT_GUARD_STOP, f"{self._stalled} restarts in a row did not get past step {step}; "
                               f"not retrying (health.no_progress_restarts = {self.no_progress_limit})")
+        events = EventLog(self.run_dir / "events.jsonl", rank=-1)  # -1: this node's agent
+        events.emit("failure", int(read_status(self.run_dir).get("step", 0)),
+                    "stop" if self.outcome else "restart", node=node_name(), exit_codes=codes,
+                    ranks=sorted(result.failures), restarts_left=self._remaining_restarts, detected=failed_at)
+        events.close()
         return result
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop the workers of a failed group at once: SIGTERM would ask them to pause, which cannot
+        succeed with a peer gone and only delays the restart. (A SIGTERM to the launcher still reaches
+        the workers as SIGTERM: that is a preemption, and they pause.)"""
+        self._shutdown(signal.SIGKILL)
 
     def _give_up(self, code: int, why: str, announce: bool = True) -> None:
         self.outcome = (code, why, announce)

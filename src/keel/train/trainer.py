@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import keel
 from keel.callbacks import load_callbacks
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
@@ -52,7 +53,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         torch.use_deterministic_algorithms(True)
     entered = time.time()
     ctx = init_distributed(device)
-    times = {"process_created": _process_created(), "entered": entered, "group_ready": time.time()}
+    times = {"process_started": keel.STARTED, "entered": entered, "group_ready": time.time()}
     crashed = True
     lock = None
     requests = StopRequests(run_dir, ctx.rank)
@@ -133,7 +134,7 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
 
 def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog,
            requests: StopRequests, watchdog: Watchdog, times: dict[str, float]) -> int:
-    """`times`: when this process was created, entered `train` and had its process group (for the
+    """`times`: when this process first imported keel, entered `train` and had its process group (for the
     start event, from which recovery times are measured)."""
     rank0, events, say = ctx.rank == 0, log.events, log.say
 
@@ -392,12 +393,6 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             f"run the same command again to redo the steps after it")
         return 1
     return 0
-
-
-def _process_created() -> float:
-    import psutil
-
-    return psutil.Process().create_time()
 
 
 def rendezvous_timeout() -> float | None:
