@@ -96,12 +96,6 @@ class KeelAgent(LocalElasticAgent):
         events.close()
         return result
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        """Stop the workers of a failed group at once: SIGTERM would ask them to pause, which cannot
-        succeed with a peer gone and only delays the restart. (A SIGTERM to the launcher still reaches
-        the workers as SIGTERM: that is a preemption, and they pause.)"""
-        self._shutdown(signal.SIGKILL)
-
     def _give_up(self, code: int, why: str, announce: bool = True) -> None:
         self.outcome = (code, why, announce)
         self._remaining_restarts = 0  # the agent's loop then stops the workers and returns the failure

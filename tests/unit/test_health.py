@@ -181,3 +181,38 @@ def test_a_quarantined_node_does_not_rejoin(tmp_path: Path) -> None:
                       cwd=tmp_path, timeout=60, env={"KEEL_NODE": "n1"})
     assert result.returncode == 2 and "node n1 is listed in" in result.stderr, result.stderr
     assert "--release" in result.stderr
+
+
+class FakeNvml:
+    """NVML's Python API as nvidia-ml-py exposes it, reporting what a failing GPU would."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_TEMPERATURE_GPU = 1, 0, 0
+    nvmlClocksThrottleReasonHwSlowdown, nvmlClocksThrottleReasonSwThermalSlowdown = 0x8, 0x20
+    nvmlClocksThrottleReasonHwThermalSlowdown = 0x40
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, ecc: int, temp: int, reasons: int) -> None:
+        self.ecc, self.temp, self.reasons = ecc, temp, reasons
+
+    def nvmlInit(self) -> None: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int: return index
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, kind: int, counter: int) -> int: return self.ecc
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int: return self.temp
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: int) -> int: return self.reasons
+
+
+def test_gpu_checks_read_ecc_temperature_and_throttling_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import torch
+
+    from keel.health.preflight import gpu_checks
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(ecc=0, temp=60, reasons=0x1))  # 0x1: idle, harmless
+    assert all(c.ok for c in gpu_checks(torch.device("cuda", 0)))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(ecc=3, temp=91, reasons=0x40))
+    failed = {c.name: c.detail for c in gpu_checks(torch.device("cuda", 0)) if not c.ok}
+    assert failed == {"gpu_ecc": "GPU 0: 3 uncorrected ECC errors since boot", "gpu_temperature": "GPU 0: 91 °C",
+                      "gpu_throttle": "GPU 0: clock throttle reasons 0x40"}
