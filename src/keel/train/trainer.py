@@ -201,6 +201,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         if rank0:
             write_status(run_dir, "finished", state.step, checkpoint=manager.latest())
         return _already_finished(cfg, run_dir, state, events, say, rank0)
+
     def status(kind: str, **detail: object) -> None:
         if rank0:
             write_status(run_dir, kind, state.step, checkpoint=manager.latest(), **detail)
