@@ -79,6 +79,8 @@ class KeelAgent(LocalElasticAgent):
             self._give_up(final[0], f"a worker exited with {final[0]}", announce=False)  # it said why
         elif EXIT_QUARANTINE in codes and not self.elastic:
             self._give_up(EXIT_QUARANTINE, "a rank was quarantined; requeue the job without its node")
+        elif EXIT_QUARANTINE in codes:
+            self._remaining_restarts += 1  # a node left: a change of membership, not a failure of the job
         elif self._remaining_restarts == 0:
             self._give_up(EXIT_GUARD_STOP, f"the workers failed {worker_group.spec.max_restarts + 1} times "
                           f"(--max-restarts {worker_group.spec.max_restarts}); not retrying")
