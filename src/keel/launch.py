@@ -74,6 +74,7 @@ class KeelAgent(LocalElasticAgent):
             return result
         codes = sorted({f.exitcode for f in result.failures.values()})
         failed_at = time.time()
+        step = int(read_status(self.run_dir).get("step", 0))  # the furthest the run got
         final = [c for c in codes if c in FINAL]
         if final:
             self._give_up(final[0], f"a worker exited with {final[0]}", announce=False)  # it said why
@@ -85,15 +86,13 @@ class KeelAgent(LocalElasticAgent):
             self._give_up(EXIT_GUARD_STOP, f"the workers failed {worker_group.spec.max_restarts + 1} times "
                           f"(--max-restarts {worker_group.spec.max_restarts}); not retrying")
         else:
-            step = int(read_status(self.run_dir).get("step", 0))
             self._stalled = self._stalled + 1 if step <= self._last_step else 0
             self._last_step = max(step, self._last_step)
             if self._stalled >= self.no_progress_limit:
                 self._give_up(EXIT_GUARD_STOP, f"{self._stalled} restarts in a row did not get past step {step}; "
                               f"not retrying (health.no_progress_restarts = {self.no_progress_limit})")
         events = EventLog(self.run_dir / "events.jsonl", rank=-1)  # -1: this node's agent
-        events.emit("failure", int(read_status(self.run_dir).get("step", 0)),
-                    "stop" if self.outcome else "restart", node=node_name(), exit_codes=codes,
+        events.emit("failure", step, "stop" if self.outcome else "restart", node=node_name(), exit_codes=codes,
                     ranks=sorted(result.failures), restarts_left=self._remaining_restarts, detected=failed_at)
         events.close()
         return result
