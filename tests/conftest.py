@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -22,9 +23,15 @@ SMALL_SOURCES = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in (
 # A model small enough that a 40-step, 2-process run takes seconds.
 SMALL_RUN = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.log_interval=1",
+    "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "monitor.interval=1",
     "optim.warmup_steps=5", "eval.interval=20", "eval.sequences=8", "checkpoint.interval=20",
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def keel_env() -> dict[str, str]:

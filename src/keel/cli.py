@@ -1,4 +1,4 @@
-"""`keel` command line: train, pause, status, quarantine, data prepare, ckpt, config."""
+"""`keel` command line: train, pause, status, report, quarantine, data prepare, ckpt, config."""
 
 from __future__ import annotations
 
@@ -42,10 +42,15 @@ def parser() -> argparse.ArgumentParser:
                    "node (with --rdzv-endpoint); the job goes on with at least MIN")
     t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (one node's address) for "
                    "--nnodes")
+    t.add_argument("--quiet", action="store_true", help="no progress on the console, only warnings, errors and "
+                   "alerts (everything still goes to RUN_DIR/logs)")
 
     pa = sub.add_parser("pause", help="ask a running job to checkpoint at the next step and exit 75")
     pa.add_argument("run_dir", type=Path)
-    st = sub.add_parser("status", help="running, paused, finished, stopped or failed; step, checkpoint, events")
+    r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time, goodput, hardware, events")
+    r.add_argument("run_dir", type=Path)
+    r.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
+    st = sub.add_parser("status", help="state, step, ETA, loss, goodput, last checkpoint, alerts, last events")
     st.add_argument("run_dir", type=Path)
     st.add_argument("--json", action="store_true", help="one JSON object")
     st.add_argument("--events", type=int, default=5, help="last events shown")
@@ -114,6 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
+    if args.quiet:
+        os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
     worker = in_torchrun_worker()
     nproc = 1 if worker or args.nproc is None else args.nproc
     if nproc < 1:
@@ -180,10 +187,18 @@ def cmd_pause(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from keel.health.status import run_status, status_lines
+    from keel.report.status import summary, summary_lines
 
-    info = run_status(args.run_dir, args.events)
-    print(json.dumps(info) if args.json else "\n".join(status_lines(info)))
+    info = summary(args.run_dir, args.events)
+    print(json.dumps(info) if args.json else "\n".join(summary_lines(info)))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from keel.report.html import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"wrote {path}")
     return 0
 
 
@@ -271,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = args.overrides + rest
     args.argv = argv
     handler = {"train": cmd_train, "data": cmd_data, "ckpt": cmd_ckpt, "config": cmd_config, "pause": cmd_pause,
-               "status": cmd_status, "quarantine": cmd_quarantine}[args.command]
+               "status": cmd_status, "quarantine": cmd_quarantine, "report": cmd_report}[args.command]
     try:
         return handler(args)
     except KeelError as e:

@@ -67,7 +67,6 @@ class TrainConfig:
     global_batch: int = option(32, "sequences per optimizer step, whatever the number of processes", ge=1)
     micro_batch: int = option(16, "sequences per forward/backward on one rank", ge=1)
     seed: int = option(0, "seed for initialisation and data order", ge=0)
-    log_interval: int = option(10, "steps between progress lines and metrics.jsonl records", ge=1)
     device: str = option("auto", "where to train (auto: CUDA when present)", choices=("auto", "cpu", "cuda"))
     precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA)",
                             choices=("auto", "fp32", "bf16"))
@@ -119,12 +118,47 @@ class ParallelConfig:
 
 
 @dataclass
+class AlertsConfig:
+    webhook: str = option("", "URL that receives each alert as an HTTP POST of JSON (empty: none); retried with "
+                          "backoff from a background thread, never blocking training")
+    webhook_timeout_s: float = option(5.0, "seconds one webhook POST may take", gt=0)
+    webhook_retries: int = option(3, "further attempts after a failed POST (backoff 1, 2, 4 ... s)", ge=0)
+    cooldown_s: float = option(600.0, "an alert rule that fired stays quiet this long (one notice per incident)",
+                               ge=0)
+    stall_s: float = option(120.0, "a step not finished after this many seconds is stalled (also exported for "
+                            "Prometheus' KeelStepStalled rule)", gt=0)
+    throughput_drop: float = option(0.7, "alert when tokens/s falls below this fraction of its trailing median",
+                                    gt=0, le=1)
+    throughput_window: int = option(20, "logged intervals in the trailing median of tokens/s", ge=3)
+    nan_skip_rate: float = option(0.05, "alert when more than this share of an interval's steps were skipped "
+                                  "(non-finite or spiking)", gt=0, le=1)
+    checkpoint_overdue: float = option(2.0, "alert when no checkpoint committed for this many expected intervals",
+                                       gt=1)
+    storage_free: float = option(0.05, "alert when the checkpoint volume's free share falls below this", ge=0, le=1)
+    gpu_temp_c: float = option(87.0, "alert when a GPU is hotter than this (°C)", gt=0)
+    goodput_target: float = option(0.8, "alert when the run's goodput ratio is below this ...", ge=0, le=1)
+    goodput_after_s: float = option(1800.0, "... once the run is older than this many seconds of wall time", ge=0)
+
+
+@dataclass
 class MonitorConfig:
+    interval: int = option(10, "steps between metric reductions across ranks: metrics.jsonl records, progress "
+                           "lines, the exporter, TensorBoard and the alert rules over metrics", ge=1)
     peak_flops: str = option("auto", "peak FLOP/s per device for MFU: auto (the accelerator catalog; measured on a "
                              "CPU; unknown devices report MFU as unknown), measure (a matmul probe at start), or "
                              "a number such as 989e12")
     profile_interval: int = option(50, "profile one step in this many to measure time in collectives "
                                    "(0: never)", ge=0)
+    telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
+                                         "node (0: no telemetry)", ge=0)
+    prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "
+                                  "r of a node serves port + r", ge=0, le=65535)
+    prometheus_host: str = option("127.0.0.1", "address the exporter binds (0.0.0.0 to let other hosts scrape)")
+    prometheus_per: str = option("node", "node: one exporter per node (local rank 0: the run's metrics, its own "
+                                 "rank's, the node's telemetry); rank: one per process", choices=("node", "rank"))
+    tensorboard: bool = option(False, "also write TensorBoard event files to RUN_DIR/tensorboard (needs the "
+                               "tensorboard extra)")
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
 
 @dataclass

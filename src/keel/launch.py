@@ -22,9 +22,11 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
+import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
 from keel.health.quarantine import is_quarantined, node_name
 from keel.health.status import read_status
+from keel.monitor.goodput import account_exit
 from keel.monitor.sinks import EventLog
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
@@ -119,6 +121,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["KEEL_NODE"] = node_name()  # the workers name their node as the launcher does
+    # The goodput ledger counts this command's own start-up (imports, rendezvous) as the run's.
+    os.environ["KEEL_LAUNCHED_AT"] = str(keel.STARTED)
     elastic = nnodes != "1"
     if elastic:
         os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rdzv_timeout_s)
@@ -146,6 +150,15 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = make_agent  # launch_agent builds its agent through this name
     try:
+        return _launch(config, cmd, cmd_args, agents, run_dir, say)
+    finally:
+        launcher_api.LocalElasticAgent = original
+        if not elastic:  # the workers are gone: their exit (or their crash) until now goes to the ledger
+            account_exit(run_dir)
+
+
+def _launch(config, cmd, cmd_args, agents: list[KeelAgent], run_dir: Path, say) -> int:
+    try:
         launcher_api.launch_agent(config, cmd, list(cmd_args))
     except ChildFailedError as e:
         # The first worker to fail holds the cause; the agent then stops the others with signals.
@@ -165,6 +178,4 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
         if read_status(run_dir).get("state") == "paused":
             return EXIT_PAUSED
         return 128 + int(e.sigval)
-    finally:
-        launcher_api.LocalElasticAgent = original
     return 0

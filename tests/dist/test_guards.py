@@ -192,7 +192,7 @@ def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_no
 def test_no_false_positives_over_two_thousand_clean_steps(small_corpus: Path, tmp_path: Path) -> None:
     """Default thresholds, every detector at a short interval, three layouts: not one guard action."""
     stress = ["guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5", "checkpoint.interval=500",
-              "eval.interval=0", "train.log_interval=50"]
+              "eval.interval=0", "monitor.interval=50"]
     default_spike = ["guard.spike.warmup=50", "guard.spike.window=100"]
     checked = 0
     for layout, nproc, steps in (("single", 1, 1000), ("dp2_replicated", 2, 600), ("fsdp2", 2, 400)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from keel.checkpoint.inspect import state_sha256
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel
+from tests.conftest import SMALL_RUN, free_port, kill_tagged, run_keel, spawn_keel
 
 pytestmark = pytest.mark.dist
 
@@ -132,7 +131,7 @@ def test_straggler_is_named_within_50_steps(small_corpus: Path, tmp_path: Path) 
 
 def test_no_straggler_in_a_clean_run_of_500_steps(small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "C"
-    result = run_keel(train_cmd(small_corpus, run_dir, "health.straggler.interval=10", "train.log_interval=50",
+    result = run_keel(train_cmd(small_corpus, run_dir, "health.straggler.interval=10", "monitor.interval=50",
                                 "eval.interval=0", "checkpoint.interval=500", steps=500), cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert events(run_dir, "straggler") == []
@@ -198,17 +197,11 @@ def test_preflight_names_the_rank_whose_collective_is_wrong(small_corpus: Path, 
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(reference_run: Path, small_corpus: Path,
                                                                           tmp_path: Path) -> None:
     run_dir = tmp_path / "E"
     steps = 160
-    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["slow:rank=-1,seconds=0.05"]', "train.log_interval=10",
+    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["slow:rank=-1,seconds=0.05"]', "monitor.interval=10",
                     "eval.interval=0", "--nnodes", "1:2", "--rdzv-endpoint", f"localhost:{free_port()}",
                     nproc=1, steps=steps)  # no restarts allowed: a node leaving does not use one up
     # Node a starts first, so it hosts the rendezvous store (the endpoint's node must not be the one to leave).
@@ -246,7 +239,7 @@ def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(referen
     # The same batches as an uninterrupted 2-process run: the losses after the resume match it (one
     # process sums the micro-batches in another order: equal to rounding, not bitwise).
     reference_dir = tmp_path / "E-reference"
-    reference = run_keel(train_cmd(small_corpus, reference_dir, "train.log_interval=10", "eval.interval=0",
+    reference = run_keel(train_cmd(small_corpus, reference_dir, "monitor.interval=10", "eval.interval=0",
                                    steps=steps), cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     losses = {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from keel.config import load_config, resolve_layout
 from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
 from keel.train.trainer import build_model
-from tests.conftest import SMALL_RUN
+from tests.conftest import SMALL_RUN, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -42,12 +41,6 @@ def _worker(rank: int, world_size: int, port: int, out: str, overrides: list[str
     digests = full_weight_digests(world_size, overrides)
     if rank == 0:
         torch.save(digests, out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

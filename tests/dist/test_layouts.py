@@ -119,7 +119,7 @@ def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: 
     run_dir = tmp_path / "tiny"
     result = run_keel(["train", "--config", str(REPO / "configs" / "tiny.toml"), "parallel.tp=2", "parallel.pp=2",
                        "--nproc", "4", "--run-dir", str(run_dir), f"data.dir={small_corpus}", "train.steps=2",
-                       "train.log_interval=1", "monitor.profile_interval=1"], cwd=tmp_path)
+                       "monitor.interval=1", "monitor.profile_interval=1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     progress = [line for line in result.stdout.splitlines() if line.startswith("step 2/2 [")]
     assert len(progress) == 1, result.stdout

@@ -1,4 +1,5 @@
-"""Step timing and communication time: what the progress line and metrics.jsonl report about speed."""
+"""The metrics of a run: a registry of per-step values reduced across ranks every `monitor.interval`
+steps, step timing, and the time spent in collectives."""
 
 from __future__ import annotations
 
@@ -11,6 +12,65 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+REDUCE_OPS = ("mean", "max", "sum")
+
+
+class MetricsRegistry:
+    """Namespaced values (`time/data_s`, `memory/peak_bytes`) that each rank adds every step, reduced
+    across steps and ranks only when asked (every `monitor.interval` steps). Tensors stay on their
+    device and accumulate there: adding one costs no host synchronisation. A reduction is one
+    all-reduce per reduce type and one copy to the host for all metrics together.
+
+    Every rank must add the same names the same number of times between two reductions (they take the
+    same branches), so that the reduced vectors line up."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ops: dict[str, str] = {}
+        self._counts: dict[str, int] = {}
+        self._host: dict[str, float] = {}
+        self._device: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: float | torch.Tensor, reduce: str = "mean") -> None:
+        if reduce not in REDUCE_OPS:
+            raise ValueError(f"metric {name}: reduce {reduce!r} is not one of {', '.join(REDUCE_OPS)}")
+        self._ops[name] = reduce
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float64).reshape(())
+            previous = self._device.get(name)
+            if previous is not None:
+                value = torch.maximum(previous, value) if reduce == "max" else previous + value
+            self._device[name] = value
+        else:
+            previous = self._host.get(name)
+            value = float(value)
+            if previous is not None:
+                value = max(previous, value) if reduce == "max" else previous + value
+            self._host[name] = value
+
+    def reduce(self) -> dict[str, float]:
+        """Mean (over steps and ranks), max or sum of every metric added since the last call."""
+        names = sorted(self._ops)
+        if not names:
+            return {}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        host = torch.tensor([self._host.get(n, 0.0) for n in names], dtype=torch.float64)
+        values = host.to(self.device) + torch.stack(
+            [self._device.get(n, torch.zeros((), dtype=torch.float64, device=self.device)) for n in names])
+        is_max = torch.tensor([self._ops[n] == "max" for n in names], device=self.device)
+        if world > 1:
+            summed, biggest = values.clone(), values.clone()
+            dist.all_reduce(summed)
+            if any(self._ops[n] == "max" for n in names):  # the same names on every rank: the same branch
+                dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+            values = torch.where(is_max, biggest, summed)
+        out = {}
+        for name, value in zip(names, values.tolist(), strict=True):
+            out[name] = value / (self._counts[name] * world) if self._ops[name] == "mean" else value
+        self._ops, self._counts, self._host, self._device = {}, {}, {}, {}
+        return out
+
 
 class StepMeter:
     """Wall time per step and data wait, averaged over the steps since the last logged one."""
@@ -22,6 +82,10 @@ class StepMeter:
         self._since = time.perf_counter()
         self._steps = 0
         self._data_s = 0.0
+
+    def restart(self) -> None:
+        """The loop begins: the first window starts here, not at set-up."""
+        self._since, self._steps, self._data_s = time.perf_counter(), 0, 0.0
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_s += seconds
@@ -96,13 +160,9 @@ def _covered(spans: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def peak_memory_max_rank(device: torch.device) -> int:
-    """The largest peak memory of any rank: CUDA memory allocated by tensors on a GPU, the process's
-    peak resident set (runtime included) on a CPU. One small collective; call it at logged steps."""
+def peak_memory(device: torch.device) -> int:
+    """This rank's peak memory: CUDA memory allocated by tensors on a GPU, the process's peak resident
+    set (runtime included) on a CPU. The registry reduces it to the largest of any rank."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    value = torch.tensor(peak, dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,21 +22,41 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+LOUD = ("error", "warning", "ALERT", "keel:")  # what --quiet still shows
+
+
 class Progress:
-    """Writes every message to logs/rank-R.log; rank 0 also prints it."""
+    """Writes every message to logs/rank-R.log; rank 0 also prints it: on a terminal the progress line
+    redraws in place, elsewhere (CI logs, files) each is a plain line; under --quiet (KEEL_QUIET) only
+    warnings, errors and alerts reach the console."""
 
     def __init__(self, log_path: Path, echo: bool, layout: str = "") -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.layout = layout  # shown on each progress line
         self.file = open(log_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed by close()
         self.echo = echo
+        self.quiet = os.environ.get("KEEL_QUIET") == "1"
+        self.tty = sys.stdout.isatty()
+        self._bar_shown = False  # a progress line is on the terminal, without its newline
 
-    def __call__(self, message: str) -> None:
+    def __call__(self, message: str, bar: bool = False) -> None:
         self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-        if self.echo:
-            print(message, file=sys.stdout, flush=True)
+        if not self.echo or (self.quiet and not message.startswith(LOUD)):
+            return
+        if bar and self.tty:
+            sys.stdout.write(f"\r{message}\x1b[K")
+            sys.stdout.flush()
+            self._bar_shown = True
+            return
+        if self._bar_shown:
+            sys.stdout.write("\n")
+            self._bar_shown = False
+        print(message, file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        if self._bar_shown:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         self.file.close()
 
     def lines(self, messages: list[str]) -> None:
@@ -52,7 +73,8 @@ class Progress:
              f"loss {record['train/loss']:.4f} | lr {record['optim/lr']:.2e} | grad {record['optim/grad_norm']:.3f} | "
              f"{format_count(record['throughput/tokens_per_s'])} tok/s | {record['time/step_s']:.3f} s/step | "
              f"MFU {'unknown' if mfu is None else f'{mfu:.1%}'} | "
-             f"comm {'-' if comm is None else f'{comm:.0%}'} | {self.layout} | ETA {format_duration(eta)}")
+             f"goodput {record.get('goodput/ratio', float('nan')):.0%} | "
+             f"comm {'-' if comm is None else f'{comm:.0%}'} | {self.layout} | ETA {format_duration(eta)}", bar=True)
 
 
 def summary_lines(s: dict) -> list[str]:

@@ -32,9 +32,10 @@ from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.model.flops import flops_per_token, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
-from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory_max_rank
+from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.progress import Progress, summary_lines
+from keel.monitor.run_monitor import RunMonitor
 from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
@@ -64,13 +65,17 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
             watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
             watchdog.start()
+            monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
+                                 checkpoint_root(cfg, run_dir).path())
             try:
-                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog, times)
+                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog, monitor, times)
+                monitor.close(ENDED.get(code, "failed"))
             except Exception as e:
                 if watchdog.cfg.enabled and is_collective_timeout(e):
                     watchdog.collective_timed_out(e)  # names the stuck ranks, then ends the process
                 raise
             finally:
+                monitor.stop()
                 watchdog.stop()
         crashed = False
         return code
@@ -88,6 +93,20 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
         destroy_distributed(wait_for_peers=not crashed)
         if lock is not None:
             lock.release()
+
+
+OVERDUE_FLOOR_S = 60.0
+ENDED = {0: "finished", EXIT_PAUSED: "paused", EXIT_QUARANTINE: "stopped", EXIT_GUARD_STOP: "stopped"}
+
+
+def attempt_started() -> float:
+    """When this start of the run began, for the goodput ledger: the launcher's start for its first worker
+    group, this process's own for a group the agent restarted or for a plain torchrun job (when each
+    first imported keel: the kernel's process start times are rounded to the second)."""
+    launched = os.environ.get("KEEL_LAUNCHED_AT")
+    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return float(launched)
+    return keel.STARTED
 
 
 def _lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
@@ -133,10 +152,11 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
 
 
 def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog,
-           requests: StopRequests, watchdog: Watchdog, times: dict[str, float]) -> int:
+           requests: StopRequests, watchdog: Watchdog, monitor: RunMonitor, times: dict[str, float]) -> int:
     """`times`: when this process first imported keel, entered `train` and had its process group (for the
     start event, from which recovery times are measured)."""
     rank0, events, say = ctx.rank == 0, log.events, log.say
+    ledger, registry = monitor.ledger, monitor.registry
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
     if cfg.model.vocab_size < corpus.vocab_size:
@@ -177,7 +197,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 **times)
     loading = time.perf_counter()
+    ledger.charge("startup")
     restored = manager.restore(parts, optimizers, resume, say)
+    ledger.charge("checkpoint_restore")
     load_s = time.perf_counter() - loading
     if restored is None and cfg.model.init_from:
         from keel.checkpoint.export import load_hf_weights
@@ -231,6 +253,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     def after_save(outcome: SaveOutcome) -> None:
         """Every rank handles the same outcome at the same step."""
         if outcome.committed:
+            monitor.checkpoint_committed()
             say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "
                 f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
             callbacks.on_checkpoint_saved(state, outcome.path)
@@ -242,7 +265,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         if rank0 and outcome.waited_s > 0.01:
             events.emit("checkpoint", state.step, "waited", waited_s=round(outcome.waited_s, 3),
                         reason=f"the save of step {outcome.step} was still being written")
-        log.metric({"step": state.step, "checkpoint/blocking_s": outcome.blocking_s,
+        monitor.publish({"step": state.step, "checkpoint/blocking_s": outcome.blocking_s,
                     "checkpoint/write_s": outcome.write_s, "checkpoint/waited_s": outcome.waited_s})
         decision = policy.update(outcome.blocking_s, outcome.train_s, state.interruptions)
         if decision and rank0:
@@ -257,7 +280,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         outcome = manager.finish()
         if outcome is not None:
             after_save(outcome)
+        ledger.spent("productive")
         state, code = guards.apply(action, state)
+        ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
         if code is not None:
             status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
         return code
@@ -265,6 +290,10 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     callbacks.on_build(parts, optimizers)
     callbacks.on_start(state)
     guards.begin(state)
+    monitor.begin(guards.metrics())
+    steps_since_log = 0
+    ledger.charge("startup")
+    meter.restart()
     started = last_save = time.perf_counter()
     train_loss = val_loss = float("nan")
     final_saved = True
@@ -273,13 +302,15 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         while state.step < cfg.train.steps:
             step = state.step + 1  # the step being made
             watchdog.begin("step", step)
+            ledger.begin_step(step)
             waited = time.perf_counter()
             micro_batches = loader.next()
             data_s = time.perf_counter() - waited
+            ledger.spent("data_wait")
             meter.add_data_wait(data_s)
             callbacks.on_step_start(state, micro_batches, loader.last_batch)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps) * guards.lr_factor(state.step)
-            log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
+            log_step = step % cfg.monitor.interval == 0 or step == cfg.train.steps
             action = CONTINUE
             with comm.profile(step):
                 computing = time.perf_counter()
@@ -296,14 +327,21 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                                         float(requests.pending())],
                                        partial(stepper.nonfinite_here, loss), data_s=data_s,
                                        step_s=time.perf_counter() - computing)
+                registry.add("time/forward_backward_s", time.perf_counter() - computing)
+                ledger.spent("productive")
+                guard_s = time.perf_counter()
                 if guards.reporting:
                     replay = partial(stepper.recompute, micro_batches, partial(callbacks.after_backward, state, True))
                     action = guards.inspect(state, report, replay)
+                guard_s = time.perf_counter() - guard_s
+                ledger.spent("guard_checks")
                 watchdog.phase("update")
+                updating = time.perf_counter()
                 if action.kind == "continue":
                     stepper.update(lr, grad_norm)
                 else:
                     stepper.drop()
+                registry.add("time/optimizer_s", time.perf_counter() - updating)
             if action.kind not in ("continue", "skip"):
                 if (code := carry_out(action)) is not None:
                     return code
@@ -313,6 +351,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             state.step += 1
             state.tokens_seen += tokens_per_step
             meter.step_done()
+            monitor.step_done(state.step)
+            steps_since_log += 1
+            registry.add("time/data_s", data_s)
             last_step = state.step == cfg.train.steps
             metrics = {"step": state.step, "optim/lr": lr}
             pause = report.extras[2] > 0 or leave  # every rank sees the same sum: all stop at this step
@@ -323,30 +364,42 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
 
             if log_step:
                 train_loss = report.loss
-                applied = update_norm_sq(optimizers, mesh.layout.pp) * (action.kind == "continue")
-                dist.all_reduce(applied)
-                report.update_norm = applied.item() ** 0.5
+                registry.add("optim/update_norm_sq", update_norm_sq(optimizers, mesh.layout.pp)
+                             * (action.kind == "continue"), reduce="sum")
+                registry.add("memory/peak_bytes_max_rank", peak_memory(ctx.device), reduce="max")
+                reduced = registry.reduce()  # the interval's one reduction of every metric
+                report.update_norm = reduced.pop("optim/update_norm_sq") ** 0.5
                 metrics.update({"train/loss": train_loss, "optim/grad_norm": report.grad_norm,
                                 "optim/update_norm": report.update_norm,
-                                "train/tokens_seen": state.tokens_seen, **meter.window(), **comm.last,
-                                "memory/peak_bytes_max_rank": peak_memory_max_rank(ctx.device), **guards.metrics(),
-                                **straggler.last})
-                log.metric(metrics)
+                                "train/tokens_seen": state.tokens_seen, **meter.window(), **reduced, **comm.last,
+                                **guards.metrics(), **straggler.last})
+                # The seconds between checkpoints the overdue alert expects: a few seconds of jitter (an
+                # eval, a rollback) is no overdue checkpoint, so never less than OVERDUE_FLOOR_S.
+                expected_s = max(OVERDUE_FLOOR_S, policy.every_s if policy.every_s < float("inf") else
+                                 cfg.checkpoint.interval * metrics["time/step_s"])
+                monitor.interval(metrics, steps_since_log, report.extras[1] / ctx.world_size, expected_s)
+                steps_since_log = 0
                 say.step(state.step, cfg.train.steps, metrics)
                 status("running")
 
             watchdog.end()
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
                 watchdog.begin("eval", state.step)
+                ledger.spent("productive")
                 val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
                                      evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
+                ledger.charge("evaluation")
                 watchdog.end()
-                log.metric({"step": state.step, "val/loss": val_loss})
+                monitor.publish({"step": state.step, "val/loss": val_loss})
                 metrics["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
                 callbacks.on_eval(state, val_loss)
 
+            ledger.spent("productive")
+            checking = time.perf_counter()
             checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
+            registry.add("time/guard_s", guard_s + time.perf_counter() - checking)
+            ledger.spent("guard_checks")
             if checked.kind != "continue":
                 if (code := carry_out(checked)) is not None:
                     return code
@@ -361,15 +414,20 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 state.guards = guards.state_dict()
                 state.health = watchdog.state_dict()
                 watchdog.begin("checkpoint", state.step)
+                saving = time.perf_counter()
                 for outcome in manager.save(parts, optimizers, state, wait=last_step or pause):
                     after_save(outcome)
                     final_saved = outcome.committed
                 watchdog.end()
                 last_save = time.perf_counter()
+                ledger.charge("checkpoint_blocking")
+                ledger.flush(state.step)
+            registry.add("time/checkpoint_s", last_save - saving if save_now else 0.0)
             if pause and not last_step:
                 return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
                                   run_dir, events, say, status, rank0, straggler=leave)
             callbacks.on_step_end(state, metrics)
+            ledger.spent("productive")
             if first_step and rank0:  # the start's first step is done: recovery ends here
                 events.emit("step", state.step, "first")
             first_step = False

@@ -1,0 +1,138 @@
+"""RunMonitor: what watches a run from inside each worker, behind a few calls from the training loop.
+
+It owns the metrics registry, the goodput ledger, the sinks (metrics.jsonl, TensorBoard, the
+Prometheus exporter), the alert rules and, on each node's local rank 0, the telemetry thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from keel.config import Config
+from keel.health.quarantine import node_name
+from keel.monitor.alerts import Alerts
+from keel.monitor.goodput import GoodputLedger
+from keel.monitor.metrics import MetricsRegistry
+from keel.monitor.sinks import JsonlSink, PrometheusExporter, RunLog, TensorBoardSink
+from keel.monitor.telemetry import Reading, Telemetry
+
+TELEMETRY = "telemetry.jsonl"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class RunMonitor:
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: Any, log: RunLog, started: float,
+                 storage_dir: str) -> None:
+        mc = cfg.monitor
+        self.log, self.rank0 = log, rank == 0
+        self.step = 0
+        self._skipped = 0  # steps the guards skipped, at the last interval
+        self.registry = MetricsRegistry(device)
+        self.ledger = GoodputLedger(run_dir, started, write=self.rank0)
+        self.labels = {"run": run_dir.resolve().name, "node": node_name(), "rank": str(rank)}
+        self.alerts = Alerts(mc.alerts, log.events, log.say, self.labels)
+        self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if self.rank0 and mc.tensorboard else None
+        self.exporter: PrometheusExporter | None = None
+        if mc.prometheus_port and (local_rank() == 0 or mc.prometheus_per == "rank"):
+            port = mc.prometheus_port + (local_rank() if mc.prometheus_per == "rank" else 0)
+            try:
+                self.exporter = PrometheusExporter(mc.prometheus_host, port, self.labels)
+            except OSError as e:  # a port taken is no reason to stop a training run
+                self.unavailable("prometheus", f"cannot serve on {mc.prometheus_host}:{port} ({e.strerror or e})")
+        if self.exporter is not None:
+            self.exporter.set("keel_step_stall_threshold_seconds", mc.alerts.stall_s)
+        self.telemetry: Telemetry | None = None
+        self.telemetry_sink: JsonlSink | None = None
+        if mc.telemetry_interval_s > 0 and local_rank() == 0:
+            self.telemetry_sink = JsonlSink(run_dir / TELEMETRY)
+            self.telemetry = Telemetry(mc.telemetry_interval_s, storage_dir, self._on_telemetry, self.unavailable,
+                                       gpus=None)
+            self.telemetry.start()
+
+    def unavailable(self, source: str, reason: str) -> None:
+        """A source of telemetry (or the exporter) that this node cannot provide: said once, never zeros."""
+        self.log.events.emit("telemetry", self.step, "unavailable", source=source, reason=reason)
+        self.log.say(f"telemetry: {source} unavailable: {reason}")
+
+    def _on_telemetry(self, readings: list[Reading]) -> None:
+        """On the telemetry thread, every monitor.telemetry_interval_s."""
+        if self.telemetry_sink is not None:
+            self.telemetry_sink.write({"time": round(time.time(), 3), "node": self.labels["node"],
+                                       "readings": {r.key(): r.value for r in readings}})
+        if self.exporter is not None:
+            for r in readings:
+                self.exporter.set(f"keel_{r.name}", r.value, r.labels, r.kind)
+        self.alerts.observe_telemetry(readings, self.step)
+        if self.rank0:  # every rank waits for the stuck one: rank 0 speaks for the run
+            self.alerts.check_stall(self.step)
+
+    # ------------------------------------------------------------------ from the training loop
+    def begin(self, guard_metrics: dict[str, float]) -> None:
+        """The loop starts: the first step's stall clock starts now; skips counted before this start
+        (restored with the guards) are not this interval's."""
+        self._skipped = sum(v for k, v in guard_metrics.items() if k.endswith("_skip_total"))
+        self.alerts.step_done()
+        if self.exporter is not None:
+            self.exporter.set("keel_last_step_timestamp_seconds", time.time())
+
+    def step_done(self, step: int) -> None:
+        """Every step: the heartbeat (what the stalled-step rules watch) and the goodput high-water mark."""
+        self.step = step
+        self.alerts.step_done()
+        self.ledger.step_done(step)
+        if self.exporter is not None:
+            self.exporter.set("keel_last_step_timestamp_seconds", time.time())
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """A metrics record to every sink."""
+        self.log.metric(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        if self.exporter is not None:
+            self.exporter.publish(record)
+
+    def interval(self, record: dict[str, Any], steps: int, seconds_since_checkpoint: float,
+                 checkpoint_interval_s: float | None) -> None:
+        """Every monitor.interval steps, on every rank (the record is global, `steps` were made since the
+        last one): goodput, the sinks, the alert rules over metrics."""
+        self.ledger.flush(record["step"])
+        record.update(self.ledger.metrics())
+        record["time"] = round(time.time(), 3)
+        skipped = sum(v for k, v in record.items() if k.startswith("guard/") and k.endswith("_skip_total"))
+        if self.exporter is not None:
+            self.exporter.set("keel_checkpoint_interval_seconds", checkpoint_interval_s or 0.0)
+            self.exporter.set("keel_skipped_steps_total", skipped, kind="counter")
+            self.exporter.set("keel_rollbacks_total", record.get("guard/rollbacks_total", 0), kind="counter")
+            for rule, count in self.alerts.fired.items():
+                self.exporter.set("keel_alerts_total", count, (("rule", rule),), "counter")
+        self.publish(record)
+        if self.rank0:
+            self.alerts.observe(record["step"], record, steps, skipped - self._skipped, self.ledger.mark -
+                                self.ledger.data["started"], seconds_since_checkpoint, checkpoint_interval_s)
+        self._skipped = skipped
+
+    def checkpoint_committed(self) -> None:
+        if self.exporter is not None:
+            self.exporter.set("keel_checkpoint_last_commit_timestamp_seconds", time.time())
+
+    def close(self, ended: str) -> None:
+        """The worker ends normally (finished, paused, stopped): the ledger is closed."""
+        self.ledger.close(self.step, ended)
+
+    def stop(self) -> None:
+        """On every exit path: threads and the server stop, files close."""
+        if self.telemetry is not None:
+            self.telemetry.stop()
+        if self.telemetry_sink is not None:
+            self.telemetry_sink.close()
+        self.alerts.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.exporter is not None:
+            self.exporter.close()

@@ -1,0 +1,323 @@
+"""The monitor's parts in one process: Prometheus names and exporter, goodput ledger, alert rules,
+the webhook against a real HTTP server, TensorBoard files, and the console."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.config import AlertsConfig
+from keel.monitor.alerts import Alerts, Webhook
+from keel.monitor.goodput import BUCKETS, GoodputLedger, account_exit, read_ledger
+from keel.monitor.metrics import MetricsRegistry
+from keel.monitor.progress import Progress
+from keel.monitor.sinks import EventLog, PrometheusExporter, TensorBoardSink, prometheus_name, read_jsonl
+from keel.monitor.telemetry import Reading
+from tests.conftest import free_port
+
+# ---------------------------------------------------------------- registry (one rank; tests/dist has two)
+
+
+def test_registry_reduces_each_metric_by_its_type_in_one_pass() -> None:
+    registry = MetricsRegistry(torch.device("cpu"))
+    for step in range(1, 5):
+        registry.add("time/data_s", 0.1 * step)
+        registry.add("memory/peak_bytes", torch.tensor(float(step * 100)), reduce="max")
+        registry.add("tokens", torch.tensor(8.0), reduce="sum")
+    out = registry.reduce()
+    assert out == pytest.approx({"time/data_s": 0.25, "memory/peak_bytes": 400.0, "tokens": 32.0})
+    assert registry.reduce() == {}, "a reduction starts a new interval"
+    with pytest.raises(ValueError, match="median"):
+        registry.add("x", 1.0, reduce="median")
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+@pytest.mark.parametrize(("key", "name"), [
+    ("train/loss", "keel_train_loss"),
+    ("throughput/tokens_per_s", "keel_throughput_tokens_per_second"),
+    ("throughput/mfu", "keel_throughput_mfu_ratio"),
+    ("time/step_s", "keel_time_step_seconds"),
+    ("train/tokens_seen", "keel_train_tokens_total"),
+    ("memory/peak_bytes_max_rank", "keel_memory_peak_bytes_max_rank"),
+    ("guard/rollbacks_total", "keel_guard_rollbacks_total"),
+])
+def test_metric_keys_map_to_prometheus_conventions(key: str, name: str) -> None:
+    assert prometheus_name(key) == name
+
+
+def scrape(port: int) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+def test_exporter_serves_the_latest_values_with_run_node_rank_labels() -> None:
+    labels = {"run": "r1", "node": "n1", "rank": "0"}
+    exporter = PrometheusExporter("127.0.0.1", free_port(), labels)
+    try:
+        exporter.publish({"step": 7, "train/loss": 3.5, "throughput/tokens_per_s": 1000.0, "goodput/ratio": 0.5,
+                          "goodput/productive_s": 12.0, "train/tokens_seen": 512, "throughput/mfu": None,
+                          "note": "text is not a metric"})
+        exporter.set("keel_gpu_temperature_celsius", 71.0, (("gpu", "0"),))
+        exporter.publish({"step": 8, "train/loss": 3.25})
+        families = scrape(exporter.port)
+    finally:
+        exporter.close()
+    assert families["keel_train_loss"] == [("keel_train_loss", labels, 3.25)], "the latest value"
+    assert families["keel_train_step"][0][2] == 8
+    assert families["keel_throughput_tokens_per_second"][0][2] == 1000.0
+    assert families["keel_goodput_seconds"] == [("keel_goodput_seconds_total", {**labels, "bucket": "productive"},
+                                                 12.0)]
+    assert families["keel_train_tokens"][0][0] == "keel_train_tokens_total", "a counter"
+    assert families["keel_gpu_temperature_celsius"][0][1] == {**labels, "gpu": "0"}
+    assert "keel_throughput_mfu_ratio" not in families, "an unknown value is left out, not zero"
+
+
+def test_exporter_on_a_taken_port_raises_oserror() -> None:
+    first = PrometheusExporter("127.0.0.1", free_port(), {"run": "a", "node": "n", "rank": "0"})
+    try:
+        with pytest.raises(OSError):
+            PrometheusExporter("127.0.0.1", first.port, {"run": "b", "node": "n", "rank": "0"})
+    finally:
+        first.close()
+
+
+# ---------------------------------------------------------------- goodput ledger
+
+
+def test_ledger_charges_are_contiguous_and_persisted(tmp_path: Path) -> None:
+    ledger = GoodputLedger(tmp_path, started=1000.0, write=True)
+    ledger.charge("startup", 1002.0)
+    ledger.charge("checkpoint_restore", 1003.0)
+    for step, end in ((1, 1004.0), (2, 1005.5)):
+        ledger.begin_step(step)
+        ledger.charge("data_wait", end - 0.25)
+        ledger.charge("productive", end)
+        ledger.step_done(step)
+    ledger.flush(2)
+    data = read_ledger(tmp_path)
+    assert data["buckets"]["productive"] == pytest.approx(0.5) and data["buckets"]["data_wait"] == pytest.approx(2.0)
+    assert sum(data["buckets"].values()) == pytest.approx(data["updated"] - data["started"]) == 5.5
+    assert data["open"] and data["high_water"] == 2 and data["attempts"] == 1
+    assert data["history"][-1]["step"] == 2
+
+
+def test_a_crash_gap_is_down_time_and_recomputed_steps_are_wasted(tmp_path: Path) -> None:
+    first = GoodputLedger(tmp_path, started=0.0, write=True)
+    for step in range(1, 6):
+        first.begin_step(step)
+        first.charge("productive", float(step))
+        first.step_done(step)
+    first.flush(5)  # then the process dies: the ledger stays open at t=5
+
+    second = GoodputLedger(tmp_path, started=9.0, write=True)
+    assert second.buckets["failed_down"] == pytest.approx(4.0)
+    second.charge("startup", 10.0)
+    for step in range(4, 8):  # resumed from the checkpoint of step 3
+        second.begin_step(step)
+        second.charge("wasted" if second.recomputing else "productive", 10.0 + step - 3)
+        second.step_done(step)
+    assert second.buckets["wasted"] == pytest.approx(2.0) and second.data["recomputed_steps"] == 2
+    second.close(7, "finished")
+    data = read_ledger(tmp_path)
+    assert not data["open"] and data["ended"] == "finished" and data["attempts"] == 2
+    assert sum(data["buckets"].values()) == pytest.approx(data["updated"] - data["started"])
+
+
+def test_a_pause_gap_is_idle_and_the_launcher_accounts_the_exit(tmp_path: Path) -> None:
+    ledger = GoodputLedger(tmp_path, started=0.0, write=True)
+    ledger.charge("productive", 10.0)
+    ledger.data["high_water"] = 3
+    ledger.close(3, "paused")
+    closed_at = read_ledger(tmp_path)["updated"]
+    account_exit(tmp_path, now=closed_at + 0.5)
+    assert read_ledger(tmp_path)["buckets"]["startup"] == pytest.approx(closed_at - 10.0 + 0.5)
+    resumed = GoodputLedger(tmp_path, started=closed_at + 100.0, write=True)
+    assert resumed.buckets["paused"] == pytest.approx(99.5)
+    assert resumed.buckets["failed_down"] == 0.0
+    assert set(resumed.metrics()) >= {"goodput/ratio", "goodput/interval_ratio", *(f"goodput/{b}_s" for b in BUCKETS)}
+
+
+# ---------------------------------------------------------------- alert rules
+
+
+class Said(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+def alerts_in(tmp_path: Path, **cfg: object) -> tuple[Alerts, EventLog, Said]:
+    events, said = EventLog(tmp_path / "events.jsonl", rank=0), Said()
+    return Alerts(AlertsConfig(**cfg), events, said, {"run": "t", "node": "n", "rank": "0"}), events, said
+
+
+def fired(tmp_path: Path) -> list[str]:
+    return [e["action"] for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "alert"]
+
+
+def test_a_spike_and_its_rollback_are_one_alert_and_nonfinite_skips_none(tmp_path: Path) -> None:
+    alerts, events, said = alerts_in(tmp_path)
+    events.emit("guard", 50, "skip", guard="numerics", reason="non-finite loss or gradients")
+    events.emit("guard", 60, "rollback", guard="spike", reason="loss 9.1 > 3 × median")
+    events.emit("guard", 60, "rolled_back", guard="spike", to_step=50)
+    events.emit("guard", 70, "rolled_back", guard="numerics", to_step=65)
+    events.emit("alert", 80, "straggler", severity="warning", message="rank 1 is 2.0× slower")
+    assert fired(tmp_path) == ["loss_spike", "rollback", "straggler"]
+    assert alerts.fired == {"loss_spike": 1, "rollback": 1, "straggler": 1}
+    assert any(line.startswith("ALERT [error] loss_spike at step 60") for line in said)
+
+
+def test_metric_rules_fire_once_per_incident(tmp_path: Path) -> None:
+    alerts, _, _ = alerts_in(tmp_path, cooldown_s=3600)
+    window = dict(steps=10, skipped=0, wall_s=10.0, seconds_since_checkpoint=1.0, checkpoint_interval_s=100.0)
+    for step, tps in enumerate([1000, 1010, 990, 600, 1000, 600, 600, 600, 600], start=1):
+        alerts.observe(step, {"throughput/tokens_per_s": tps}, **window)
+    assert fired(tmp_path) == ["throughput_drop"], "one slow interval is noise; three in a row are a drop"
+    alerts.observe(20, {}, **{**window, "skipped": 2})
+    alerts.observe(21, {"goodput/ratio": 0.5}, **{**window, "wall_s": 7200.0})
+    alerts.observe(22, {"goodput/ratio": 0.5}, **{**window, "wall_s": 60.0})  # too young to judge
+    alerts.observe(23, {}, **{**window, "seconds_since_checkpoint": 250.0})
+    assert fired(tmp_path) == ["throughput_drop", "nan_skip_rate", "goodput_low", "checkpoint_overdue"]
+
+
+def test_telemetry_rules_and_a_stalled_step(tmp_path: Path) -> None:
+    alerts, _, _ = alerts_in(tmp_path, stall_s=5)
+    gpu = (("gpu", "0"),)
+    ecc = (("gpu", "0"), ("type", "uncorrected"))
+    alerts.observe_telemetry([Reading("storage_free_ratio", 0.2), Reading("gpu_temperature_celsius", 60, gpu),
+                              Reading("gpu_ecc_errors_total", 3, ecc, "counter")], step=1)
+    assert fired(tmp_path) == [], "errors from before the run are not new"
+    alerts.observe_telemetry([Reading("storage_free_ratio", 0.01), Reading("gpu_temperature_celsius", 95, gpu),
+                              Reading("gpu_ecc_errors_total", 4, ecc, "counter"),
+                              Reading("gpu_ecc_errors_total", 9, (("gpu", "0"), ("type", "corrected")), "counter")],
+                             step=2)
+    assert fired(tmp_path) == ["storage_nearly_full", "gpu_hot", "gpu_ecc"]
+    alerts.step_done()
+    alerts.check_stall(7, now=alerts.last_step_time + 4)
+    alerts.check_stall(7, now=alerts.last_step_time + 6)
+    alerts.check_stall(7, now=alerts.last_step_time + 9)
+    assert fired(tmp_path)[-1] == "step_stalled" and fired(tmp_path).count("step_stalled") == 1
+
+
+# ---------------------------------------------------------------- webhook
+
+
+class Receiver(http.server.BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append({"content_type": self.headers["Content-Type"], **json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver():
+    Receiver.received = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", Receiver.received
+    server.shutdown()
+    server.server_close()
+
+
+def test_webhook_posts_each_alert_once_as_json(tmp_path: Path, receiver) -> None:
+    url, received = receiver
+    alerts, events, _ = alerts_in(tmp_path, webhook=url)
+    events.emit("guard", 12, "rollback", guard="spike", reason="loss spiked")
+    events.emit("guard", 12, "rolled_back", guard="spike", to_step=10)
+    alerts.close()  # waits for the queue to drain
+    assert len(received) == 1
+    (post,) = received
+    assert post["content_type"] == "application/json"
+    assert (post["alert"], post["severity"], post["step"], post["run"], post["node"]) == \
+        ("loss_spike", "error", 12, "t", "n")
+    assert "loss spiked" in post["message"]
+
+
+def test_a_refused_webhook_never_blocks_and_is_reported_once() -> None:
+    said = Said()
+    hook = Webhook(f"http://127.0.0.1:{free_port()}/nobody", timeout_s=1.0, retries=1, warn=said)
+    started = time.perf_counter()
+    for i in range(300):  # more than the queue holds
+        hook.post({"alert": "x", "i": i})
+    posting_s = time.perf_counter() - started
+    deadline = time.monotonic() + 10
+    while hook.failed < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hook.close(grace_s=0.2)
+    assert hook.failed >= 1 and hook.dropped > 0 and hook.sent == 0
+    assert len(said) == 1 and "webhook" in said[0]
+    assert posting_s < 1.0, "posting only queues (a refused POST then waits 1 s before its retry)"
+
+
+# ---------------------------------------------------------------- TensorBoard and the console
+
+
+def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path)
+    for step in (10, 20):
+        sink.write({"step": step, "train/loss": 5.0 - step / 10, "throughput/mfu": None, "flag": True})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["train/loss"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 4.0), (20, 3.0)]
+
+
+RECORD = {"train/loss": 2.5, "optim/lr": 1e-3, "optim/grad_norm": 0.5, "throughput/tokens_per_s": 5000.0,
+          "time/step_s": 0.1, "throughput/mfu": 0.2, "goodput/ratio": 0.9}
+
+
+def test_console_plain_lines_off_a_terminal_and_quiet(tmp_path: Path, capsys, monkeypatch) -> None:
+    progress = Progress(tmp_path / "rank-0.log", echo=True)
+    progress.step(5, 10, RECORD)
+    progress("checkpoint committed")
+    monkeypatch.setenv("KEEL_QUIET", "1")
+    quiet = Progress(tmp_path / "rank-0.log", echo=True)
+    quiet.step(6, 10, RECORD)
+    quiet("warning: the alert webhook failed")
+    quiet("checkpoint committed")
+    progress.close()
+    quiet.close()
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = out.splitlines()
+    assert lines[0].startswith("step  5/10 [##########..........] loss 2.5000") and "MFU 20.0%" in lines[0]
+    assert "goodput 90%" in lines[0] and "ETA 0s" in lines[0]
+    assert lines[1:] == ["checkpoint committed", "warning: the alert webhook failed"]
+    assert (tmp_path / "rank-0.log").read_text().count("] loss") == 2, "the log file has everything"
+
+
+def test_console_redraws_one_progress_line_on_a_terminal(tmp_path: Path, monkeypatch) -> None:
+    leader, follower = os.openpty()
+    with open(follower, "w", closefd=True) as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        progress = Progress(tmp_path / "rank-0.log", echo=True)
+        progress.step(1, 10, RECORD)
+        progress.step(2, 10, RECORD)
+        progress("validation loss 2.4")
+        progress.close()
+    out = os.read(leader, 65536).decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    os.close(leader)
+    assert out.count("\r") == 2 and "step  2/10" in out
+    assert out.index("step  2/10") < out.index("\n") < out.index("validation loss"), "a message ends the bar line"
