@@ -34,7 +34,7 @@ from keel.monitor.sinks import read_jsonl
 RESULTS = Path(__file__).parent / "results" / "detection_matrix.json"
 STEPS, FLIP_AT = 30, 13
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.log_interval=5",
+         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "monitor.interval=5",
          "optim.warmup_steps=5", "eval.interval=0", "eval.sequences=8", f"checkpoint.interval={STEPS}",
          f"train.steps={STEPS}", "guard.snapshot_interval=5", "guard.snapshots=3", "guard.rollback_steps=3",
          "guard.skip_batches=4", "guard.spike.warmup=8", "guard.spike.window=20"]

@@ -28,7 +28,7 @@ RESULTS = Path(__file__).parent / "results" / "guard_overhead.json"
 
 def run(config: str, guards: bool, args: argparse.Namespace, run_dir: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "keel", "train", "--config", config, "--nproc", str(args.nproc),
-           "--run-dir", str(run_dir), f"train.steps={args.steps}", f"train.log_interval={args.log_interval}",
+           "--run-dir", str(run_dir), f"train.steps={args.steps}", f"monitor.interval={args.log_interval}",
            "eval.interval=0", f"checkpoint.interval={args.steps}", f"parallel.dp_replicate={args.nproc}",
            "parallel.dp_shard=1", "monitor.profile_interval=0", f"guard.enabled={str(guards).lower()}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

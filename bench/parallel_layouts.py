@@ -41,7 +41,7 @@ LAYOUTS: dict[str, list[str]] = {
 def run_layout(name: str, overrides: list[str], args: argparse.Namespace, work: Path) -> dict:
     run_dir = work / name
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", str(args.nproc),
-           "--run-dir", str(run_dir), f"train.steps={args.steps}", f"train.log_interval={args.log_interval}",
+           "--run-dir", str(run_dir), f"train.steps={args.steps}", f"monitor.interval={args.log_interval}",
            f"monitor.profile_interval={args.log_interval}", "eval.interval=0", f"checkpoint.interval={args.steps}",
            "train.micro_batch=4", *args.overrides, *overrides]  # small micro-batches: every layout splits 32
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

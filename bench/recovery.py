@@ -73,7 +73,7 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
-           "train.log_interval=1", "eval.interval=0", *args.overrides]
+           "monitor.interval=1", "eval.interval=0", *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
 
     def events() -> list[dict]:

@@ -63,7 +63,7 @@ def run_status(run_dir: Path, events: int = 5) -> dict:
     return {"run_dir": str(run_dir), "state": state, "step": status.get("step", 0), "alive": alive,
             "since": status.get("time"), "reason": status.get("reason", ""),
             "last_checkpoint": status.get("checkpoint"),
-            "events": read_jsonl(run_dir / "events.jsonl")[-events:]}
+            "events": read_jsonl(run_dir / "events.jsonl")[-events:] if events > 0 else []}
 
 
 def status_lines(info: dict) -> list[str]:

@@ -57,9 +57,19 @@ class EventLog:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
+    """The records of a JSONL file. A line that does not parse is skipped: a writer killed in the middle
+    of a line (SIGKILL, a full disk) must not make the run unreadable."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def host() -> str:
