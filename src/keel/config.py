@@ -130,6 +130,7 @@ class AlertsConfig:
     throughput_drop: float = option(0.7, "alert when tokens/s falls below this fraction of its trailing median",
                                     gt=0, le=1)
     throughput_window: int = option(20, "logged intervals in the trailing median of tokens/s", ge=3)
+    throughput_for_s: float = option(300.0, "... for this many seconds in a row", ge=0)
     nan_skip_rate: float = option(0.05, "alert when more than this share of an interval's steps were skipped "
                                   "(non-finite or spiking)", gt=0, le=1)
     checkpoint_overdue: float = option(2.0, "alert when no checkpoint committed for this many expected intervals",

@@ -245,10 +245,10 @@ def test_a_stuck_webhook_does_not_hold_training_up(small_corpus: Path, tmp_path:
         result = run_keel(train_cmd(small_corpus, stuck, *SPIKE, f"monitor.alerts.webhook={url}",
                                     "monitor.alerts.webhook_timeout_s=30", steps=80), cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
-        (post,) = [p for p in Hook.received if p["alert"] == "loss_spike"]
-        after = [r for r in read_jsonl(stuck / "metrics.jsonl") if "train/loss" in r and r["step"] > 50]
-        assert after and max(r["time"] for r in after) < post["at"] + 20, \
-            "every step after the alert finished while its POST was still held open"
+        post = Hook.received[0]  # the spike's, or a throughput drop's before it on a busy machine
+        after = [r for r in read_jsonl(stuck / "metrics.jsonl") if "train/loss" in r and r["time"] > post["at"]]
+        assert len(after) >= 20 and max(r["time"] for r in after) < post["at"] + 20, \
+            "the run trained on, to its end, while the alert's POST was held open"
     finally:
         server.shutdown()
         server.server_close()

@@ -173,6 +173,7 @@ def test_a_spike_and_its_rollback_are_one_alert_and_nonfinite_skips_none(tmp_pat
     events.emit("guard", 60, "rollback", guard="spike", reason="loss 9.1 > 3 × median")
     events.emit("guard", 60, "rolled_back", guard="spike", to_step=50)
     events.emit("guard", 70, "rolled_back", guard="numerics", to_step=65)
+    events.emit("guard", 75, "rolled_back", guard="sdc", to_step=70)  # the SDC guard says sdc_suspect itself
     events.emit("alert", 80, "straggler", severity="warning", message="rank 1 is 2.0× slower")
     assert fired(tmp_path) == ["loss_spike", "rollback", "straggler"]
     assert alerts.fired == {"loss_spike": 1, "rollback": 1, "straggler": 1}
@@ -180,11 +181,12 @@ def test_a_spike_and_its_rollback_are_one_alert_and_nonfinite_skips_none(tmp_pat
 
 
 def test_metric_rules_fire_once_per_incident(tmp_path: Path) -> None:
-    alerts, _, _ = alerts_in(tmp_path, cooldown_s=3600)
+    alerts, _, _ = alerts_in(tmp_path, cooldown_s=3600, throughput_for_s=60)
     window = dict(steps=10, skipped=0, wall_s=10.0, seconds_since_checkpoint=1.0, checkpoint_interval_s=100.0)
-    for step, tps in enumerate([1000, 1010, 990, 600, 1000, 600, 600, 600, 600], start=1):
-        alerts.observe(step, {"throughput/tokens_per_s": tps}, **window)
-    assert fired(tmp_path) == ["throughput_drop"], "one slow interval is noise; three in a row are a drop"
+    # One interval every 20 s: a slow stretch of 40 s is noise, one that lasts 60 s is a drop.
+    for step, tps in enumerate([1000] * 8 + [600, 600, 1000] + [600] * 5, start=1):
+        alerts.observe(step, {"throughput/tokens_per_s": tps}, **window, now=20.0 * step)
+    assert [(e["step"], e["action"]) for e in read_jsonl(tmp_path / "events.jsonl")] == [(15, "throughput_drop")]
     alerts.observe(20, {}, **{**window, "skipped": 2})
     alerts.observe(21, {"goodput/ratio": 0.5}, **{**window, "wall_s": 7200.0})
     alerts.observe(22, {"goodput/ratio": 0.5}, **{**window, "wall_s": 60.0})  # too young to judge
@@ -321,3 +323,32 @@ def test_console_redraws_one_progress_line_on_a_terminal(tmp_path: Path, monkeyp
     os.close(leader)
     assert out.count("\r") == 2 and "step  2/10" in out
     assert out.index("step  2/10") < out.index("\n") < out.index("validation loss"), "a message ends the bar line"
+
+
+# ---------------------------------------------------------------- one exporter per node or per rank
+
+
+@pytest.mark.parametrize("per", ["node", "rank"])
+def test_exporter_per_node_is_local_rank_0_and_per_rank_is_port_plus_local_rank(tmp_path: Path, monkeypatch,
+                                                                                 per: str) -> None:
+    from keel.config import load_config
+    from keel.monitor.run_monitor import RunMonitor
+    from keel.monitor.sinks import RunLog
+
+    base = free_port()
+    cfg = load_config(None, [f"monitor.prometheus_port={base}", f"monitor.prometheus_per={per}",
+                             "monitor.telemetry_interval_s=0"])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with RunLog(tmp_path, rank=1) as log:
+        monitor = RunMonitor(cfg, tmp_path, 1, torch.device("cpu"), log, time.time(), str(tmp_path))
+        try:
+            monitor.begin({})
+            monitor.step_done(1)
+            if per == "node":
+                assert monitor.exporter is None
+            else:
+                families = scrape(base + 1)
+                ((_, labels, value),) = families["keel_last_step_timestamp_seconds"]
+                assert labels == {"run": tmp_path.name, "node": labels["node"], "rank": "1"} and value > 0
+        finally:
+            monitor.stop()

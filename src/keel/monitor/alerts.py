@@ -26,17 +26,14 @@ from keel.monitor.sinks import EventLog
 
 # (event kind, action or "*", guard or "*", rule, severity): events that are alerts in themselves; the
 # first match wins. Non-finite steps skipped one at a time are a rate (the nan_skip_rate rule), not each
-# an alert.
+# an alert; the SDC guard raises its own `sdc_suspect`.
 EVENT_RULES = (
     ("guard", "*", "spike", "loss_spike", "error"),
-    ("guard", "rolled_back", "*", "rollback", "error"),
+    ("guard", "rolled_back", "numerics", "rollback", "error"),
     ("guard", "stop", "*", "guard_stop", "critical"),
     ("hang", "*", "*", "hang", "critical"),
     ("leave", "*", "*", "quarantine", "error"),
 )
-THROUGHPUT_PATIENCE = 3
-
-
 class Webhook:
     """POSTs alerts as JSON from a background thread, retrying with exponential backoff. The queue is
     bounded and never waited on: a slow or dead endpoint costs training nothing, alerts beyond the
@@ -99,7 +96,7 @@ class Alerts:
         self.fired: Counter[str] = Counter()  # alerts delivered per rule (the exporter's keel_alerts_total)
         self._last: dict[str, float] = {}
         self._tokens_per_s: deque[float] = deque(maxlen=cfg.throughput_window)
-        self._slow = 0  # intervals in a row below the throughput threshold
+        self._slow_since: float | None = None  # when tokens/s fell below the threshold, and stayed there
         self._errors: dict[str, float] = {}  # the last telemetry counters seen, for increases
         self.last_step_time = time.time()
         self.stalled = False
@@ -140,16 +137,19 @@ class Alerts:
 
     # ------------------------------------------------------------------ rules over metrics (rank 0)
     def observe(self, step: int, record: dict, steps: int, skipped: int, wall_s: float,
-                seconds_since_checkpoint: float, checkpoint_interval_s: float | None) -> None:
+                seconds_since_checkpoint: float, checkpoint_interval_s: float | None,
+                now: float | None = None) -> None:
         """One interval's global metrics: `steps` made in it, `skipped` of them dropped by the guards."""
-        cfg = self.cfg
+        cfg, now = self.cfg, time.time() if now is None else now
         tokens_per_s = record.get("throughput/tokens_per_s")
         if tokens_per_s is not None:
             if len(self._tokens_per_s) >= 3:
                 median = statistics.median(self._tokens_per_s)
-                # One slow interval (a profiled step, an eval) is noise; a drop that lasts is not.
-                self._slow = self._slow + 1 if tokens_per_s < cfg.throughput_drop * median else 0
-                if self._slow >= THROUGHPUT_PATIENCE:
+                # Slow intervals (a profiled step, an eval, a replay, a busy host) are noise; a drop that
+                # lasts `throughput_for_s` is not.
+                slow = tokens_per_s < cfg.throughput_drop * median
+                self._slow_since = (self._slow_since or now) if slow else None
+                if slow and now - self._slow_since >= cfg.throughput_for_s:
                     self.fire("throughput_drop", step, "warning",
                               f"{tokens_per_s:,.0f} tokens/s is {tokens_per_s / median:.0%} of the trailing median "
                               f"{median:,.0f}", tokens_per_s=tokens_per_s, median=median)
