@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--interval", type=int, default=10, help="monitor.interval")
     ap.add_argument("--telemetry-interval", type=float, default=10.0, help="monitor.telemetry_interval_s when on")
     ap.add_argument("--repeats", type=int, default=5)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,12 @@ from keel.monitor.sinks import JsonlSink, PrometheusExporter, RunLog, TensorBoar
 from keel.monitor.telemetry import Reading, Telemetry
 
 TELEMETRY = "telemetry.jsonl"
+
+
+@dataclass
+class Timer:
+    started: float
+    seconds: float = 0.0
 
 
 def local_rank() -> int:
@@ -80,6 +89,23 @@ class RunMonitor:
         self.alerts.step_done()
         if self.exporter is not None:
             self.exporter.set("keel_last_step_timestamp_seconds", time.time())
+
+    @contextmanager
+    def phase(self, bucket: str, metric: str = "", whole_step: bool = True) -> Iterator[Timer]:
+        """A part of a step. The time before it is the step's own work (productive); its own time goes
+        to the goodput `bucket` and, if named, to the registry's `metric`. In a recomputed step all of
+        it is wasted, unless the part is not the step's own (`whole_step = False`: evaluation,
+        checkpoint blocking)."""
+        self.ledger.spent("productive")
+        timer = Timer(time.perf_counter())
+        yield timer
+        timer.seconds = time.perf_counter() - timer.started
+        if metric:
+            self.registry.add(metric, timer.seconds)
+        if whole_step:
+            self.ledger.spent(bucket)
+        else:
+            self.ledger.charge(bucket)
 
     def step_done(self, step: int) -> None:
         """Every step: the heartbeat (what the stalled-step rules watch) and the goodput high-water mark."""

@@ -303,10 +303,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             step = state.step + 1  # the step being made
             watchdog.begin("step", step)
             ledger.begin_step(step)
-            waited = time.perf_counter()
-            micro_batches = loader.next()
-            data_s = time.perf_counter() - waited
-            ledger.spent("data_wait")
+            with monitor.phase("data_wait", "time/data_s") as waited:
+                micro_batches = loader.next()
+            data_s = waited.seconds
             meter.add_data_wait(data_s)
             callbacks.on_step_start(state, micro_batches, loader.last_batch)
             lr = lr_at(state.step, cfg.optim, cfg.train.steps) * guards.lr_factor(state.step)
@@ -328,20 +327,17 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                                        partial(stepper.nonfinite_here, loss), data_s=data_s,
                                        step_s=time.perf_counter() - computing)
                 registry.add("time/forward_backward_s", time.perf_counter() - computing)
-                ledger.spent("productive")
-                guard_s = time.perf_counter()
-                if guards.reporting:
-                    replay = partial(stepper.recompute, micro_batches, partial(callbacks.after_backward, state, True))
-                    action = guards.inspect(state, report, replay)
-                guard_s = time.perf_counter() - guard_s
-                ledger.spent("guard_checks")
+                with monitor.phase("guard_checks") as inspecting:
+                    if guards.reporting:
+                        replay = partial(stepper.recompute, micro_batches,
+                                         partial(callbacks.after_backward, state, True))
+                        action = guards.inspect(state, report, replay)
                 watchdog.phase("update")
-                updating = time.perf_counter()
-                if action.kind == "continue":
-                    stepper.update(lr, grad_norm)
-                else:
-                    stepper.drop()
-                registry.add("time/optimizer_s", time.perf_counter() - updating)
+                with monitor.phase("productive", "time/optimizer_s"):
+                    if action.kind == "continue":
+                        stepper.update(lr, grad_norm)
+                    else:
+                        stepper.drop()
             if action.kind not in ("continue", "skip"):
                 if (code := carry_out(action)) is not None:
                     return code
@@ -353,7 +349,6 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             meter.step_done()
             monitor.step_done(state.step)
             steps_since_log += 1
-            registry.add("time/data_s", data_s)
             last_step = state.step == cfg.train.steps
             metrics = {"step": state.step, "optim/lr": lr}
             pause = report.extras[2] > 0 or leave  # every rank sees the same sum: all stop at this step
@@ -385,21 +380,18 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
             watchdog.end()
             if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
                 watchdog.begin("eval", state.step)
-                ledger.spent("productive")
-                val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
-                                     evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
-                ledger.charge("evaluation")
+                with monitor.phase("evaluation", whole_step=False):
+                    val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
+                                         evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
                 watchdog.end()
                 monitor.publish({"step": state.step, "val/loss": val_loss})
                 metrics["val/loss"] = val_loss
                 say(f"step {state.step}: validation loss {val_loss:.4f}")
                 callbacks.on_eval(state, val_loss)
 
-            ledger.spent("productive")
-            checking = time.perf_counter()
-            checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
-            registry.add("time/guard_s", guard_s + time.perf_counter() - checking)
-            ledger.spent("guard_checks")
+            with monitor.phase("guard_checks") as checking:
+                checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
+            registry.add("time/guard_s", inspecting.seconds + checking.seconds)
             if checked.kind != "continue":
                 if (code := carry_out(checked)) is not None:
                     return code
@@ -414,15 +406,14 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 state.guards = guards.state_dict()
                 state.health = watchdog.state_dict()
                 watchdog.begin("checkpoint", state.step)
-                saving = time.perf_counter()
-                for outcome in manager.save(parts, optimizers, state, wait=last_step or pause):
-                    after_save(outcome)
-                    final_saved = outcome.committed
+                with monitor.phase("checkpoint_blocking", whole_step=False) as saving:
+                    for outcome in manager.save(parts, optimizers, state, wait=last_step or pause):
+                        after_save(outcome)
+                        final_saved = outcome.committed
                 watchdog.end()
                 last_save = time.perf_counter()
-                ledger.charge("checkpoint_blocking")
                 ledger.flush(state.step)
-            registry.add("time/checkpoint_s", last_save - saving if save_now else 0.0)
+            registry.add("time/checkpoint_s", saving.seconds if save_now else 0.0)  # a step's mean share
             if pause and not last_step:
                 return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
                                   run_dir, events, say, status, rank0, straggler=leave)
