@@ -1,0 +1,309 @@
+"""Step time of a layout: compute from FLOPs per token, communication from an alpha-beta model of each
+collective, the pipeline bubble, and how much of the data-parallel traffic hides behind compute.
+
+Compute: FLOPs per token (6N + 12·L·H·Q·T, PaLM appendix B; `Workload.flops_per_token`) times the tokens
+a device processes per step, plus the recomputed forward of activation checkpointing (full: one more
+forward, 4 passes instead of 3, Narayanan et al. 2021 eq. 3; selective in keel: every second block, half
+a forward), at `Efficiency.compute` of the dense peak.
+
+Collectives, ring algorithm (Patarasuk & Yuan 2009; NCCL's ring): an all-gather or reduce-scatter of a
+buffer of S bytes over n ranks moves (n−1)/n·S through each rank's link, an all-reduce 2(n−1)/n·S.
+Time = latency + moved bytes / (link bandwidth × `Efficiency.link`); latency = NCCL's base latency of a
+ring plus one hop latency per step, intra- or inter-node (NCCL src/graph/tuning.cc, Simple protocol:
+base 8.4 µs, per hop 3.4 µs NVLink, 9.6 µs network).
+
+Placement: ranks are numbered tp fastest, then dp_shard, pp, dp_replicate, so a group's members are
+`stride` ranks apart (stride = product of the degrees inside it). A group whose span fits in a node
+uses `hw.intra_bw`; otherwise each member talks through its own NIC at `hw.inter_bw` (one NIC per
+device, as on DGX/HGX), which is what nccl-tests' bus bandwidth shows across nodes.
+
+What each parallelism costs per step and device (keel's FSDP2 and pipelining behaviour):
+- TP with sequence parallel: all-gather + reduce-scatter of the micro-batch's activations (the bytes of
+  one all-reduce) twice per layer forward, twice backward, twice per recomputed forward (Korthikanti et
+  al. 2022, arXiv 2205.05198, §4.2.2), on the critical path (no async TP).
+- FSDP over dp_shard: all-gather of the bf16 parameters in the forward and again in the backward
+  (reshard after forward), reduce-scatter of fp32 gradients (keel's reduce_dtype default), one call per
+  block. Without a pipeline keel syncs every micro-batch; with one, the schedule gathers once and
+  reduces once per step.
+- HSDP/DP over dp_replicate: all-reduce of this shard's fp32 gradients across replicas.
+- PP: the bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time when interleaved with v
+  chunks per rank (Narayanan et al. 2021, arXiv 2104.04473, §2.2); activations (sharded over tp with
+  sequence parallel) sent forward and gradients back for every micro-batch and chunk.
+Only FSDP/DP traffic overlaps compute (prefetch, backward overlap): `Efficiency.overlap` of it is
+hidden, never more than there is compute to hide it behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from keel.config import load_config, resolve_layout
+from keel.errors import KeelError
+from keel.plan.hardware import CATALOG, Accelerator, by_key
+from keel.plan.layout import Layout, Workload
+
+BASE_LATENCY = 8.4e-6  # s, NCCL ring Simple base latency (src/graph/tuning.cc baseLat)
+HOP_INTRA = 3.4e-6  # s per ring step over NVLink (tuning.cc hwLat NVLINK, ring, Simple)
+HOP_INTER = 9.6e-6  # s per ring step over the network (tuning.cc hwLat NET, ring, Simple)
+RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # forwards recomputed; keel's selective: 1 block in 2
+GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, torchtitan's too)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The factors that turn peak figures into time. One default set predicts every published run of
+    the validation table (tests/unit/test_plan_throughput.py) within ±25%:
+    - compute 0.52: the share of the dense peak the whole forward/backward reaches (matmuls alone reach
+      ~80% on H100, [ME]'s MAMF table; attention, norms and element-wise kernels dilute it). Published
+      runs need 0.40-0.45 on torchtitan's H100s and 0.62-0.68 on A100/TPU v4 (Megatron-LM, MegaScale,
+      PaLM); 0.52 is the single value whose worst error over the table is smallest (+21% / −21%).
+    - overlap 0.9: FSDP2 prefetch and backward reduce-scatter hide nearly all data-parallel traffic that
+      fits under compute: torchtitan's Llama 3.1 8B lost 2.7% per GPU going from FSDP over NVLink (8
+      GPUs) to FSDP over InfiniBand (128 GPUs), where its traffic is ~70% of the compute time.
+    - link 0.8: collectives reach ~80-88% of the one-direction link figure (nvbandwidth 88% on H200,
+      A100 all-reduce ~80%: ml-engineering network chapter).
+    `calibrate` fits them to a measured run instead."""
+
+    compute: float = 0.52
+    overlap: float = 0.9
+    link: float = 0.8
+    source: str = "defaults"
+
+
+DEFAULT = Efficiency()
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds per optimizer step on one device. fsdp_comm and dp_comm are the whole traffic; only
+    `exposed_comm` (TP, pipeline transfers and the unhidden FSDP/DP part) adds to the step."""
+
+    compute: float
+    tp_comm: float
+    fsdp_comm: float
+    dp_comm: float
+    pp_p2p: float
+    bubble: float
+    exposed_comm: float
+    total: float
+    tokens_per_s_per_device: float
+    mfu: float  # model FLOPs (6N + attention) against the dense peak
+    hfu: float  # hardware FLOPs, recompute included
+
+    def parts(self) -> dict[str, float]:
+        """What the step time is made of; the values add up to `total`."""
+        hidden_part = self.exposed_comm - self.tp_comm - self.pp_p2p
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_p2p": self.pp_p2p, "bubble": self.bubble,
+                "fsdp_dp_exposed": hidden_part}
+
+    def explain(self) -> str:
+        share = {name: value / self.total for name, value in self.parts().items() if value > 0}
+        text = ", ".join(f"{name} {value:.0%}" for name, value in sorted(share.items(), key=lambda kv: -kv[1]))
+        return (f"{self.total:.3g} s/step ({text}); {self.tokens_per_s_per_device:,.0f} tokens/s/device, "
+                f"MFU {self.mfu:.1%}")
+
+
+@dataclass(frozen=True)
+class _Link:
+    bandwidth: float  # bytes/s actually reached
+    nodes: int  # nodes the group spans
+
+
+def _link(hw: Accelerator, stride: int, size: int, eff: Efficiency) -> _Link:
+    per_node = max(1, int(hw.devices_per_node))
+    if stride * size <= per_node:
+        return _Link(hw.intra_bw * eff.link, 1)
+    nodes = size if stride >= per_node else math.ceil(stride * size / per_node)
+    return _Link(hw.inter_bw * eff.link, nodes)
+
+
+def collective(kind: str, nbytes: float, n: int, link: _Link) -> float:
+    """Seconds for one ring collective ("all_gather", "reduce_scatter", "all_reduce") of a buffer of
+    `nbytes` (the full, unsharded size) over `n` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if link.bandwidth <= 0:
+        raise KeelError("the hardware has no link bandwidth for its collectives (intra_bw/inter_bw are 0): "
+                        "measure it, or calibrate from a run")
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    inter = 0 if link.nodes <= 1 else min(steps, 2 * link.nodes if kind == "all_reduce" else link.nodes - 1)
+    latency = BASE_LATENCY + (steps - inter) * HOP_INTRA + inter * HOP_INTER
+    return latency + steps / n * nbytes / link.bandwidth
+
+
+def peak_flops(work: Workload, hw: Accelerator) -> float:
+    peak = hw.peak_flops.get(work.param_dtype) or hw.peak_flops.get("bf16")
+    if not peak:
+        raise KeelError(f"{hw.name} has no known {work.param_dtype} peak FLOP/s: measure it (keel train reports "
+                        f"it) or calibrate from a run")
+    return peak
+
+
+def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency = DEFAULT) -> StepBreakdown:
+    """Predicted time of one optimizer step of `work` laid out as `layout` on `hw`."""
+    m = work.model
+    gpus = layout.gpus()
+    m_micro = work.micro_batches(layout)
+    if layout.ac not in RECOMPUTE:
+        raise KeelError(f"activation checkpointing {layout.ac!r}: expected none, selective or full")
+    recompute = RECOMPUTE[layout.ac]
+    peak = peak_flops(work, hw)
+    tokens_per_device = work.global_batch * work.seq_len / gpus
+    compute = tokens_per_device * work.flops_per_token * (1 + recompute / 3) / (peak * eff.compute)
+
+    act_dtype = 2 if work.param_dtype in ("bf16", "fp16") else 4
+    layers = m.n_layers / layout.pp  # per device, all its chunks
+    act = layout.micro_batch * work.seq_len * m.dim * act_dtype  # one micro-batch's hidden states
+
+    # TP: the bytes of one all-reduce (= reduce-scatter + all-gather with SP) per pair of collectives.
+    tp_link = _link(hw, 1, layout.tp, eff)
+    per_layer = 4 + 2 * recompute
+    if layout.sp and layout.tp > 1:
+        one = collective("all_gather", act, layout.tp, tp_link) + collective("reduce_scatter", act, layout.tp, tp_link)
+    else:
+        one = collective("all_reduce", act, layout.tp, tp_link)
+    tp_comm = layers * m_micro * per_layer / 2 * one if layout.tp > 1 else 0.0
+
+    # FSDP over dp_shard (stride tp) and DP over dp_replicate (stride tp·dp_shard·pp).
+    local_params = work.n_params / (layout.tp * layout.pp)
+    calls = layers + 1  # one unit per block and the root (embeddings, norm, output)
+    syncs = 1 if layout.pp > 1 else m_micro
+    gathers = 1 if layout.pp > 1 else 2 * m_micro
+    fsdp_link = _link(hw, layout.tp, layout.dp_shard, eff)
+    fsdp_comm = 0.0
+    if layout.dp_shard > 1:
+        gather = collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link)
+        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, layout.dp_shard, fsdp_link)
+        fsdp_comm = calls * (gathers * gather + syncs * scatter)
+    dp_link = _link(hw, layout.tp * layout.dp_shard * layout.pp, layout.dp_replicate, eff)
+    dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / layout.dp_shard / calls,
+                                         layout.dp_replicate, dp_link)
+
+    # PP: activations forward and gradients back across each stage boundary, per micro-batch and chunk.
+    pp_p2p = bubble = 0.0
+    if layout.pp > 1:
+        pp_link = _link(hw, layout.tp * layout.dp_shard, layout.pp, eff)
+        sent = act / (layout.tp if layout.sp else 1)
+        pp_p2p = 2 * layout.v * m_micro * (BASE_LATENCY + sent / pp_link.bandwidth)
+        bubble = (compute + tp_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
+
+    hideable = fsdp_comm + dp_comm
+    exposed_dp = hideable - min(eff.overlap * hideable, compute)
+    exposed = tp_comm + pp_p2p + exposed_dp
+    total = compute + bubble + exposed
+    tps = tokens_per_device / total
+    mfu = tps * work.flops_per_token / peak
+    return StepBreakdown(compute, tp_comm, fsdp_comm, dp_comm, pp_p2p, bubble, exposed, total, tps, mfu,
+                         mfu * (1 + recompute / 3))
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What a keel run directory says about its own speed: averages over the logged windows after the
+    first (which holds the warm-up), comm_s scaled from the profiled step's share to the window's mean."""
+
+    work: Workload
+    layout: Layout
+    hw: Accelerator  # the catalog entry, with the peak the run measured MFU against
+    step_s: float
+    comm_s: float
+    mfu: float
+    tokens_per_s: float
+
+
+def _records(path: Path, kind: str | None = None) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash
+            if isinstance(record, dict) and (kind is None or record.get("kind") == kind):
+                out.append(record)
+    return out
+
+
+def _run_hardware(device: str, peak: float, busbw: float, hw: Accelerator | None) -> Accelerator:
+    """The accelerator a run used: the one given, the CPU entry, or the catalog entry with the run's peak.
+    Bandwidths the catalog lacks (a CPU's) come from the preflight all-reduce measurement."""
+    if hw is None and device.startswith("cpu"):
+        hw = by_key("cpu")
+    if hw is None:
+        hw = next((a for a in CATALOG if any(abs(p - peak) <= 0.02 * peak for p in a.peak_flops.values())), None)
+    if hw is None:
+        raise KeelError(f"the run's peak {peak / 1e12:.1f} TFLOP/s matches no catalog accelerator: name the hardware")
+    hw = replace(hw, peak_flops={**hw.peak_flops, "bf16": peak, "fp32": peak})
+    if busbw > 0 and hw.intra_bw <= 0:
+        hw = replace(hw, intra_bw=busbw)
+    if busbw > 0 and hw.inter_bw <= 0:
+        hw = replace(hw, inter_bw=busbw)
+    return hw
+
+
+def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
+    """Workload, layout, hardware and measured step of a keel run directory (config.toml, metrics.jsonl,
+    events.jsonl)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").exists():
+        raise KeelError(f"{run_dir}: no config.toml, not a keel run directory")
+    cfg = load_config(run_dir / "config.toml", [])
+    starts = _records(run_dir / "events.jsonl", "start")
+    if not starts:
+        raise KeelError(f"{run_dir}/events.jsonl has no start event: the run never trained")
+    world, device = int(starts[-1]["detail"]["world_size"]), str(starts[-1]["detail"]["device"])
+    windows = [r for r in _records(run_dir / "metrics.jsonl") if r.get("time/step_s") and r.get("throughput/mfu")]
+    windows = windows[1:] if len(windows) > 1 else windows
+    profiled = [r for r in windows if r.get("time/comm_share") is not None]
+    if not profiled:
+        raise KeelError(f"{run_dir}/metrics.jsonl has no profiled steps (time/comm_share): run with "
+                        f"monitor.profile_interval at most monitor.interval")
+    step_s = statistics.fmean(r["time/step_s"] for r in windows)
+    comm_share = statistics.fmean(r["time/comm_share"] for r in profiled)
+    mfu = statistics.fmean(r["throughput/mfu"] for r in windows)
+    peak = statistics.fmean(r["throughput/tflops_per_device"] * 1e12 / r["throughput/mfu"] for r in windows)
+    checks = [c for r in _records(run_dir / "events.jsonl", "preflight") for c in r["detail"].get("checks", [])]
+    busbw = [c["values"]["busbw_gbs"] * 1e9 for c in checks if "busbw_gbs" in c.get("values", {})]
+    p = cfg.parallel
+    kept = resolve_layout(cfg, world)
+    fp32 = cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and device.startswith("cpu"))
+    per_rank = cfg.train.global_batch // kept.dp
+    micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
+    layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
+                    dp_replicate=kept.dp_replicate, micro_batch=micro, ac=p.activation_checkpoint)
+    work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, param_dtype="fp32" if fp32 else "bf16")
+    hw = _run_hardware(device, peak, statistics.fmean(busbw) if busbw else 0.0, hw)
+    return MeasuredRun(work, layout, hw, step_s, comm_share * step_s, mfu,
+                       statistics.fmean(r["throughput/tokens_per_s"] for r in windows))
+
+
+def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
+    """Efficiency factors that reproduce a measured run. The profiler measures the wall time collectives
+    were in flight (comm_s, pipeline waits included); the rest of the step is compute. So:
+    compute = the run's hardware FLOPs / (peak × (step − comm)), i.e. its achieved MFU over the
+    compute-bound part; the exposed data-parallel traffic is what comm_s leaves after the predicted
+    bubble, TP and pipeline transfers, and overlap = 1 − exposed / predicted. When comm_s exceeds all
+    the predicted traffic even with nothing hidden, the link is slower than assumed: overlap = 0 and
+    the link factor shrinks until the prediction matches."""
+    run = measured_run(run_dir, hw)
+    nominal = step_time(run.work, run.layout, run.hw, Efficiency(compute=1.0, overlap=0.0, link=DEFAULT.link))
+    layout = run.layout
+    bubble_share = (layout.pp - 1) / (layout.v * run.work.micro_batches(layout)) if layout.pp > 1 else 0.0
+    fixed = nominal.tp_comm + nominal.pp_p2p  # never hidden
+    compute_s = run.step_s - run.comm_s
+    if compute_s <= 0:
+        raise KeelError(f"{run_dir}: the measured communication ({run.comm_s:.3g} s) fills the whole step "
+                        f"({run.step_s:.3g} s); nothing to calibrate compute on")
+    compute = nominal.compute / compute_s
+    exposed = run.comm_s - bubble_share * (compute_s + fixed)
+    hideable = nominal.fsdp_comm + nominal.dp_comm
+    link, overlap = DEFAULT.link, 0.0
+    if exposed > fixed + hideable or hideable <= 0:
+        link = DEFAULT.link * (fixed + hideable) / max(exposed, 1e-12)
+    else:
+        overlap = min(1.0, max(0.0, 1 - (exposed - fixed) / hideable))
+    return Efficiency(compute=compute, overlap=overlap, link=link, source=f"calibrated on {Path(run_dir).name}")

@@ -1,0 +1,322 @@
+"""The throughput model (alpha-beta collectives, bubble, recompute, overlap), its calibration on a real
+keel run, its predictions of published runs with the default efficiency factors, and the layout search."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from keel.config import ModelConfig, load_config
+from keel.errors import KeelError
+from keel.plan.hardware import by_key
+from keel.plan.layout import Layout, Workload
+from keel.plan.layouts import explain, search
+from keel.plan.throughput import (
+    BASE_LATENCY,
+    DEFAULT,
+    HOP_INTER,
+    HOP_INTRA,
+    Efficiency,
+    _link,
+    calibrate,
+    collective,
+    measured_run,
+    step_time,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = Path(__file__).parent / "data" / "calibration_run"
+H100 = by_key("h100")
+A100 = by_key("a100")
+EXACT = Efficiency(compute=1.0, overlap=0.0, link=1.0)
+
+
+def model(name: str) -> ModelConfig:
+    return load_config(ROOT / "configs" / f"{name}.toml", []).model
+
+
+def test_ring_collectives_move_their_share_of_the_buffer() -> None:
+    link = _link(H100, 1, 8, EXACT)
+    assert link.nodes == 1 and link.bandwidth == H100.intra_bw
+    size = 1e9
+    gather = collective("all_gather", size, 8, link)
+    assert gather == pytest.approx(BASE_LATENCY + 7 * HOP_INTRA + 7 / 8 * size / H100.intra_bw)
+    assert collective("reduce_scatter", size, 8, link) == gather
+    reduce = collective("all_reduce", size, 8, link)
+    assert reduce == pytest.approx(BASE_LATENCY + 14 * HOP_INTRA + 2 * 7 / 8 * size / H100.intra_bw)
+    assert collective("all_reduce", size, 1, link) == 0.0
+    # Across 4 nodes the ring runs at the NIC's bandwidth and 3 of its steps pay the network's latency.
+    wide = _link(H100, 8, 4, EXACT)
+    assert wide.nodes == 4 and wide.bandwidth == H100.inter_bw
+    assert collective("all_gather", size, 4, wide) == pytest.approx(
+        BASE_LATENCY + 3 * HOP_INTER + 3 / 4 * size / H100.inter_bw)
+
+
+@pytest.mark.parametrize(("stride", "size", "nodes"), [
+    (1, 8, 1),  # tp 8: one node
+    (1, 16, 2),  # dp_shard 16, no tp: two nodes of 8
+    (2, 4, 1),  # dp_shard 4 inside tp 2: 8 ranks, one node
+    (8, 32, 32),  # dp_shard 32 outside tp 8: one member per node
+    (4, 4, 2),  # 16 ranks from stride 4: two nodes
+])
+def test_a_group_uses_the_node_fabric_only_when_its_span_fits_a_node(stride: int, size: int, nodes: int) -> None:
+    link = _link(H100, stride, size, EXACT)
+    assert link.nodes == nodes
+    assert link.bandwidth == (H100.intra_bw if nodes == 1 else H100.inter_bw)
+
+
+def test_activation_checkpointing_adds_recomputed_forwards() -> None:
+    work = Workload(model("llama3_8b"), 8192, 64)
+    base = Layout(dp_shard=8, micro_batch=1)
+    none = step_time(work, base, H100).compute
+    assert step_time(work, replace(base, ac="full"), H100).compute == pytest.approx(none * 4 / 3)
+    assert step_time(work, replace(base, ac="selective"), H100).compute == pytest.approx(none * 7 / 6)
+    assert step_time(work, replace(base, ac="full"), H100).hfu == pytest.approx(
+        step_time(work, replace(base, ac="full"), H100).mfu * 4 / 3)
+
+
+def test_the_breakdown_adds_up_and_mfu_follows_from_tokens_per_second() -> None:
+    work = Workload(model("llama3_70b"), 8192, 512)
+    layout = Layout(tp=8, pp=4, v=2, dp_shard=4, dp_replicate=2, micro_batch=1, ac="selective")
+    step = step_time(work, layout, H100)
+    assert sum(step.parts().values()) == pytest.approx(step.total)
+    assert step.total == pytest.approx(step.compute + step.bubble + step.exposed_comm)
+    assert step.tokens_per_s_per_device * step.total * layout.gpus() == pytest.approx(512 * 8192)
+    assert step.mfu == pytest.approx(step.tokens_per_s_per_device * work.flops_per_token / H100.peak_flops["bf16"])
+    assert min(step.tp_comm, step.fsdp_comm, step.dp_comm, step.pp_p2p, step.bubble) > 0
+    assert "tokens/s/device" in step.explain()
+
+
+def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_and_interleaving_divides_it_by_v() -> None:
+    work = Workload(model("llama3_8b"), 8192, 32)
+    layout = Layout(pp=4, micro_batch=1)  # 32 micro-batches, nothing else to communicate but p2p
+    step = step_time(work, layout, H100)
+    busy = step.compute + step.tp_comm + step.pp_p2p
+    assert step.bubble == pytest.approx(busy * 3 / 32)
+    assert step.bubble / (step.bubble + busy) == pytest.approx(3 / (32 + 3))
+    interleaved = step_time(work, replace(layout, v=2), H100)
+    assert interleaved.bubble == pytest.approx((interleaved.compute + interleaved.tp_comm + interleaved.pp_p2p)
+                                               * 3 / (2 * 32))
+    assert interleaved.pp_p2p == pytest.approx(2 * step.pp_p2p)  # every chunk boundary is crossed
+
+
+def test_tp_costs_the_bytes_of_two_all_reduces_per_layer_each_way() -> None:
+    work = Workload(model("llama3_8b"), 8192, 8)
+    layout = Layout(tp=8, micro_batch=1)
+    act = 8192 * 4096 * 2
+    link = _link(H100, 1, 8, DEFAULT)
+    pair = collective("all_gather", act, 8, link) + collective("reduce_scatter", act, 8, link)
+    assert step_time(work, layout, H100).tp_comm == pytest.approx(32 * 8 * 2 * pair)
+    assert step_time(work, replace(layout, ac="full"), H100).tp_comm == pytest.approx(32 * 8 * 3 * pair)
+
+
+def test_overlap_hides_fsdp_traffic_but_never_more_than_the_compute() -> None:
+    work = Workload(model("llama3_8b"), 8192, 256)
+    layout = Layout(dp_shard=128, micro_batch=2, ac="selective")
+    exposed = step_time(work, layout, H100, replace(DEFAULT, overlap=0.0))
+    assert exposed.exposed_comm == pytest.approx(exposed.fsdp_comm)
+    hidden = step_time(work, layout, H100, replace(DEFAULT, overlap=1.0))
+    assert hidden.exposed_comm == pytest.approx(0.0, abs=1e-12)
+    slow = replace(H100, inter_bw=H100.inter_bw / 100)  # traffic far beyond the compute
+    capped = step_time(work, layout, slow, replace(DEFAULT, overlap=1.0))
+    assert capped.exposed_comm == pytest.approx(capped.fsdp_comm - capped.compute)
+
+
+def test_faster_links_and_more_overlap_never_slow_a_step() -> None:
+    work = Workload(model("llama3_70b"), 8192, 512)
+    for layout in (Layout(tp=8, dp_shard=32, micro_batch=1, ac="full"),
+                   Layout(tp=4, pp=4, dp_shard=8, dp_replicate=2, micro_batch=2, ac="selective")):
+        base = step_time(work, layout, H100).total
+        assert step_time(work, layout, replace(H100, inter_bw=2 * H100.inter_bw)).total <= base
+        assert step_time(work, layout, replace(H100, intra_bw=2 * H100.intra_bw)).total <= base
+        assert step_time(work, layout, H100, replace(DEFAULT, overlap=1.0)).total <= base
+
+
+def test_a_device_without_a_peak_is_refused() -> None:
+    with pytest.raises(KeelError, match="no known bf16 peak"):
+        step_time(Workload(model("llama3_8b"), 8192, 8), Layout(dp_shard=8), by_key("cpu"))
+
+
+# Published runs, all predicted with DEFAULT. torchtitan ran on Grand Teton H100s with 96 GB HBM2e at a
+# 500 W limit, whose peak its benchmark puts "between SXM and NVL" (989.5 and 835.5 TFLOP/s): their midpoint
+# is used for time, their MFU stays quoted against 989.5 (benchmarks/llama3_h100_202412_torchtitan.md).
+TITAN_H100 = replace(H100, peak_flops={"bf16": (989.5e12 + 835.5e12) / 2}, memory_bytes=96 * 2**30,
+                     memory_bw=2.4e12)
+# PaLM 540B (Chowdhery et al. 2022, arXiv 2204.02311): 118 layers, d_model 18,432, 48 heads of 256, one KV
+# head, SwiGLU d_ff 73,728, 256k vocabulary shared with the output. keel's head size is dim / heads (384),
+# so the FFN is trimmed to 69,632 to keep N = 540.9 B. §4: 2 pods of 3,072 TPU v4, 12-way model parallel ×
+# 256-way sharded data parallel inside a pod over ICI (so one "node" is the pod), 2 pods data parallel over
+# the DCN at 81 Tb/s per pod; batch 2,048 × 2,048 tokens; rematerialization (HFU/MFU = 57.8/46.2 = 1.25,
+# between selective and full: full is used).
+PALM = ModelConfig(dim=18432, n_layers=118, n_heads=48, n_kv_heads=1, vocab_size=256000, ffn_dim_multiplier=1.415,
+                   multiple_of=256, tie_embeddings=True)
+TPU_POD = replace(by_key("tpu-v4"), devices_per_node=3072, inter_bw=81e12 / 8 / 3072)
+# Megatron-LM 1T (Narayanan et al. 2021, arXiv 2104.04473, Table 1): 128 layers, hidden 25,600, 160 heads,
+# GPT (4h MLP: keel's SwiGLU at 8/3·h has the same 8h² parameters), vocab 51,200, seq 2,048, batch 3,072;
+# TP 8 × PP 64 × DP 6 on 3,072 A100 80GB (DGX A100, 8 × 200 Gb/s HDR), micro-batch 1, full recompute.
+# Its 52% counts the recomputed forward (eq. 3: 96·B·s·l·h², 4 passes), so it is compared with HFU.
+MEGATRON = ModelConfig(dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, vocab_size=51200, multiple_of=256,
+                       tie_embeddings=True)
+# MegaScale (Jiang et al. 2024, arXiv 2402.15627, §6.1): GPT-3 175B (96 layers, hidden 12,288, 96 heads),
+# seq 2,048, batch 6,144 on 12,288 GPUs (A100 assumed), TP 8 × PP 8 × DP 192 with the interleaved schedule
+# (v = 2 assumed: the paper does not give it), no activation recompute (assumed: FlashAttention-2 leaves the
+# memory for it), micro-batch 1.
+GPT3 = ModelConfig(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=51200, multiple_of=256,
+                   tie_embeddings=True)
+
+PUBLISHED = [
+    # name, workload, layout, hardware, published value, quantity
+    ("torchtitan Llama 3.1 8B, 8 H100, FSDP", ("llama3_8b", 8192, 16),
+     Layout(dp_shard=8, micro_batch=2, ac="selective"), TITAN_H100, 5762, "tokens/s"),
+    ("torchtitan Llama 3.1 8B, 128 H100, FSDP", ("llama3_8b", 8192, 256),
+     Layout(dp_shard=128, micro_batch=2, ac="selective"), TITAN_H100, 5605, "tokens/s"),
+    # asyncTP_llama3_h100_2025-06: bf16, compile, full AC, local batch 16 per data-parallel rank, vanilla TP.
+    ("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8", ("llama3_70b", 8192, 512),
+     Layout(tp=8, dp_shard=32, micro_batch=16, ac="full"), TITAN_H100, 597, "tokens/s"),
+    # Dec 2024 Table 5: local batch 32, global 256, 1F1B with micro-batches of 1, full AC (and Float8,
+    # compile, async TP, which the model has no terms for).
+    ("torchtitan Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8", ("llama3_405b", 8192, 256),
+     Layout(tp=8, pp=8, dp_shard=8, micro_batch=1, ac="full"), TITAN_H100, 100, "tokens/s"),
+    ("PaLM 540B, 6,144 TPU v4", (PALM, 2048, 2048),
+     Layout(tp=12, dp_shard=256, dp_replicate=2, micro_batch=4, ac="full"), TPU_POD, 0.462, "mfu"),
+    ("Megatron-LM 1T, 3,072 A100", (MEGATRON, 2048, 3072),
+     Layout(tp=8, pp=64, dp_replicate=6, micro_batch=1, ac="full"), A100, 0.52, "hfu"),
+    ("MegaScale 175B, 12,288 GPUs", (GPT3, 2048, 6144),
+     Layout(tp=8, pp=8, v=2, dp_replicate=192, micro_batch=1), A100, 0.552, "mfu"),
+]
+
+
+def predict(shape: tuple, layout: Layout, hw, quantity: str) -> float:
+    cfg, seq, batch = shape
+    work = Workload(model(cfg) if isinstance(cfg, str) else cfg, seq, batch)
+    step = step_time(work, layout, hw)
+    return {"tokens/s": step.tokens_per_s_per_device, "mfu": step.mfu, "hfu": step.hfu}[quantity]
+
+
+@pytest.mark.parametrize(("name", "shape", "layout", "hw", "published", "quantity"), PUBLISHED,
+                         ids=[row[0] for row in PUBLISHED])
+def test_published_runs_are_predicted_within_25_percent(name: str, shape: tuple, layout: Layout, hw,
+                                                        published: float, quantity: str) -> None:
+    assert str(layout.gpus()) in name.replace(",", "")  # the published device count
+    predicted = predict(shape, layout, hw, quantity)
+    assert abs(predicted / published - 1) <= 0.25, f"{name}: {quantity} {predicted:.4g} vs {published}"
+
+
+def test_the_published_model_shapes_match_their_papers() -> None:
+    assert Workload(PALM, 2048, 1).n_params == pytest.approx(540.35e9, rel=0.01)
+    assert Workload(MEGATRON, 2048, 1).n_params == pytest.approx(1008e9, rel=0.01)
+    assert Workload(GPT3, 2048, 1).n_params == pytest.approx(175e9, rel=0.01)
+
+
+def test_calibration_reproduces_the_measured_run() -> None:
+    # A real run: `keel train --config configs/tiny.toml train.steps=30 monitor.profile_interval=5 --nproc 2`
+    # on a 2-core CPU host (FSDP over 2 gloo ranks), its config.toml, metrics.jsonl and start/preflight events.
+    run = measured_run(RUN)
+    assert run.layout == Layout(dp_shard=2, micro_batch=16) and run.work.param_dtype == "fp32"
+    assert run.hw.key == "cpu" and run.hw.intra_bw == pytest.approx(1.313e9, rel=0.01)
+    eff = calibrate(RUN)
+    assert 0.3 < eff.compute < 1.0 and 0.0 <= eff.overlap <= 1.0 and eff.link > 0
+    predicted = step_time(run.work, run.layout, run.hw, eff)
+    assert predicted.total == pytest.approx(run.step_s, rel=0.10)
+    assert predicted.tokens_per_s_per_device * 2 == pytest.approx(run.tokens_per_s, rel=0.10)
+    assert predicted.mfu == pytest.approx(run.mfu, rel=0.10)
+    # Compute efficiency is the achieved MFU over the part of the step outside collectives.
+    assert eff.compute == pytest.approx(run.mfu * run.step_s / (run.step_s - run.comm_s), rel=0.02)
+
+
+def test_calibration_follows_a_slower_run(tmp_path: Path) -> None:
+    """The same run made twice as slow (step time doubled, throughput and MFU halved): the fitted
+    factors change and still reproduce it."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    slower = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "time/step_s" in record:
+            record["time/step_s"] *= 2
+            record["time/comm_s"] *= 2
+            for key in ("throughput/tokens_per_s", "throughput/tflops_per_device", "throughput/mfu"):
+                record[key] /= 2
+        slower.append(json.dumps(record) + "\n")
+    (run / "metrics.jsonl").write_text("".join(slower))
+    fast, slow = calibrate(RUN), calibrate(run)
+    assert slow.compute == pytest.approx(fast.compute / 2, rel=0.01)
+    measured = measured_run(run)
+    assert step_time(measured.work, measured.layout, measured.hw, slow).total == pytest.approx(
+        2 * measured_run(RUN).step_s, rel=0.10)
+    assert step_time(measured.work, measured.layout, measured.hw, fast).total < 0.6 * measured.step_s
+
+
+def test_calibration_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    with pytest.raises(KeelError, match="not a keel run directory"):
+        calibrate(tmp_path)
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "comm" not in k}) + "\n"
+                                               for r in lines))
+    with pytest.raises(KeelError, match="no profiled steps"):
+        calibrate(run)
+
+
+def test_search_over_1024_gpus_is_fast_ranked_and_complete() -> None:
+    cfg = load_config(ROOT / "configs" / "llama3_70b.toml", [])
+    work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch)
+    start = time.perf_counter()
+    found = search(work, 1024, H100)
+    assert time.perf_counter() - start < 2.0
+    fitting = [c for c in found if c.fits]
+    assert fitting and found[:len(fitting)] == fitting  # fitting first
+    speeds = [c.tokens_per_s for c in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in found:
+        lay = c.layout
+        assert lay.gpus() == 1024 and lay.tp <= 8 and cfg.model.n_kv_heads % lay.tp == 0
+        assert work.global_batch % (lay.dp() * lay.micro_batch) == 0
+        assert cfg.model.n_layers % (lay.pp * lay.v) == 0
+        assert lay.pp == 1 or work.micro_batches(lay) >= lay.pp
+        assert c.memory.fits == c.fits and (c.fits or "does not fit" in c.why)
+    assert {c.layout.ac for c in found} == {"none", "selective", "full"}
+    assert {c.layout.v for c in found} == {1, 2}
+    assert any(c.layout.dp_replicate > 1 for c in fitting)
+    best = fitting[0]
+    assert best.layout.tp == 8  # 70B over InfiniBand: tensor parallel over NVLink beats sharding wider
+
+
+def test_explain_names_the_winner_and_the_alternatives_with_numbers() -> None:
+    work = Workload(model("llama3_8b"), 8192, 256)
+    lines = explain(search(work, 128, H100))
+    assert lines[0].startswith("best: ") and "tokens/s/device" in lines[0] and "MFU" in lines[0]
+    text = "\n".join(lines)
+    assert "FSDP only: best is dp_shard128" in text
+    assert "more TP (tp=" in text and "pipeline" in text
+    assert all("%" in line for line in lines[2:-1])
+
+
+def test_what_does_not_fit_is_kept_with_its_reason_and_explained() -> None:
+    work = Workload(model("llama3_70b"), 8192, 8)
+    found = search(work, 8, H100)
+    fsdp_only = [c for c in found if c.layout == Layout(dp_shard=8, micro_batch=1)]
+    assert fsdp_only and not fsdp_only[0].fits and "does not fit" in fsdp_only[0].why
+    tiny = replace(H100, memory_bytes=8 * 2**30)
+    lines = explain(search(work, 8, tiny))
+    assert len(lines) == 1 and lines[0].startswith("no layout fits")
+
+
+def test_a_batch_no_layout_divides_is_refused() -> None:
+    with pytest.raises(KeelError, match="divides the global batch of 3 sequences"):
+        search(Workload(model("llama3_8b"), 8192, 3), 64, H100)
+
+
+def test_a_single_device_has_one_layout_per_micro_batch_and_checkpointing() -> None:
+    work = Workload(model("llama3_8b"), 2048, 4)
+    found = search(work, 1, replace(H100, memory_bytes=1e15))
+    assert {c.layout.gpus() for c in found} == {1}
+    assert len(found) == 3 * 3  # micro-batches 1, 2, 4 × three checkpointing modes
+    assert found[0].layout.ac == "none" and math.isclose(found[0].step.exposed_comm, 0.0)
