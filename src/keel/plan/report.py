@@ -1,0 +1,196 @@
+"""`keel plan`: the planner's parts put together for one question (a model, a token budget, a cluster),
+answered as a table, as JSON, or as an HTML page of plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from html import escape
+from pathlib import Path
+
+from keel.config import Config
+from keel.errors import KeelError
+from keel.monitor.progress import format_duration
+from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, cost_of, money_percentiles
+from keel.plan.failures import (
+    DEFAULT_DEVICE_MTBF_H,
+    FailureModel,
+    Policy,
+    Run,
+    Storage,
+    checkpoint_bytes,
+    compare_policies,
+    expected_goodput,
+    save_times,
+    young_daly,
+)
+from keel.plan.hardware import by_key
+from keel.plan.layout import Workload
+from keel.plan.layouts import Candidate, explain, search
+from keel.plan.memory import GIB, suggest
+from keel.plan.throughput import DEFAULT, Efficiency, calibrate
+
+TOP = 5  # layouts shown
+SPARE_EVERY = 32  # hot spare nodes: one per this many nodes of the job (at least one)
+
+
+@dataclass(frozen=True)
+class Question:
+    cfg: Config
+    gpus: int
+    hardware: str
+    tokens: float
+    price: float = DEFAULT_PRICE_PER_HOUR
+    storage_gbs: float = 2000.0  # aggregate checkpoint write bandwidth, GB/s (Llama 3's 2 TB/s)
+    mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # per accelerator
+    calibrate_from: Path | None = None
+    trials: int = 2000
+    seed: int = 0
+
+
+def answer(q: Question) -> dict:
+    """Everything `keel plan` says, as one JSON-friendly dict."""
+    hw = by_key(q.hardware)
+    if q.gpus < 1 or q.tokens <= 0:
+        raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
+    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else DEFAULT
+    work = Workload(q.cfg.model, q.cfg.train.seq_len, q.cfg.train.global_batch, q.tokens)
+    candidates = search(work, q.gpus, hw, eff)
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        nearest = min(candidates, key=lambda c: c.memory.total)
+        raise KeelError(f"no layout of {q.cfg.name} fits {q.gpus} × {hw.name}: "
+                        f"{suggest(work, nearest.layout, hw)}")
+    best = fitting[0]
+    run = Run(work.steps() * best.step.total, q.gpus, checkpoint_bytes(work.n_params, q.gpus),
+              FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
+              Storage(write_bw=q.storage_gbs * 1e9))
+    nodes = math.ceil(q.gpus / hw.devices_per_node)
+    spares = max(1, math.ceil(nodes / SPARE_EVERY))
+    policies = compare_policies(run, seed=q.seed, trials=q.trials, base=Policy(
+        name=f"async, optimal interval, disk restore, {spares} spare node(s)", spare_nodes=spares))
+    chosen = policies[0]
+    blocking, write = save_times(run, async_save=True)
+    spent = cost_of(chosen, run, q.price)
+    return {
+        "question": {"config": q.cfg.name, "gpus": q.gpus, "hardware": hw.name, "tokens": q.tokens,
+                     "price_per_hour": q.price, "storage_gb_s": q.storage_gbs, "device_mtbf_hours": q.mtbf_hours,
+                     "seed": q.seed, "trials": q.trials},
+        "model": {"parameters": work.n_params, "flops_per_token": work.flops_per_token, "seq_len": work.seq_len,
+                  "global_batch": work.global_batch, "steps": work.steps()},
+        "efficiency": asdict(eff),
+        "layouts": [_candidate(c) for c in fitting[:TOP]],
+        "why": explain(candidates),
+        "dropped": len(candidates) - len(fitting),
+        "memory": {k: getattr(best.memory, k) / GIB for k in ("params", "grads", "optimizer", "activations",
+                                                             "pipeline_inflight", "buffers", "total", "usable")},
+        "step": best.step.parts() | {"total": best.step.total},
+        "checkpoint": {"bytes": run.ckpt_bytes, "async_blocking_s": blocking, "write_s": write,
+                       "job_mtbf_h": run.mtbf_s / 3600, "interval_s": young_daly(run, async_save=True)},
+        "run": {"work_days": run.work_s / 86400, "wall_days": _days(chosen.stats("wall_s")),
+                "goodput": chosen.stats("goodput"), "interruptions": chosen.stats("interruptions"),
+                "expected_goodput": expected_goodput(run, chosen.policy)},
+        "policies": [p.row() for p in policies],
+        "cost": {"gpu_hours": spent.gpu_hours, "money": money_percentiles(chosen, run, q.price),
+                 "parts": spent.parts()},
+    }
+
+
+def _candidate(c: Candidate) -> dict:
+    return {"layout": c.layout.describe(), **asdict(c.layout), "memory_gib": c.memory.total / GIB,
+            "headroom": c.memory.headroom, "step_s": c.step.total, "tokens_per_s_per_gpu": c.tokens_per_s,
+            "mfu": c.step.mfu}
+
+
+def _days(stats: dict[str, float]) -> dict[str, float]:
+    return {k: v / 86400 for k, v in stats.items()}
+
+
+def lines(a: dict) -> list[str]:
+    """The readable answer."""
+    q, m, ck, run, cost = a["question"], a["model"], a["checkpoint"], a["run"], a["cost"]
+    out = [f"{q['config']}: {m['parameters'] / 1e9:.2f}B parameters, {m['flops_per_token'] / 1e9:.0f} GFLOP/token at "
+           f"sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
+           f"{m['global_batch']} × {m['seq_len']} on {q['gpus']:,} × {q['hardware']}",
+           f"efficiency factors: compute {a['efficiency']['compute']:.2f}, overlap {a['efficiency']['overlap']:.2f}, "
+           f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", "",
+           f"{'layout':<40}{'GiB/GPU':>9}{'headroom':>10}{'s/step':>9}{'tokens/s/GPU':>14}{'MFU':>7}"]
+    for c in a["layouts"]:
+        out.append(f"{c['layout']:<40}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"
+                   f"{c['tokens_per_s_per_gpu']:>14,.0f}{c['mfu']:>7.1%}")
+    out += [f"({a['dropped']} layouts do not fit or do not divide the batch)", *a["why"], ""]
+    mem = a["memory"]
+    out.append("memory per GPU, best layout (GiB): " + ", ".join(
+        f"{k} {mem[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "pipeline_inflight", "buffers"))
+        + f"; total {mem['total']:.1f} of {mem['usable']:.1f} usable")
+    out.append("step time, best layout (s): " + ", ".join(f"{k} {v:.3g}" for k, v in a["step"].items()))
+    out += ["", f"checkpoint {ck['bytes'] / 1e12:.2f} TB ({ck['bytes'] / q['gpus'] / 1e9:.2f} GB per GPU): an async "
+            f"save blocks {ck['async_blocking_s']:.1f} s and writes in {ck['write_s']:.1f} s at "
+            f"{q['storage_gb_s']:,.0f} GB/s; job MTBF {ck['job_mtbf_h']:.1f} h (per GPU "
+            f"{q['device_mtbf_hours']:,.0f} h); Young/Daly interval {format_duration(ck['interval_s'])}"]
+    w, g, n = run["wall_days"], run["goodput"], run["interruptions"]
+    out += [f"run ({q['trials']:,} Monte Carlo trials, seed {q['seed']}): {run['work_days']:.1f} days of compute; "
+            f"wall time P10/P50/P90 {w['p10']:.1f} / {w['p50']:.1f} / {w['p90']:.1f} days; goodput "
+            f"{g['p10']:.1%} / {g['p50']:.1%} / {g['p90']:.1%} (analytic {run['expected_goodput']:.1%}); "
+            f"interruptions {n['p10']:.0f} / {n['p50']:.0f} / {n['p90']:.0f}", "",
+            f"{'policy':<56}{'interval':>10}{'wall P50 (d)':>14}{'goodput P50':>13}"]
+    for p in a["policies"]:
+        out.append(f"{p['policy']:<56}{format_duration(p['interval_s']):>10}{p['wall_days']['p50']:>14.1f}"
+                   f"{p['goodput']['p50']:>13.1%}")
+    money, parts = cost["money"], cost["parts"]
+    out += ["", f"cost at ${q['price_per_hour']:.2f}/GPU-hour: P10/P50/P90 ${money['p10'] / 1e6:,.2f}M / "
+            f"${money['p50'] / 1e6:,.2f}M / ${money['p90'] / 1e6:,.2f}M; {cost['gpu_hours'] / 1e6:,.2f}M GPU-hours "
+            f"(mean): " + ", ".join(f"{name} {parts[name]['share']:.1%}" for name in
+                                    ("productive", "checkpointing", "failures.lost_work", "failures.down_time",
+                                     "failures.spares"))]
+    return out
+
+
+def to_json(a: dict) -> str:
+    return json.dumps(a, indent=1, default=float)
+
+
+def write_html(q: Question, a: dict, path: Path) -> Path:
+    """Plots: wall time and cost against the GPU count, goodput against the checkpoint interval with the
+    optimum marked, and the best layout's memory breakdown."""
+    from keel.report.html import CSS
+    from keel.report.svg import Marker, Series, bar_chart, line_chart
+
+    counts, walls, costs = [], [], []
+    for factor in (0.25, 0.5, 1, 2, 4):
+        gpus = max(1, int(q.gpus * factor))
+        try:
+            other = a if gpus == q.gpus else answer(replace(q, gpus=gpus, trials=min(q.trials, 500)))
+        except KeelError:
+            continue  # nothing fits this many GPUs
+        counts.append(gpus)
+        walls.append(other["run"]["wall_days"]["p50"])
+        costs.append(other["cost"]["money"]["p50"] / 1e6)
+    hw = by_key(q.hardware)
+    work = Workload(q.cfg.model, q.cfg.train.seq_len, q.cfg.train.global_batch, q.tokens)
+    best = search(work, q.gpus, hw, Efficiency(**a["efficiency"]))[0]
+    run = Run(work.steps() * best.step.total, q.gpus, a["checkpoint"]["bytes"],
+              FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
+              Storage(write_bw=q.storage_gbs * 1e9))
+    optimum = a["checkpoint"]["interval_s"]
+    intervals = [optimum * 2 ** (k / 4) for k in range(-12, 13)]
+    goodputs = [100 * expected_goodput(run, Policy(interval_s=t)) for t in intervals]
+    mem = a["memory"]
+    bars = [(k, mem[k], "#2563eb", f"{mem[k]:.1f} GiB") for k in ("params", "grads", "optimizer", "activations",
+                                                                  "pipeline_inflight", "buffers")]
+    panels = [
+        ("Wall time (P50 days) against GPUs", line_chart([Series("wall days", counts, walls, "#2563eb", dots=True)])),
+        ("Cost (P50, $M) against GPUs", line_chart([Series("cost", counts, costs, "#dc2626", dots=True)])),
+        ("Expected goodput (%) against the checkpoint interval (s); the marker is the Young/Daly optimum",
+         line_chart([Series("goodput", intervals, goodputs, "#16a34a")], seconds=True, lanes=["optimum"],
+                    markers=[Marker(optimum, 0, "#16a34a", f"optimum {format_duration(optimum)}")])),
+        (f"Memory per GPU of {a['layouts'][0]['layout']} (GiB; {mem['usable']:.1f} usable)", bar_chart(bars)),
+    ]
+    body = "".join(f"<section class='panel'><h3>{escape(title)}</h3>{svg}</section>" for title, svg in panels)
+    text = escape("\n".join(lines(a)))
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>keel plan: {escape(q.cfg.name)}"
+                    f"</title><style>{CSS}</style></head><body><main><h1>keel plan: {escape(q.cfg.name)}</h1>"
+                    f"<pre style='font-size:12px;white-space:pre-wrap'>{text}</pre>{body}</main></body></html>\n")
+    return path
+
