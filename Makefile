@@ -22,7 +22,7 @@ train: $(BIN)/keel
 	$(BIN)/keel train --config configs/tiny.toml --nproc $(NPROC)
 
 test: $(BIN)/keel
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=25
 
 test-fast: $(BIN)/keel
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist"

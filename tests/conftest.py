@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,15 @@ def tagged(tag: str) -> list[int]:
     return pids
 
 
-def kill_tagged(tag: str) -> None:
-    for pid in tagged(tag):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def kill_tagged(tag: str, wait_s: float = 10.0) -> None:
+    """SIGKILL every tagged process and wait until they are gone: a process with many threads takes a
+    moment to die, and one started meanwhile is killed too."""
+    deadline = time.monotonic() + wait_s
+    while (pids := tagged(tag)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def spawn_keel(args: list[str], cwd: Path, env: dict[str, str] | None = None,
