@@ -155,6 +155,19 @@ def test_bit_flip_in_replicated_parameters_is_caught_by_fingerprints(clean, smal
     assert final_state(run_dir) == final_state(clean("dp2_replicated")), "the flip left no trace"
 
 
+def test_a_rollback_goes_to_the_newest_verified_state_whether_in_memory_or_on_disk(clean, small_corpus: Path,
+                                                                                    tmp_path: Path) -> None:
+    # Snapshots every 50 steps, checkpoints every 10: the newest verified state is checkpoint 20, not snapshot 0.
+    run_dir = tmp_path / "flipped"
+    train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
+          "guard.snapshot_interval=50", "checkpoint.interval=10",
+          'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]')
+    rolled = next(e for e in events(run_dir) if e["action"] == "rolled_back")
+    assert rolled["detail"]["to_step"] == 20 and "step-000020" in rolled["detail"]["source"]
+    assert (run_dir / "checkpoints" / "step-000020").exists(), "the verified checkpoint is kept"
+    assert final_state(run_dir) == final_state(clean("dp2_replicated")), "the flip left no trace"
+
+
 def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "flipped"
     train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",

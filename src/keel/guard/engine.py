@@ -163,7 +163,10 @@ class Guards:
             target = min(target, self.sdc.last_verified)
         batch_now = self.loader.cursor // self.loader.global_batch - 1  # the batch of the step being undone
         snapshot = self.ring.newest(target) if self.ring is not None else None
-        if snapshot is not None:
+        # The newest state at or before the target wins: a checkpoint newer than every snapshot in reach
+        # (snapshots rarer than checkpoints) is read from storage rather than going back further.
+        on_disk = max((step_of(n) for n in committed(self.manager.storage) if step_of(n) <= target), default=-1)
+        if snapshot is not None and snapshot.step >= on_disk:
             saved = self.ring.restore(snapshot)
             restored = TrainState.from_dict(saved["train"])
             self.loader.load_state_dict(saved["loader"], allow_corpus_change=True)
