@@ -35,7 +35,6 @@ hidden, never more than there is compute to hide it behind.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, replace
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from keel.config import load_config, resolve_layout
 from keel.errors import KeelError
+from keel.monitor.sinks import read_jsonl
 from keel.plan.hardware import CATALOG, Accelerator, by_key
 from keel.plan.layout import Layout, Workload
 
@@ -216,16 +216,7 @@ class MeasuredRun:
 
 
 def _records(path: Path, kind: str | None = None) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash
-            if isinstance(record, dict) and (kind is None or record.get("kind") == kind):
-                out.append(record)
-    return out
+    return [r for r in read_jsonl(path) if kind is None or r.get("kind") == kind]
 
 
 def _run_hardware(device: str, peak: float, busbw: float, hw: Accelerator | None) -> Accelerator:
