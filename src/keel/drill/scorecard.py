@@ -1,0 +1,65 @@
+"""The drill's scorecard: one line per scenario, and whether every promise was kept."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+HEADER = ("scenario", "promise", "detected in", "recovered in", "lost", "verdict")
+PROMISE_WIDTH = 48
+
+
+def _detected(r: dict[str, Any]) -> str:
+    if r.get("not_run"):
+        return ""
+    if r.get("detected_by") is None:
+        return "-"
+    steps = f"+{r['detect_steps']} steps" if r.get("detect_steps") is not None else ""
+    seconds = f"{r['detect_s']:.1f} s" if r.get("detect_s") is not None else ""
+    return ", ".join(filter(None, [steps, seconds]))
+
+
+def _recovered(r: dict[str, Any]) -> str:
+    return "" if r.get("not_run") else "-" if r.get("recover_s") is None else f"{r['recover_s']:.1f} s"
+
+
+def _lost(r: dict[str, Any]) -> str:
+    if r.get("not_run") or r.get("steps_lost") is None:
+        return ""
+    parts = []
+    if r.get("steps_recomputed"):
+        parts.append(f"{r['steps_recomputed']} recomputed")
+    if r.get("updates_skipped"):
+        parts.append(f"{r['updates_skipped']} skipped")
+    return ", ".join(parts) or "0 steps"
+
+
+def verdict(r: dict[str, Any]) -> str:
+    if r.get("not_run"):
+        return "not run: " + r["not_run"]
+    return "kept" if r["promise_kept"] else "BROKEN: " + "; ".join(r.get("broken", []))
+
+
+def format_scorecard(results: list[dict[str, Any]]) -> str:
+    """A terminal table; the promise wraps within its column, the verdict takes the rest of the line."""
+    rows = [(r["scenario"], textwrap.wrap(r["promise"], PROMISE_WIDTH) or [""], _detected(r), _recovered(r),
+             _lost(r), verdict(r)) for r in results]
+    widths = [max(len(HEADER[i]), *(len(row[i]) for row in rows)) if i != 1 else PROMISE_WIDTH
+              for i in range(len(HEADER) - 1)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=False)) + "  " + HEADER[-1]]
+    lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[-1]))
+    for name, promise, detected, recovered, lost, said in rows:
+        first = [name, promise[0], detected, recovered, lost]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(first, widths, strict=True)) + "  " + said)
+        for more in promise[1:]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(["", more, "", "", ""], widths, strict=True)).rstrip())
+    kept = sum(1 for r in results if r.get("promise_kept"))
+    judged = sum(1 for r in results if r.get("promise_kept") is not None)
+    lines.append(f"{kept} of {judged} promises kept" + (f", {len(results) - judged} not run" if judged < len(results)
+                                                         else ""))
+    return "\n".join(lines)
+
+
+def all_kept(results: list[dict[str, Any]]) -> bool:
+    """True when no scenario that ran broke its promise (scenarios not run break none)."""
+    return all(r.get("promise_kept") is not False for r in results)
