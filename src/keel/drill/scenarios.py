@@ -63,8 +63,8 @@ class Plan:
 
     @property
     def save(self) -> int:
-        """A checkpoint step with an earlier checkpoint to fall back to."""
-        return self.steps - 2 * self.interval
+        """A checkpoint step with an earlier checkpoint to fall back to (the last one but the final)."""
+        return self.steps - self.interval
 
 
 # The spike guard needs a warm window before a poisoned batch stands out; these match the guard tests.
@@ -110,7 +110,7 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
         Scenario("bitflip_params_replicated", "a flipped bit in one replica's parameters is caught by fingerprints, "
                  "rolled back and re-executed; the run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=params,tensor=3,element=5,bit=22",), fault_step=mid,
-                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval // 2}",),
+                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",),
                  detect=("guard", "rollback"), recovered_by=("guard", "rolled_back")),
         Scenario("bitflip_grads", "a flipped bit in one rank's gradients is caught by replay in its step and the "
                  "run ends bitwise equal",
@@ -120,7 +120,7 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
         Scenario("bitflip_optimizer", "a flipped exponent bit in one replica's Adam moment is caught and rolled back; "
                  "the run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=exp_avg,tensor=2,element=0,bit=30",), fault_step=mid,
-                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval // 2}",),
+                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",),
                  detect=("guard", ""), recovered_by=("guard", "rolled_back")),
         Scenario("preemption", "SIGTERM to the launcher checkpoints, exits 75, and the rerun ends bitwise equal",
                  inject=("slow:rank=-1,seconds=0.1",), outside=Outside("SIGTERM", at_step=plan.interval),
