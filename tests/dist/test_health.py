@@ -144,7 +144,7 @@ def test_no_straggler_in_a_clean_run_of_500_steps(small_corpus: Path, tmp_path: 
 def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run: Path, small_corpus: Path,
                                                                   tmp_path: Path) -> None:
     run_dir = tmp_path / "K"
-    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,attempts=1"]',
+    result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,times=1"]',
                                 "--max-restarts", "2"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [e["step"] for e in events(run_dir, "resume")] == [20]
@@ -158,7 +158,7 @@ def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run:
 def test_repeated_failures_stop_with_do_not_requeue(attempts: int, no_progress: int, max_restarts: int, message: str,
                                                     small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "K"
-    result = run_keel(train_cmd(small_corpus, run_dir, f'drill.inject=["kill:step=25,rank=1,attempts={attempts}"]',
+    result = run_keel(train_cmd(small_corpus, run_dir, f'drill.inject=["kill:step=25,rank=1,times={attempts}"]',
                                 f"health.no_progress_restarts={no_progress}", "--max-restarts", str(max_restarts)),
                       cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-3000:]

@@ -19,7 +19,54 @@ from keel.errors import ConfigError
 from keel.train.step import local
 
 
-class SigkillAfterCheckpoint(Callback):
+class Injector(Callback):
+    """A fault that says when it lands: a `drill/inject` event in the run's events (the drill dates its
+    detection from it), and a count of its deliveries kept in the run directory, so that a fault limited to
+    some number of deliveries stays delivered across restarts of the workers and relaunches of the job."""
+
+    spec = ""
+    events: Any = None
+    counter: Path | None = None
+    announced = False
+
+    def attach(self, spec: str, index: int, events: Any, run_dir: Path) -> None:
+        self.spec, self.events = spec, events
+        self.counter = run_dir / "drill" / f"{index}-{spec.partition(':')[0]}.delivered"
+
+    def delivered(self) -> int:
+        """How often this fault was delivered in the run (in this process when not attached to one)."""
+        if self.counter is None:
+            return int(self.__dict__.get("_delivered", 0))
+        try:
+            return len(self.counter.read_text().split())
+        except OSError:
+            return 0
+
+    def fire(self, step: int, **detail: Any) -> None:
+        """Record one delivery, durably, before delivering it: a fault that kills the process leaves its trace."""
+        if self.counter is None:
+            self.__dict__["_delivered"] = self.delivered() + 1
+        else:
+            self.counter.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.counter, "a") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self.announce(step, **detail)
+
+    def announce(self, step: int, **detail: Any) -> None:
+        if self.events is not None:
+            self.events.emit("drill", step, "inject", fault=self.spec, **detail)
+
+
+def attach_injectors(callbacks: list[Callback], specs: list[str], events: Any, run_dir: Path) -> None:
+    """Tie the injectors of `drill.inject` (the last callbacks, in order) to the run's events and directory."""
+    for index, (injector, spec) in enumerate(zip(callbacks[len(callbacks) - len(specs):], specs, strict=True)):
+        if isinstance(injector, Injector):
+            injector.attach(spec, index, events, run_dir)
+
+
+class SigkillAfterCheckpoint(Injector):
     """SIGKILL this process, if it is `rank`, once the checkpoint of `step` is committed."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
@@ -27,10 +74,11 @@ class SigkillAfterCheckpoint(Callback):
 
     def on_checkpoint_saved(self, state: Any, path: str) -> None:
         if path.rstrip("/").endswith(step_name(self.step)) and dist.get_rank() == self.rank:
+            self.fire(self.step)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class SigkillDuringCheckpointWrite(Callback):
+class SigkillDuringCheckpointWrite(Injector):
     """SIGKILL this process, if it is `rank`, in the middle of the background write of `step`'s
     checkpoint: its files are on disk, the commit has not happened."""
 
@@ -39,10 +87,11 @@ class SigkillDuringCheckpointWrite(Callback):
 
     def on_checkpoint_write(self, step: int, staging_path: str) -> None:
         if step == self.step and dist.get_rank() == self.rank:
+            self.fire(step)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FillDiskBeforeCheckpoint(Callback):
+class FillDiskBeforeCheckpoint(Injector):
     """Fill the volume under `path` with a file before the save of `step`, so that the save meets a
     real ENOSPC; the file is removed once that save has failed, so the next save can succeed."""
 
@@ -51,6 +100,7 @@ class FillDiskBeforeCheckpoint(Callback):
 
     def on_step_end(self, state: Any, report: dict) -> None:
         if state.step == self.step - 1 and dist.get_rank() == 0:
+            self.fire(self.step)
             with open(self.filler, "wb") as f:
                 block = b"\0" * (1 << 20)
                 try:
@@ -74,16 +124,17 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-class _InStep(Callback):
-    """A fault delivered inside step `step` on `rank`, after the backward, in the first `attempts`
-    starts of the workers only (so that the restarted run gets past it, or meets it again)."""
+class _InStep(Injector):
+    """A fault delivered inside step `step` on `rank`, after the backward, at most `times` times in the run
+    (so that a restarted run gets past it, or meets it again)."""
 
-    def __init__(self, step: int, rank: int = 1, attempts: int = 1) -> None:
-        self.step, self.rank, self.attempts = step, rank, attempts
+    def __init__(self, step: int, rank: int = 1, times: int = 1) -> None:
+        self.step, self.rank, self.times = step, rank, times
 
     def after_backward(self, state: Any, replaying: bool) -> None:
         if (not replaying and _step_being_made(state) == self.step and dist.get_rank() == self.rank
-                and attempt() < self.attempts):
+                and self.delivered() < self.times):
+            self.fire(self.step, attempt=attempt())
             self.deliver()
 
     def deliver(self) -> None:
@@ -108,31 +159,38 @@ class HangInStep(_InStep):
 class SignalInStep(_InStep):
     """Send `signal` (SIGTERM, SIGUSR1) to this rank's own process in the middle of a step."""
 
-    def __init__(self, step: int, rank: int = 1, attempts: int = 1, signal: str = "SIGTERM") -> None:
-        super().__init__(step, rank, attempts)
+    def __init__(self, step: int, rank: int = 1, times: int = 1, signal: str = "SIGTERM") -> None:
+        super().__init__(step, rank, times)
         self.signal = signal
 
     def deliver(self) -> None:
         os.kill(os.getpid(), getattr(signal, self.signal))
 
 
-class SlowRank(Callback):
-    """Make `rank` (-1: every rank) slower from step `from_step` on: after its backward it sleeps for
-    `seconds`, or else for (factor − 1) × the time the step took it so far (outside any collective)."""
+class SlowRank(Injector):
+    """Make `rank` (-1: every rank) slower from step `from_step` on, for `steps` steps (0: to the end): after
+    its backward it sleeps for `seconds`, or else for (factor − 1) × the time the step took it so far (outside
+    any collective)."""
 
-    def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1, seconds: float = 0.0) -> None:
-        self.rank, self.factor, self.from_step, self.seconds = rank, factor, from_step, seconds
+    def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1, seconds: float = 0.0,
+                 steps: int = 0) -> None:
+        self.rank, self.factor, self.from_step, self.seconds, self.steps = rank, factor, from_step, seconds, steps
         self.started = 0.0
 
     def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
         self.started = time.perf_counter()
 
     def after_backward(self, state: Any, replaying: bool) -> None:
-        if not replaying and _step_being_made(state) >= self.from_step and self.rank in (-1, dist.get_rank()):
+        step = _step_being_made(state)
+        if (not replaying and step >= self.from_step and self.rank in (-1, dist.get_rank())
+                and (not self.steps or step < self.from_step + self.steps)):
+            if not self.announced and dist.get_rank() == max(self.rank, 0):
+                self.announced = True
+                self.announce(step, attempt=attempt())
             time.sleep(self.seconds or (self.factor - 1) * (time.perf_counter() - self.started))
 
 
-class WrongAllReduce(Callback):
+class WrongAllReduce(Injector):
     """`rank` adds a wrong value to its part of preflight's all-reduce probe, as a rank with a faulty
     link or device would."""
 
@@ -141,6 +199,7 @@ class WrongAllReduce(Callback):
 
     def corrupt_probe(self, tensor: torch.Tensor) -> None:
         if dist.get_rank() == self.rank:
+            self.fire(0)
             tensor.add_(1.0)
 
 
@@ -151,7 +210,7 @@ def _step_being_made(state: Any) -> int:
     return state.step + 1
 
 
-class NanInGradients(Callback):
+class NanInGradients(Injector):
     """Put a NaN in one gradient element of `rank` during step `step`. By default the NaN is
     reproducible (a replay of the step meets it again), as a numerical overflow would be; with
     `transient` it is not, as a hardware fault would not be."""
@@ -165,12 +224,13 @@ class NanInGradients(Callback):
 
     def after_backward(self, state: Any, replaying: bool) -> None:
         if _step_being_made(state) == self.step and dist.get_rank() == self.rank and not (replaying and self.transient):
+            self.fire(self.step, replaying=replaying)
             grad = next(p.grad for p in self.params if p.grad is not None)
             with torch.no_grad():
                 local(grad).view(-1)[0] = float("nan")
 
 
-class PoisonedBatch(Callback):
+class PoisonedBatch(Injector):
     """Replace the tokens of global batches `batch` .. `batch + count - 1` (batch b is the one step
     b + 1 reads when nothing is skipped) with uniform random ones, on `rank` or (-1) on every rank,
     i.e. the whole global batch. The data is poisoned whichever step reads it, the way a corrupt shard
@@ -182,6 +242,8 @@ class PoisonedBatch(Callback):
     def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
         if not self.batch <= batch < self.batch + self.count or self.rank not in (-1, dist.get_rank()):
             return
+        if dist.get_rank() == max(self.rank, 0):
+            self.fire(state.step + 1, batch=batch)
         generator = torch.Generator().manual_seed(self.seed + batch * 1000 + dist.get_rank())
         for inputs, targets in micro_batches:
             # inputs and targets are views of one token block: (tokens[:-1], tokens[1:])
@@ -193,7 +255,7 @@ class PoisonedBatch(Callback):
 BIT_FLIP_TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
 
 
-class BitFlip(Callback):
+class BitFlip(Injector):
     """Flip bit `bit` (0 = lowest mantissa bit; 31 = sign of a float32) of element `element` of tensor
     `tensor` of `rank`'s `target`: its parameters or optimizer moments after step `step`'s update, or
     its gradients of step `step` before the update (once: a replay computes them right)."""
@@ -206,7 +268,6 @@ class BitFlip(Callback):
         self.tensor, self.element, self.bit = tensor, element, bit
         self.params: list = []
         self.optimizers: list = []
-        self.done = False
 
     def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
         self.params = [p for part in parts for p in part.parameters()]
@@ -217,20 +278,23 @@ class BitFlip(Callback):
         bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
         with torch.no_grad():
             bits[self.element % bits.numel()] ^= torch.tensor(1, dtype=bits.dtype) << self.bit
-        self.done = True
 
-    def _mine(self, state: Any) -> bool:
-        return not self.done and dist.get_rank() == self.rank and state.step == self.step
+    def _mine(self, step: int) -> bool:
+        """Once in the run: a restart that makes the step again makes it right."""
+        return dist.get_rank() == self.rank and step == self.step and self.delivered() == 0
 
     def after_backward(self, state: Any, replaying: bool) -> None:
-        if self.target == "grads" and not replaying and _step_being_made(state) == self.step and \
-                dist.get_rank() == self.rank and not self.done:
+        if self.target == "grads" and not replaying and self._mine(_step_being_made(state)):
+            self.fire(self.step, target=self.target)
             self._flip(self.params[self.tensor].grad)
 
     def on_step_end(self, state: Any, report: dict) -> None:
-        if self.target == "params" and self._mine(state):
+        if self.target == "grads" or not self._mine(state.step):
+            return
+        self.fire(self.step, target=self.target)
+        if self.target == "params":
             self._flip(self.params[self.tensor])
-        elif self.target in ("exp_avg", "exp_avg_sq") and self._mine(state):
+        else:
             param = self.params[self.tensor]
             optimizer = next(o for o in self.optimizers if param in o.state)
             self._flip(optimizer.state[param][self.target])

@@ -153,7 +153,7 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     if any(launch["leftovers"] for launch in launches):
         broken.append("processes outlived the launcher")
 
-    fault_time, fault_step = _fault_point(scenario, launches[0], metrics, events)
+    fault_time, fault_step = _fault_point(scenario, launches[0], events)
     detected = _find(events, scenario.detect, from_step=fault_step - 1) if scenario.detect[0] else None
     if scenario.detect[0] and detected is None:
         broken.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
@@ -211,21 +211,13 @@ def story(events: list[dict]) -> list[str]:
     return told
 
 
-def _fault_point(scenario: Scenario, first: dict[str, Any], metrics: list[dict],
-                 events: list[dict]) -> tuple[float | None, int]:
-    """When and in which step the fault landed. A fault from outside is timed by the runner; one injected
-    in step S is dated by the end of step S - 1 as metrics.jsonl first recorded it (it lands within S)."""
+def _fault_point(scenario: Scenario, first: dict[str, Any], events: list[dict]) -> tuple[float | None, int]:
+    """When and in which step the fault landed: an action from outside is timed by the runner, an injected
+    fault by the `drill/inject` event its injector wrote as it fired."""
     if first["outside"]:
         return first["outside"]["time"], first["outside"]["step"]
-    step, last, previous = scenario.fault_step, None, 0
-    for record in metrics:  # the first pass only: a restart or rollback writes earlier steps again
-        if record.get("step", 0) >= step or record.get("step", 0) < previous:
-            break
-        previous, last = record.get("step", 0), record.get("time", last)
-    if last is None:
-        starts = [e["time"] for e in events if e["kind"] == "step" and e["action"] == "first"]
-        last = starts[0] if starts else None
-    return last, step
+    fired = _find(events, ("drill", "inject"))
+    return (fired["time"], fired["step"]) if fired else (None, scenario.fault_step)
 
 
 def _find(events: list[dict], match: tuple[str, str], after: float | None = None, from_step: int = 0) -> dict | None:

@@ -163,6 +163,10 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
                           f"vocabulary ({corpus.vocab_size}); set model.vocab_size >= {corpus.vocab_size}")
     callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
+    if cfg.drill.inject:
+        from keel.drill.faults import attach_injectors
+
+        attach_injectors(callbacks.callbacks, cfg.drill.inject, events, run_dir)
     if cfg.health.preflight != "off":
         probes = [cb.corrupt_probe for cb in callbacks.callbacks if hasattr(cb, "corrupt_probe")]
         checks = run_preflight(cfg, checkpoint_root(cfg, run_dir).path(), param_count(cfg.model), events, say,
