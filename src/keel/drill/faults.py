@@ -80,13 +80,15 @@ class SigkillAfterCheckpoint(Injector):
 
 class SigkillDuringCheckpointWrite(Injector):
     """SIGKILL this process, if it is `rank`, in the middle of the background write of `step`'s
-    checkpoint: its files are on disk, the commit has not happened."""
+    checkpoint: its files are on disk, the commit has not happened. At most `times` times in the run
+    (0: every time the write happens), so that with `times` set a restarted run gets past it."""
 
-    def __init__(self, step: int, rank: int = 1) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int = 1, times: int = 0) -> None:
+        self.step, self.rank, self.times = step, rank, times
 
     def on_checkpoint_write(self, step: int, staging_path: str) -> None:
-        if step == self.step and dist.get_rank() == self.rank:
+        if (step == self.step and dist.get_rank() == self.rank
+                and (not self.times or self.delivered() < self.times)):
             self.fire(step)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -188,6 +190,42 @@ class SlowRank(Injector):
                 self.announced = True
                 self.announce(step, attempt=attempt())
             time.sleep(self.seconds or (self.factor - 1) * (time.perf_counter() - self.started))
+
+
+class SlowCollective(Injector):
+    """Delay `rank`'s entry into every collective (FSDP's gathers and reductions, all-reduces, broadcasts) by
+    `seconds` from step `from_step` on, for `steps` steps (0: to the end): a slow link, as the other ranks see
+    it, waiting inside the collective. The data moved is untouched."""
+
+    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "all_gather", "broadcast")
+
+    def __init__(self, rank: int = 1, seconds: float = 0.05, from_step: int = 1, steps: int = 0) -> None:
+        self.rank, self.seconds, self.from_step, self.steps = rank, seconds, from_step, steps
+        self.step = 0
+
+    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+        if dist.get_rank() != self.rank:
+            return
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._delayed(getattr(dist, name)))
+
+    def _delayed(self, collective: Any) -> Any:
+        def delayed(*args: Any, **kwargs: Any) -> Any:
+            if self.from_step <= self.step and (not self.steps or self.step < self.from_step + self.steps):
+                if not self.announced:
+                    self.announced = True
+                    self.announce(self.step, collective=collective.__name__)
+                time.sleep(self.seconds)
+            return collective(*args, **kwargs)
+        return delayed
+
+    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
+        self.step = _step_being_made(state)
+
+    def on_step_end(self, state: Any, report: dict) -> None:
+        self.step = 0  # checkpoints, evaluation and the guards' collectives between steps go at full speed
 
 
 class WrongAllReduce(Injector):
@@ -316,7 +354,8 @@ INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitfli
              "skip_update": SkipUpdateAt, "sigkill_after_checkpoint": SigkillAfterCheckpoint,
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
              "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint, "kill": KillInStep, "hang": HangInStep,
-             "signal": SignalInStep, "slow": SlowRank, "wrong_allreduce": WrongAllReduce}
+             "signal": SignalInStep, "slow": SlowRank, "slow_collective": SlowCollective,
+             "wrong_allreduce": WrongAllReduce}
 
 
 def parse_injection(spec: str) -> Callback:

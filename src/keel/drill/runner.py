@@ -6,6 +6,9 @@ import hashlib
 import json
 import shutil
 import signal
+import socket
+import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from keel.checkpoint.inspect import state_sha256
+from keel.checkpoint.manifest import MANIFEST, step_of
+from keel.checkpoint.storage import LATEST
 from keel.config import load_config
-from keel.drill.procs import Launch
-from keel.drill.scenarios import BITWISE, Scenario
+from keel.drill.procs import Launch, kill_tagged
+from keel.drill.scenarios import BITWISE, CLOSE, CLOSE_RTOL, CORRUPT_LATEST, Outside, Scenario
+from keel.errors import KeelError
 from keel.monitor.goodput import ratio
 from keel.monitor.sinks import read_jsonl
 
@@ -23,6 +29,8 @@ DEFAULT_CONFIG = Path("configs/tiny.toml")
 # Events that happen in every run: left out of the story a drill tells.
 ROUTINE = {("checkpoint", "interval"), ("preflight", "passed"), ("telemetry", "unavailable"),
            ("checkpoint", "committed"), ("checkpoint", "retired")}
+# Set by the drill itself, for the reference and the faulted run alike.
+OWN_KEYS = ("train.steps", "checkpoint.interval", "checkpoint.dir", "drill.inject")
 
 
 class DrillError(RuntimeError):
@@ -31,8 +39,11 @@ class DrillError(RuntimeError):
 
 @dataclass
 class Drill:
-    """Scenarios on one config and layout: `overrides` as for `keel train`, `nproc` processes, `steps` steps
-    with a checkpoint every `interval`. Reference runs are cached under `workdir/references`."""
+    """Scenarios on one config and layout, `nproc` processes, `steps` steps with a checkpoint every `interval`.
+
+    `shape` overrides come first (a suite's model and batch), then the drill's own settings, the scenario's,
+    and last the user's `overrides` as for `keel train`: they apply to the reference and the faulted run
+    alike. Reference runs are cached under `workdir/references`."""
 
     workdir: Path
     overrides: list[str] = field(default_factory=list)
@@ -42,6 +53,7 @@ class Drill:
     interval: int = 10
     timeout: float = 300.0
     say: Callable[[str], None] = lambda line: None
+    shape: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).resolve()
@@ -49,16 +61,25 @@ class Drill:
         if self.config is None and (self.workdir / DEFAULT_CONFIG).is_file():
             self.config = self.workdir / DEFAULT_CONFIG  # what `keel train` would pick up there
         self.config = Path(self.config).resolve() if self.config is not None else None
+        for override in self.overrides:
+            if override.partition("=")[0].strip() in OWN_KEYS:
+                raise KeelError(f"{override!r}: the drill sets {', '.join(OWN_KEYS)} itself (use --steps and "
+                                f"--interval for the run's length and checkpoint interval)")
+        if self.interval < 2 or self.steps < 3 * self.interval:
+            raise KeelError(f"--steps {self.steps} --interval {self.interval}: a drill needs an interval of at "
+                            f"least 2 and at least three checkpoints in the run (steps >= 3 x interval)")
+        load_config(self.config, self.base(self.steps))  # a bad override fails here, before any run
 
     # ------------------------------------------------------------ launching
 
     def base(self, steps: int) -> list[str]:
-        return [*self.overrides, f"train.steps={steps}", f"checkpoint.interval={self.interval}"]
+        return [*self.shape, f"train.steps={steps}", f"checkpoint.interval={self.interval}"]
 
-    def train_args(self, run_dir: Path, overrides: list[str], max_restarts: int = 0) -> list[str]:
+    def train_args(self, run_dir: Path, overrides: list[str], max_restarts: int = 0, nproc: int | None = None,
+                   more: tuple[str, ...] = ()) -> list[str]:
         config = ["--config", str(self.config)] if self.config is not None else []
-        return ["train", "--nproc", str(self.nproc), "--run-dir", str(run_dir), "--quiet", *config, *overrides,
-                "--max-restarts", str(max_restarts)]
+        return ["train", "--nproc", str(nproc or self.nproc), "--run-dir", str(run_dir), "--quiet", *config,
+                *overrides, "--max-restarts", str(max_restarts), *more]
 
     def launch(self, run_dir: Path, overrides: list[str], max_restarts: int = 0,
                outside: Any = None) -> dict[str, Any]:
@@ -77,7 +98,7 @@ class Drill:
             code = job.wait(self.timeout)
             leftovers = job.leftovers()
         return {"exit": code, "seconds": round(time.time() - job.started, 2), "outside": sent,
-                "leftovers": leftovers}
+                "leftovers": leftovers, "started": job.started}
 
     # ------------------------------------------------------------ the clean reference
 
@@ -89,7 +110,7 @@ class Drill:
     def reference(self, extra: tuple[str, ...] = (), steps: int | None = None) -> Path:
         """The clean run of this config with `extra`, made once and reused while its key holds."""
         steps = steps or self.steps
-        overrides = [*self.base(steps), *extra]
+        overrides = [*self.base(steps), *extra, *self.overrides]
         key = self.reference_key(overrides)
         run_dir = self.workdir / "references" / key
         marker = run_dir / "drill-reference.json"
@@ -107,24 +128,165 @@ class Drill:
     # ------------------------------------------------------------ one scenario
 
     def run(self, scenario: Scenario) -> dict[str, Any]:
-        if scenario.requires:
-            return {"scenario": scenario.name, "promise": scenario.promise, "promise_kept": None,
-                    "detect_s": None, "recover_s": None, "steps_lost": None, "not_run": scenario.requires}
+        if scenario.nodes > 1 and self.nproc % scenario.nodes:
+            return not_run(scenario, f"{scenario.nodes} nodes need --nproc divisible by {scenario.nodes}")
         steps = scenario.steps or self.steps
-        extra = scenario.config + (scenario.reference_with if scenario.compare != BITWISE else ())
+        extra = scenario.config + (scenario.reference_with if scenario.compare == "reference_with" else ())
         ref_dir = self.reference(extra, steps)
         run_dir = self.workdir / "scenarios" / scenario.name
+        _unmount(run_dir / "volume")
         shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
         self.say(f"scenario {scenario.name}")
-        inject = [f"drill.inject={json.dumps(list(scenario.inject))}"] if scenario.inject else []
-        overrides = [*self.base(steps), *scenario.config, *scenario.tuning]
-        launches = [self.launch(run_dir, [*overrides, *inject], scenario.max_restarts, scenario.outside)]
-        if scenario.rerun:
-            launches.append(self.launch(run_dir, overrides, scenario.max_restarts))
+        overrides = [*self.base(steps), *scenario.config, *scenario.tuning, *self.overrides]
+        volume = run_dir / "volume"
+        if scenario.volume:
+            if (why := _mount_small_volume(volume, ref_dir, steps, self.interval)) is not None:
+                return not_run(scenario, why)
+            overrides.append(f"checkpoint.dir={volume / 'checkpoints'}")
+        try:
+            inject = [spec.format(volume=volume) for spec in scenario.inject]
+            faulted = [*overrides, f"drill.inject={json.dumps(inject)}"] if inject else overrides
+            if scenario.nodes > 1:
+                launches = [self.launch_nodes(run_dir, faulted, scenario)]
+            else:
+                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside)]
+            if scenario.between == CORRUPT_LATEST:
+                launches[0]["outside"] = corrupt_latest(run_dir / "checkpoints")
+            if scenario.rerun:
+                launches.append(self.launch(run_dir, overrides, scenario.max_restarts))
+        finally:
+            if scenario.volume:
+                _keep_and_unmount(volume, run_dir / "checkpoints")
         return judge(scenario, run_dir, ref_dir, steps, launches)
+
+    def launch_nodes(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
+        """An elastic job of `scenario.nodes` launchers on this machine (node-0 hosts the rendezvous); at step
+        `lose_node_at` the last node's launcher and workers are SIGKILLed together, as a machine that dies."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        more = ("--nnodes", f"1:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{_free_port()}")
+        args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
+        jobs = []
+        sent: dict[str, Any] = {}
+        try:
+            for n in range(scenario.nodes):
+                jobs.append(Launch(args, self.workdir, run_dir / f"drill-node-{n}.log", env={"KEEL_NODE": f"node-{n}"}))
+                if n == 0:
+                    time.sleep(2.0)  # the first node's agent hosts the rendezvous store
+            first, lost = jobs[0], jobs[-1]
+            while first.proc.poll() is None and time.time() - first.started < self.timeout:
+                step = _status(run_dir).get("step", 0)
+                if not sent and step >= scenario.lose_node_at and _world(run_dir) == self.nproc:
+                    kill_tagged(lost.tag)
+                    sent = {"time": time.time(), "step": step, "node": f"node-{scenario.nodes - 1}"}
+                time.sleep(0.05)
+            code = first.wait(self.timeout)
+            leftovers = [pid for job in jobs for pid in job.leftovers()]
+        finally:
+            for job in jobs:
+                job.__exit__()
+        return {"exit": code, "seconds": round(time.time() - jobs[0].started, 2), "outside": sent,
+                "leftovers": leftovers, "started": jobs[0].started}
+
+    # ------------------------------------------------------------ a plain restart, for comparison
+
+    def baseline(self, steps: int | None = None) -> dict[str, Any]:
+        """What a plain restart from a checkpoint costs on this config and layout: a fresh launch resuming from
+        the clean run's checkpoint at `steps - interval`, timed from the launch to its first step made."""
+        steps = steps or self.steps
+        ref_dir = self.reference((), steps)
+        run_dir = self.workdir / "baseline"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        start = steps - self.interval
+        shutil.copytree(ref_dir / "checkpoints", run_dir / "checkpoints", symlinks=True,
+                        ignore=lambda d, names: [n for n in names if (step_of(n) or 0) > start or n == LATEST])
+        self.say("baseline: a plain restart from a checkpoint")
+        launched = self.launch(run_dir, [*self.base(steps), *self.overrides],
+                               outside=Outside("SIGTERM", start + 1))
+        events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+        first = _find(events, ("step", "first"))
+        step_s = statistics.median(r["time/step_s"] for r in read_jsonl(ref_dir / "metrics.jsonl")
+                                   if "time/step_s" in r)
+        return {"restart_s": round(first["time"] - launched["started"], 2) if first else None,
+                "from_step": start, "step_s": round(step_s, 4), "run_dir": str(run_dir)}
 
     def run_all(self, scenarios: list[Scenario]) -> list[dict[str, Any]]:
         return [self.run(s) for s in scenarios]
+
+    def save(self, results: list[dict[str, Any]], baseline: dict[str, Any] | None, **about: Any) -> Path:
+        """drill.json in the work directory (the scorecard `keel report` shows), and each scenario's own result
+        beside its run."""
+        record = {"time": time.time(), "config": str(self.config or ""), "nproc": self.nproc, "steps": self.steps,
+                  "interval": self.interval, "overrides": self.overrides, "shape": self.shape, **about,
+                  "baseline": baseline, "results": results}
+        for r in results:
+            if r.get("run_dir") and Path(r["run_dir"]).is_dir():
+                _write_json(Path(r["run_dir"]) / "drill.json", {**record, "results": [r]})
+        return _write_json(self.workdir / "drill.json", record)
+
+
+def with_baseline(results: list[dict[str, Any]], baseline: dict[str, Any], interval: int) -> list[dict[str, Any]]:
+    """Beside each recovery, what a plain restart from the last checkpoint would have cost at the same fault:
+    the steps made since that checkpoint, made again, and the restart time plus theirs."""
+    for r in results:
+        if r.get("steps_made") is None or baseline.get("restart_s") is None:
+            continue
+        made = r["steps_made"]
+        lost = made - made // interval * interval
+        r["restart_steps_lost"] = lost
+        r["restart_s"] = round(baseline["restart_s"] + lost * baseline["step_s"], 2)
+    return results
+
+
+def not_run(scenario: Scenario, why: str) -> dict[str, Any]:
+    return {"scenario": scenario.name, "promise": scenario.promise, "promise_kept": None, "detect_s": None,
+            "recover_s": None, "steps_lost": None, "not_run": why}
+
+
+# ---------------------------------------------------------------- actions from outside
+
+
+def corrupt_latest(checkpoints: Path) -> dict[str, Any]:
+    """Flip one byte in the middle of the largest data file of the newest committed checkpoint, as a bad
+    disk or a torn copy would; returns when and at which step."""
+    steps = sorted((step_of(d.name), d) for d in checkpoints.iterdir() if step_of(d.name) and (d / MANIFEST).exists())
+    if not steps:
+        raise DrillError(f"no committed checkpoint in {checkpoints} to corrupt")
+    step, newest = steps[-1]
+    victim = max((f for f in newest.iterdir() if f.is_file() and f.name != MANIFEST), key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return {"time": time.time(), "step": step, "corrupted": str(victim)}
+
+
+def _mount_small_volume(volume: Path, ref_dir: Path, steps: int, interval: int) -> str | None:
+    """Mount a tmpfs at `volume` with room for the checkpoints a run keeps and one more (sized from the clean
+    run's), so that filling it makes a save meet a real ENOSPC. Returns why it could not, or None."""
+    ckpt = ref_dir / "checkpoints" / f"step-{steps:06d}"
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    keep = min(3, steps // interval)  # checkpoint.keep_last's default; every checkpoint of a shorter run
+    mib = ((keep + 2) * size >> 20) + 4
+    volume.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(volume)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        return f"a small volume for the checkpoints could not be mounted here (needs root): {done.stderr.strip()}"
+    return None
+
+
+def _keep_and_unmount(volume: Path, checkpoints: Path) -> None:
+    """Copy what the run saved on the small volume into the run directory, then unmount it."""
+    if (volume / "checkpoints").is_dir():
+        shutil.copytree(volume / "checkpoints", checkpoints, dirs_exist_ok=True)
+    _unmount(volume)
+
+
+def _unmount(volume: Path) -> None:
+    if volume.is_mount():
+        subprocess.run(["umount", "-l", str(volume)], check=False, capture_output=True)
 
 
 # ---------------------------------------------------------------- judging
@@ -139,8 +301,19 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
 
     final, ref_final = _final(run_dir, steps), _final(ref_dir, steps)
     state_equal = final.is_dir() and state_sha256(final) == state_sha256(ref_final)
+    losses, ref_losses = _losses(metrics), _losses(read_jsonl(ref_dir / "metrics.jsonl"))
+    common = sorted(set(losses) & set(ref_losses))
     if not final.is_dir():
         broken.append(f"no final checkpoint at step {steps}")
+    elif scenario.compare == CLOSE:
+        tokens, ref_tokens = _json(run_dir / "summary.json").get("tokens_seen"), \
+            _json(ref_dir / "summary.json").get("tokens_seen")
+        far = [s for s in common if abs(losses[s] - ref_losses[s]) > CLOSE_RTOL * abs(ref_losses[s])]
+        if tokens != ref_tokens:
+            broken.append(f"{tokens} tokens seen, the reference {ref_tokens}: not the same global batches")
+        if common != sorted(ref_losses) or far:
+            broken.append(f"losses differ from the reference by more than {CLOSE_RTOL:g} (relative) at steps "
+                          f"{far[:5] or sorted(set(ref_losses) - set(losses))[:5]}")
     elif not state_equal:
         broken.append("final state differs from the reference" if scenario.compare == BITWISE
                       else f"final state differs from the reference with {' '.join(scenario.reference_with)}")
@@ -154,6 +327,8 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         broken.append("processes outlived the launcher")
 
     fault_time, fault_step = _fault_point(scenario, launches[0], events)
+    if fault_time is None:
+        broken.append("the fault was never delivered")
     detected = _find(events, scenario.detect, from_step=fault_step - 1) if scenario.detect[0] else None
     if scenario.detect[0] and detected is None:
         broken.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
@@ -167,17 +342,17 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     ref_ledger = _json(ref_dir / "goodput.json")
     recomputed = int(ledger.get("recomputed_steps", 0))
     skipped = sum(1 for e in events if e["kind"] == "guard" and e["action"] == "skip")
-    losses, ref_losses = _losses(metrics), _losses(read_jsonl(ref_dir / "metrics.jsonl"))
-    common = sorted(set(losses) & set(ref_losses))
     return {
         "scenario": scenario.name,
         "promise": scenario.promise,
         "promise_kept": not broken,
         "broken": broken,
-        "compare": scenario.compare if scenario.compare == BITWISE else
-        f"{scenario.compare}: {' '.join(scenario.reference_with)}",
+        "compare": f"{scenario.compare}: {' '.join(scenario.reference_with)}" if scenario.reference_with else
+        scenario.compare,
         "state_equal": state_equal,
         "fault_step": fault_step,
+        # Steps complete when the fault landed: one before the step an injected fault hit.
+        "steps_made": fault_step if launches[0]["outside"] else fault_step - 1,
         "detected_by": f"{detected['kind']}/{detected['action']}" if detected else None,
         # A crash is reported at the last step completed, one before the step the fault landed in.
         "detect_steps": max(0, detected["step"] - fault_step) if detected else None,
@@ -240,6 +415,29 @@ def _final(run_dir: Path, steps: int) -> Path:
 
 def _status(run_dir: Path) -> dict:
     return _json(run_dir / "status.json")
+
+
+def _world(run_dir: Path) -> int:
+    """The world size of the run's newest start."""
+    try:
+        events = read_jsonl(run_dir / "events.jsonl")
+    except OSError:
+        return 0
+    starts = [e for e in events if e["kind"] == "start"]
+    return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_json(path: Path, record: dict) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _json(path: Path) -> dict:

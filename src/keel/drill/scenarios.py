@@ -8,6 +8,13 @@ from dataclasses import dataclass
 
 BITWISE = "bitwise"  # the final state equals the clean run's, bit for bit
 REFERENCE_WITH = "reference_with"  # the final state equals a clean run told to do what the guard did
+# The same global batches in the same order as the clean run, on another world size: every loss equal to
+# rounding (one process sums the micro-batches in another order), the tokens seen exactly equal.
+CLOSE = "close"
+CLOSE_RTOL = 2e-3
+
+# What the drill does from outside between the first launch and the rerun.
+CORRUPT_LATEST = "corrupt_latest_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,10 @@ class Scenario:
     detect: tuple[str, str] = ("", "")  # (kind, action) of the event that counts as detection; "" matches any
     recovered_by: tuple[str, str] | None = ("step", "first")  # the event that ends recovery; None: immediate
     steps: int | None = None  # the run's length, when the scenario needs another than the suite's
-    requires: str = ""  # the machinery still missing to rehearse it; such a scenario is listed, not run
+    between: str = ""  # an action from outside after the first launch, before the rerun (CORRUPT_LATEST)
+    volume: bool = False  # checkpoints on a small volume of their own (a tmpfs the drill mounts; needs root)
+    nodes: int = 1  # launchers of an elastic job (--nnodes 1:N), each with nproc // N processes
+    lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
 
     def with_(self, **changes: object) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -67,6 +77,8 @@ class Plan:
         return self.steps - self.interval
 
 
+# A throughput drop stands out after a few logged intervals, and is reported within a second.
+FAST_THROUGHPUT = ("monitor.interval=1", "monitor.alerts.throughput_window=5", "monitor.alerts.throughput_for_s=0.5")
 # The spike guard needs a warm window before a poisoned batch stands out; these match the guard tests.
 SPIKE_GUARDS = ("guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=8",
                 "guard.spike.warmup=20", "guard.spike.window=40")
@@ -125,26 +137,34 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
         Scenario("preemption", "SIGTERM to the launcher checkpoints, exits 75, and the rerun ends bitwise equal",
                  inject=("slow:rank=-1,seconds=0.1",), outside=Outside("SIGTERM", at_step=plan.interval),
                  fault_step=plan.interval, rerun=True, first_exit=75, detect=("pause", "")),
-        Scenario("corrupt_checkpoint", "a corrupted latest checkpoint is skipped on resume; the run resumes from the "
-                 "previous one and ends bitwise equal", fault_step=save, detect=("checkpoint", "skipped"),
-                 requires="an outside action that corrupts the newest checkpoint between a pause and the rerun"),
+        Scenario("corrupt_checkpoint", "a corrupted latest checkpoint is found on resume and skipped; the run resumes "
+                 "from the previous one and ends bitwise equal",
+                 inject=(f"sigkill_after_checkpoint:step={save},rank={r}",), fault_step=save, rerun=True,
+                 between=CORRUPT_LATEST, detect=("checkpoint", "skipped"), recovered_by=("resume", "")),
         Scenario("disk_full", "ENOSPC during a save loses nothing, the next save succeeds, the run ends bitwise equal",
-                 fault_step=save, detect=("checkpoint", "failed"), recovered_by=("checkpoint", "committed"),
-                 requires=f"a small volume for checkpoint.dir (a tmpfs mount, which needs privileges) to fill with "
-                          f"fill_disk_before_checkpoint:path=VOLUME,step={save}"),
-        Scenario("node_loss", "a node that leaves an elastic job is dropped; the rest resume from its checkpoint "
-                 "with the same global batch and data order", detect=("leave", ""),
-                 requires="two local launchers (--nnodes 1:2) and a comparison that is numerically close, "
-                          "not bitwise, across world sizes"),
-        Scenario("slow_collective", "a delayed collective slows steps without changing the math and is reported",
-                 requires="an injector that delays a collective (slow only delays compute, outside collectives)"),
+                 inject=(f"fill_disk_before_checkpoint:step={save},path={{volume}}",), fault_step=save, volume=True,
+                 detect=("checkpoint", "failed"), recovered_by=("checkpoint", "committed")),
+        Scenario("node_loss", "a node killed outright is dropped from the elastic job; the other resumes from the "
+                 "last checkpoint with the same global batches in the same order", fault_step=mid, nodes=2,
+                 lose_node_at=mid, max_restarts=1, compare=CLOSE, detect=("failure", "")),
+        Scenario("slow_collective", "a rank whose collectives are delayed is reported and the math is untouched",
+                 inject=(f"slow_collective:rank={r},seconds=0.05,from_step={plan.interval}",),
+                 fault_step=plan.interval, tuning=FAST_THROUGHPUT, detect=("alert", "throughput_drop"),
+                 recovered_by=None),
     ]
     return {s.name: s for s in scenarios}
 
 
-def runnable(scenarios: dict[str, Scenario]) -> dict[str, Scenario]:
-    return {name: s for name, s in scenarios.items() if not s.requires}
+# The quick suite: one scenario of each way recovery works (restart, rerun, rollback, skip, replay), on a
+# model and batch small enough that each run takes seconds.
+QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "preemption",
+         "corrupt_checkpoint"]
+QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
+               "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "eval.interval=0",
+               "monitor.interval=5")
 
 
-# The scenarios of the quick suite: a minute or two of a small run each.
-QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "preemption"]
+def suite(name: str, plan: Plan) -> list[Scenario]:
+    """The scenarios of suite `name` (quick, full), faults placed for `plan`."""
+    scenarios = catalog(plan)
+    return [scenarios[n] for n in QUICK] if name == "quick" else list(scenarios.values())

@@ -5,11 +5,11 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-HEADER = ("scenario", "promise", "detected in", "recovered in", "lost", "verdict")
+HEADER = ("scenario", "promise", "detected in", "recovered in", "lost", "plain restart", "verdict")
 PROMISE_WIDTH = 48
 
 
-def _detected(r: dict[str, Any]) -> str:
+def detected(r: dict[str, Any]) -> str:
     if r.get("not_run"):
         return ""
     if r.get("detected_by") is None:
@@ -19,11 +19,11 @@ def _detected(r: dict[str, Any]) -> str:
     return ", ".join(filter(None, [steps, seconds]))
 
 
-def _recovered(r: dict[str, Any]) -> str:
+def recovered(r: dict[str, Any]) -> str:
     return "" if r.get("not_run") else "-" if r.get("recover_s") is None else f"{r['recover_s']:.1f} s"
 
 
-def _lost(r: dict[str, Any]) -> str:
+def lost(r: dict[str, Any]) -> str:
     if r.get("not_run") or r.get("steps_lost") is None:
         return ""
     parts = []
@@ -34,29 +34,41 @@ def _lost(r: dict[str, Any]) -> str:
     return ", ".join(parts) or "0 steps"
 
 
+def restart(r: dict[str, Any]) -> str:
+    """What a plain restart from the last checkpoint would have cost at the same fault."""
+    if r.get("restart_s") is None:
+        return ""
+    return f"{r['restart_steps_lost']} steps, {r['restart_s']:.1f} s"
+
+
 def verdict(r: dict[str, Any]) -> str:
     if r.get("not_run"):
         return "not run: " + r["not_run"]
     return "kept" if r["promise_kept"] else "BROKEN: " + "; ".join(r.get("broken", []))
 
 
-def format_scorecard(results: list[dict[str, Any]]) -> str:
+def format_scorecard(results: list[dict[str, Any]], baseline: dict[str, Any] | None = None) -> str:
     """A terminal table; the promise wraps within its column, the verdict takes the rest of the line."""
-    rows = [(r["scenario"], textwrap.wrap(r["promise"], PROMISE_WIDTH) or [""], _detected(r), _recovered(r),
-             _lost(r), verdict(r)) for r in results]
+    rows = [(r["scenario"], textwrap.wrap(r["promise"], PROMISE_WIDTH) or [""], detected(r), recovered(r),
+             lost(r), restart(r), verdict(r)) for r in results]
     widths = [max(len(HEADER[i]), *(len(row[i]) for row in rows)) if i != 1 else PROMISE_WIDTH
               for i in range(len(HEADER) - 1)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=False)) + "  " + HEADER[-1]]
     lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[-1]))
-    for name, promise, detected, recovered, lost, said in rows:
-        first = [name, promise[0], detected, recovered, lost]
+    for name, promise, *cells, said in rows:
+        first = [name, promise[0], *cells]
         lines.append("  ".join(c.ljust(w) for c, w in zip(first, widths, strict=True)) + "  " + said)
         for more in promise[1:]:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(["", more, "", "", ""], widths, strict=True)).rstrip())
+            lines.append("  ".join(c.ljust(w) for c, w in zip(["", more, "", "", "", ""], widths,
+                                                              strict=True)).rstrip())
     kept = sum(1 for r in results if r.get("promise_kept"))
     judged = sum(1 for r in results if r.get("promise_kept") is not None)
     lines.append(f"{kept} of {judged} promises kept" + (f", {len(results) - judged} not run" if judged < len(results)
                                                          else ""))
+    if baseline and baseline.get("restart_s") is not None:
+        lines.append(f"plain restart: {baseline['restart_s']:.1f} s from a launch to its first step after loading "
+                     f"the step-{baseline['from_step']} checkpoint, "
+                     f"then {baseline['step_s']:.2f} s per step made again")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from html import escape
 from pathlib import Path
 
 from keel.errors import KeelError
+from keel.report.drill import DRILL_FILE, drill_section, load_drill
 from keel.report.status import RUN_FILES, Run, load_run, summarize
 from keel.report.svg import Marker, Series, bar_chart, domain, finite, fmt_duration, fmt_num, line_chart, stacked_chart
 
@@ -80,10 +81,10 @@ STATE_COLOR = {"running": BLUE, "finished": GREEN, "paused": SLATE, "stopped": A
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report (RUN_DIR/report.html unless `out` says otherwise) and return its path."""
-    if not run_dir.is_dir() or not any((run_dir / name).exists() for name in RUN_FILES):
+    if not run_dir.is_dir() or not any((run_dir / name).exists() for name in (*RUN_FILES, DRILL_FILE)):
         raise KeelError(f"{str(run_dir)!r} is not a keel run directory: expected the --run-dir of a keel train "
-                        f"job, holding {', '.join(RUN_FILES)}")
-    page = render(load_run(run_dir))
+                        f"job, holding {', '.join(RUN_FILES)}, or a keel drill --workdir holding {DRILL_FILE}")
+    page = render(load_run(run_dir), load_drill(run_dir))
     out = out or run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -359,11 +360,20 @@ def header(run: Run, info: dict) -> str:
             f'<div class="cards">{html}</div>')
 
 
-def render(run: Run) -> str:
-    info = summarize(run, events=1)
-    starts = [e["time"] for e in run.events if e.get("kind") == "start" and finite(e.get("time"))]
-    t0 = run.goodput["started"] if finite(run.goodput.get("started")) else min(starts, default=None)
-    body = header(run, info) + training(run) + goodput(run) + hardware(run, t0) + event_table(run.events)
+def render(run: Run, drill: dict | None = None) -> str:
+    """The run's page, with the failure drills' scorecard when `keel drill` left one; a drill's work directory
+    alone (no run of its own) gets the scorecard only."""
+    drills = drill_section(drill) if drill else ""
+    if drill and not (run.metrics or run.events):
+        title = f"{run.path.name} · keel failure drills"
+        body = f'<h1>{escape(run.path.name)}</h1><p class="sub">{escape(str(run.path))}</p>{drills}'
+    else:
+        info = summarize(run, events=1)
+        title = f"{info['name']} · keel run report"
+        starts = [e["time"] for e in run.events if e.get("kind") == "start" and finite(e.get("time"))]
+        t0 = run.goodput["started"] if finite(run.goodput.get("started")) else min(starts, default=None)
+        body = (header(run, info) + drills + training(run) + goodput(run) + hardware(run, t0)
+                + event_table(run.events))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-            f'content="width=device-width, initial-scale=1"><title>{escape(str(info["name"]))} · keel run report'
+            f'content="width=device-width, initial-scale=1"><title>{escape(title)}'
             f'</title><style>{CSS}</style></head><body><main>{body}</main></body></html>\n')
