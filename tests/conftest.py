@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from keel.drill import procs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,28 +44,12 @@ TAG = "KEEL_TEST_TAG"
 
 
 def tagged(tag: str) -> list[int]:
-    """Live processes carrying `tag` in their environment: a keel process and everything it started,
-    torchrun's workers included (they run in sessions of their own, out of reach of killpg)."""
-    marker = f"{TAG}={tag}".encode()
-    pids = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker in environ.read_bytes().split(b"\0"):
-                pids.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return pids
+    """Live processes started by the `keel` command tagged `tag`, whatever session they run in."""
+    return procs.tagged(tag, TAG)
 
 
 def kill_tagged(tag: str, wait_s: float = 10.0) -> None:
-    """SIGKILL every tagged process and wait until they are gone: a process with many threads takes a
-    moment to die, and one started meanwhile is killed too."""
-    deadline = time.monotonic() + wait_s
-    while (pids := tagged(tag)) and time.monotonic() < deadline:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+    procs.kill_tagged(tag, wait_s, TAG)
 
 
 def spawn_keel(args: list[str], cwd: Path, env: dict[str, str] | None = None,

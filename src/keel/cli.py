@@ -248,6 +248,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     import json
+    import math
 
     from keel.drill.runner import Drill, DrillError, with_baseline
     from keel.drill.scenarios import QUICK_SHAPE, Plan, catalog, suite
@@ -271,7 +272,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     if config is not None and not config.is_file():
         raise KeelError(f"--config {config}: no such file; pass a TOML config such as {DEFAULT_CONFIG}")
     if args.chaos:
-        from keel.drill.chaos import parse_duration, run_chaos
+        from keel.drill.chaos import parse_duration, run_chaos, step_seconds
 
         try:
             mtbf_s, duration_s = parse_duration(args.mtbf), parse_duration(args.duration)
@@ -284,6 +285,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
     try:
         ensure_corpus(load_config(config, drill.base(steps)), verbose=not args.json)
         if args.chaos:
+            if args.steps is None:  # long enough for `--duration` of training at this config's step time
+                drill.steps = max(3 * args.interval, math.ceil(duration_s / step_seconds(
+                    drill.reference((), drill.steps), drill.steps) / args.interval) * args.interval)
             results, baseline = [run_chaos(drill, args.seed, mtbf_s, duration_s)], None
         else:
             baseline = drill.baseline()

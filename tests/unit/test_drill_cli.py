@@ -19,7 +19,8 @@ from keel.drill.scenarios import catalog
     (["--chaos", "--mtbf", "soon"], "--mtbf"),
 ])
 def test_bad_drill_input_is_one_line_and_exit_2(args: list[str], expect: str, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["drill", "--workdir", str(tmp_path / "drill"), *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -22,9 +22,10 @@ def keel_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
-def tagged(tag: str) -> list[int]:
-    """Live processes carrying `tag` in their environment."""
-    marker = f"{TAG}={tag}".encode()
+def tagged(tag: str, var: str = TAG) -> list[int]:
+    """Live processes carrying `tag` in their environment variable `var`: a process and everything it started,
+    torchrun's workers included (they run in sessions of their own, out of reach of killpg)."""
+    marker = f"{var}={tag}".encode()
     pids = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -35,10 +36,11 @@ def tagged(tag: str) -> list[int]:
     return pids
 
 
-def kill_tagged(tag: str, wait_s: float = 10.0) -> None:
-    """SIGKILL every process carrying `tag` until none is left (one started meanwhile is killed too)."""
+def kill_tagged(tag: str, wait_s: float = 10.0, var: str = TAG) -> None:
+    """SIGKILL every process carrying `tag` and wait until they are gone: a process with many threads takes a
+    moment to die, and one started meanwhile is killed too."""
     deadline = time.monotonic() + wait_s
-    while (pids := tagged(tag)) and time.monotonic() < deadline:
+    while (pids := tagged(tag, var)) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -198,6 +198,9 @@ class Drill:
         run_dir = self.workdir / "baseline"
         shutil.rmtree(run_dir, ignore_errors=True)
         start = steps - self.interval
+        if not (ref_dir / "checkpoints" / f"step-{start:06d}" / MANIFEST).is_file():
+            return {"restart_s": None, "from_step": start, "step_s": None,
+                    "why": f"the clean run kept no checkpoint at step {start} (checkpoint.keep_last)"}
         shutil.copytree(ref_dir / "checkpoints", run_dir / "checkpoints", symlinks=True,
                         ignore=lambda d, names: [n for n in names if (step_of(n) or 0) > start or n == LATEST])
         self.say("baseline: a plain restart from a checkpoint")
@@ -329,7 +332,10 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     fault_time, fault_step = _fault_point(scenario, launches[0], events)
     if fault_time is None:
         broken.append("the fault was never delivered")
-    detected = _find(events, scenario.detect, from_step=fault_step - 1) if scenario.detect[0] else None
+    # The detector's event comes after the fault. A launcher's event carries the step its run last
+    # reported (status.json), which may be some steps before the fault: time orders them, not steps.
+    detected = (_find(events, scenario.detect, after=fault_time) if fault_time is not None else
+                _find(events, scenario.detect, from_step=fault_step - 1)) if scenario.detect[0] else None
     if scenario.detect[0] and detected is None:
         broken.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
     recovered = None
