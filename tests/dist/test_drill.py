@@ -92,7 +92,7 @@ def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, sma
                      "health.preflight_probe_mib=4", "guard.sdc.replay_interval=0"], cwd=cwd, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "BROKEN: final state differs from the reference; no guard/quarantine event: the fault went undetected" \
-        in done.stdout
+        in done.stdout, done.stdout
     assert "0 of 1 promises kept" in done.stdout
     (result,) = json.loads((cwd / "runs/drill/drill.json").read_text())["results"]
     assert result["promise_kept"] is False and result["detected_by"] is None and not result["state_equal"]

@@ -136,6 +136,24 @@ def test_a_crash_gap_is_down_time_and_recomputed_steps_are_wasted(tmp_path: Path
     assert sum(data["buckets"].values()) == pytest.approx(data["updated"] - data["started"])
 
 
+def test_steps_made_after_the_last_flush_count_as_recomputed_after_a_crash(tmp_path: Path) -> None:
+    first = GoodputLedger(tmp_path, started=0.0, write=True)
+    for step in range(1, 15):
+        first.begin_step(step)
+        first.charge("productive", float(step))
+        first.step_done(step)
+        if step % 5 == 0:
+            first.flush(step)
+    # The process dies in step 15: goodput.json last says step 10, the run got to step 14.
+    assert read_ledger(tmp_path)["high_water"] == 10
+    second = GoodputLedger(tmp_path, started=20.0, write=True)
+    for step in range(11, 17):  # resumed from the checkpoint of step 10
+        second.begin_step(step)
+        second.charge("wasted" if second.recomputing else "productive", 20.0 + step - 10)
+        second.step_done(step)
+    assert second.data["recomputed_steps"] == 4 and second.buckets["wasted"] == pytest.approx(4.0)
+
+
 def test_a_pause_gap_is_idle_and_the_launcher_accounts_the_exit(tmp_path: Path) -> None:
     ledger = GoodputLedger(tmp_path, started=0.0, write=True)
     ledger.charge("productive", 10.0)

@@ -126,7 +126,7 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  detect=("guard", "rollback"), recovered_by=("guard", "rolled_back")),
         Scenario("bitflip_grads", "a flipped bit in one rank's gradients is caught by replay in its step and the "
                  "run ends bitwise equal",
-                 inject=(f"bitflip:step={mid},rank={r},target=grads,tensor=3,element=5,bit=3",), fault_step=mid,
+                 inject=(f"bitflip:step={mid},rank={r},target=grads,tensor=3,element=5,bit=20",), fault_step=mid,
                  tuning=(f"guard.sdc.replay_interval={plan.interval // 2}",),
                  detect=("guard", "quarantine"), recovered_by=("guard", "rolled_back")),
         Scenario("bitflip_optimizer", "a flipped exponent bit in one replica's Adam moment is caught and rolled back; "

@@ -10,7 +10,9 @@ Between two starts the ledger cannot run. The next start charges that gap: to `p
 start closed the ledger (a pause, a stop, a finished run later extended), to `failed_down` when it did
 not (a crash: from the last update, at most one interval before the failure, to the new start).
 A step whose number is at most the highest step ever reached (`high_water`) is recomputed after a
-restart or a rollback: its whole time is `wasted`.
+restart or a rollback: its whole time is `wasted`. The highest step is also kept, step by step, in a
+file of its own (a few bytes rewritten in place), so that a crash between two flushes does not forget
+the steps it will make again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 LEDGER = "goodput.json"
+HIGH_WATER = ".goodput-high-water"
 BUCKETS = ("productive", "startup", "checkpoint_blocking", "checkpoint_restore", "wasted", "data_wait",
            "guard_checks", "evaluation", "paused", "failed_down")
 BUCKET_HELP = {
@@ -50,6 +53,13 @@ def read_ledger(run_dir: Path) -> dict | None:
         return None
 
 
+def _read_high_water(run_dir: Path) -> int:
+    try:
+        return int((run_dir / HIGH_WATER).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def write_ledger(run_dir: Path, ledger: dict) -> None:
     tmp = run_dir / f".{LEDGER}.tmp"
     tmp.write_text(json.dumps(ledger) + "\n")
@@ -67,6 +77,8 @@ class GoodputLedger:
     def __init__(self, run_dir: Path, started: float, write: bool) -> None:
         self.run_dir, self.write = run_dir, write
         self.data = read_ledger(run_dir) or new_ledger(started)
+        self.data["high_water"] = max(self.data["high_water"], _read_high_water(run_dir))
+        self._high_water_fd = os.open(run_dir / HIGH_WATER, os.O_WRONLY | os.O_CREAT, 0o644) if write else -1
         self.buckets: dict[str, float] = {b: self.data["buckets"].get(b, 0.0) for b in BUCKETS}
         self.mark = self.data["updated"]
         if self.data["attempts"]:  # the gap since the previous start stopped accounting
@@ -93,6 +105,8 @@ class GoodputLedger:
     def step_done(self, step: int) -> None:
         if step <= self.data["high_water"]:
             self.data["recomputed_steps"] += 1
+        elif self._high_water_fd >= 0:
+            os.pwrite(self._high_water_fd, f"{step:>12}\n".encode(), 0)  # fixed width: never a torn number
         self.data["high_water"] = max(self.data["high_water"], step)
 
     def ratio(self) -> float:
@@ -127,6 +141,9 @@ class GoodputLedger:
         self.data["open"] = False
         self.data["ended"] = ended
         self.flush(step)
+        if self._high_water_fd >= 0:
+            os.close(self._high_water_fd)
+            self._high_water_fd = -1
 
 
 def account_exit(run_dir: Path, now: float | None = None) -> None:
