@@ -86,7 +86,7 @@ def test_the_scorecard_is_a_section_of_the_report(quick) -> None:
 
 
 def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, small_corpus: Path) -> None:
-    cwd, results = quick
+    cwd, _ = quick
     # The same flipped gradient bit with replays off: nothing looks there, yet the scenario promises an exact end.
     done = run_keel(["drill", "--scenario", "bitflip_grads", "--workdir", "runs/drill", f"data.dir={small_corpus}",
                      "health.preflight_probe_mib=4", "guard.sdc.replay_interval=0"], cwd=cwd, timeout=300)
@@ -96,7 +96,6 @@ def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, sma
     assert "0 of 1 promises kept" in done.stdout
     (result,) = json.loads((cwd / "runs/drill/drill.json").read_text())["results"]
     assert result["promise_kept"] is False and result["detected_by"] is None and not result["state_equal"]
-    assert result["reference_dir"] == results["bitflip_grads"]["reference_dir"], "the cached clean run is reused"
 
 
 def test_every_scenario_delivers_a_fault_and_names_its_detector() -> None:
