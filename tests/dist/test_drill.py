@@ -20,8 +20,8 @@ FIELDS = {"scenario", "promise", "promise_kept", "detect_s", "recover_s", "steps
 @pytest.fixture(scope="module")
 def quick(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     cwd = tmp_path_factory.mktemp("drill")
-    done = run_keel(["drill", "--suite", "quick", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}",
-                     "health.preflight_probe_mib=4"], cwd=cwd, timeout=600)
+    done = run_keel(["drill", "--suite", "quick", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}"],
+                    cwd=cwd, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(done.stdout)
     return cwd, {r["scenario"]: r for r in results}
@@ -89,7 +89,7 @@ def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, sma
     cwd, _ = quick
     # The same flipped gradient bit with replays off: nothing looks there, yet the scenario promises an exact end.
     done = run_keel(["drill", "--scenario", "bitflip_grads", "--workdir", "runs/drill", f"data.dir={small_corpus}",
-                     "health.preflight_probe_mib=4", "guard.sdc.replay_interval=0"], cwd=cwd, timeout=300)
+                     "guard.sdc.replay_interval=0"], cwd=cwd, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "BROKEN: final state differs from the reference; no guard/quarantine event: the fault went undetected" \
         in done.stdout, done.stdout

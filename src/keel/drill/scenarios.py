@@ -161,7 +161,7 @@ QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grad
          "corrupt_checkpoint"]
 QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
                "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "eval.interval=0",
-               "monitor.interval=5")
+               "monitor.interval=5", "health.preflight_probe_mib=4")
 
 
 def suite(name: str, plan: Plan) -> list[Scenario]:
