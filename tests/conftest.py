@@ -21,11 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 # A small, fixed slice of the standard library: enough text for a few hundred sequences, fast to prepare.
 SMALL_SOURCES = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]
 
-# A model small enough that a 40-step, 2-process run takes seconds.
+# A model small enough that a 40-step, 2-process run takes seconds. The preflight's storage and all-reduce
+# probes are sized to such a model: 4 MiB instead of the default 64 (the checks are the same).
 SMALL_RUN = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
     "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "monitor.interval=1",
     "optim.warmup_steps=5", "eval.interval=20", "eval.sequences=8", "checkpoint.interval=20",
+    "health.preflight_probe_mib=4",
 ]
 
 

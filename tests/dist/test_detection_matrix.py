@@ -28,7 +28,8 @@ def readme_matrix() -> dict[tuple[str, int], dict[str, str]]:
 
 
 def runner(args: list[str], cwd: Path) -> int:
-    return run_keel(args, cwd=cwd).returncode
+    # The preflight's probes sized to the small model, as in tests.conftest.SMALL_RUN.
+    return run_keel([*args, "health.preflight_probe_mib=4"], cwd=cwd).returncode
 
 
 def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_path: Path) -> None:

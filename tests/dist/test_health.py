@@ -25,7 +25,7 @@ SLOW = 'drill.inject=["slow:rank=-1,seconds=0.1"]'  # every rank 0.1 s slower pe
 
 def train_cmd(corpus: Path, run_dir: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> list[str]:
     return ["train", "--nproc", str(nproc), "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={steps}",
-            f"data.dir={corpus}", "health.preflight_probe_mib=4", *extra]
+            f"data.dir={corpus}", *extra]
 
 
 def final_checkpoint(run_dir: Path, steps: int = STEPS) -> Path:
