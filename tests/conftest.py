@@ -108,3 +108,14 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "small"
     prepare(SMALL_SOURCES, out, val_fraction=0.05)
     return out
+
+
+@pytest.fixture(scope="session")
+def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 steps of SMALL_RUN on 2 processes, uninterrupted: the run that an interrupted, restarted or
+    resumed run of the same command must end bitwise equal to."""
+    run_dir = tmp_path_factory.mktemp("runs") / "A"
+    result = run_keel(["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
+                       f"data.dir={small_corpus}"], cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr
+    return run_dir

@@ -51,13 +51,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 steps on 2 processes, uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("runs") / "A"
-    result = run_keel(train_cmd(small_corpus, run_dir), cwd=run_dir.parent)
-    assert result.returncode == 0, result.stderr
-    return run_dir
+# The uninterrupted run, `reference_run` (tests/conftest.py), is train_cmd(corpus, run_dir).
 
 
 @pytest.mark.parametrize("how", ["keel_pause", "sigterm_to_launcher", "sigterm_to_one_worker"])
