@@ -112,10 +112,12 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 steps of SMALL_RUN on 2 processes, uninterrupted: the run that an interrupted, restarted or
-    resumed run of the same command must end bitwise equal to."""
+    """40 steps of SMALL_RUN on 2 processes, uninterrupted, with a checkpoint every 10 steps (all kept):
+    the run that an interrupted, restarted or resumed run must end bitwise equal to. (When a run saves
+    changes nothing it computes: tests/dist/test_checkpoint.py checks that.)"""
     run_dir = tmp_path_factory.mktemp("runs") / "A"
     result = run_keel(["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
-                       f"data.dir={small_corpus}"], cwd=run_dir.parent)
+                       f"data.dir={small_corpus}", "checkpoint.interval=10", "checkpoint.keep_last=10"],
+                      cwd=run_dir.parent)
     assert result.returncode == 0, result.stderr
     return run_dir

@@ -52,7 +52,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         time.sleep(0.05)
 
 
-# The uninterrupted run, `reference_run` (tests/conftest.py), is train_cmd(corpus, run_dir).
+# The uninterrupted run, `reference_run` (tests/conftest.py), is train_cmd(corpus, run_dir) saving every 10 steps.
 
 
 @pytest.mark.parametrize("how", ["keel_pause", "sigterm_to_launcher", "sigterm_to_one_worker"])

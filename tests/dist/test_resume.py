@@ -35,7 +35,7 @@ def final_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step-{STEPS:06d}"
 
 
-# Run A, `reference_run` (tests/conftest.py): train_cmd(corpus, run_dir, 2), uninterrupted.
+# Run A, `reference_run` (tests/conftest.py): train_cmd(corpus, run_dir, 2) uninterrupted, saving every 10 steps.
 
 
 def test_sigkill_after_checkpoint_resumes_bitwise(reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
