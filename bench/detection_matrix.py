@@ -26,6 +26,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from itertools import repeat
 from pathlib import Path
 
 from keel.checkpoint.inspect import state_sha256
@@ -89,15 +92,19 @@ def cell(runner: Runner, corpus: Path, work: Path, layout: str, target: str, bit
 
 
 def run_matrix(runner: Runner, corpus: Path, work: Path, layouts: tuple[str, ...] = tuple(LAYOUTS),
-               targets: tuple[str, ...] = TARGETS, bits: tuple[int, ...] = tuple(BITS)) -> list[dict]:
+               targets: tuple[str, ...] = TARGETS, bits: tuple[int, ...] = tuple(BITS),
+               concurrent: int = 1) -> list[dict]:
+    """The cells in order, layout by layout. `concurrent`: how many of a layout's flipped runs train at
+    once (each is independent of the others, and its outcome is counted in steps and bits, not seconds)."""
     cells = []
     for layout in layouts:
         clean_dir = work / f"{layout.replace(' ', '_')}-clean"
         train(runner, corpus, clean_dir, layout)
         clean = final_state(clean_dir)
-        for target in targets:
-            for bit in bits:
-                cells.append(cell(runner, corpus, work, layout, target, bit, clean))
+        flips = [(target, bit) for target in targets for bit in bits]
+        with ThreadPoolExecutor(max_workers=concurrent) as pool:
+            cells += pool.map(partial(cell, runner, corpus, work, layout), *zip(*flips, strict=True),
+                              repeat(clean))
     return cells
 
 

@@ -20,11 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 # A small, fixed slice of the standard library: enough text for a few hundred sequences, fast to prepare.
 SMALL_SOURCES = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]
 
-# A model small enough that a 40-step, 2-process run takes seconds.
+# A model small enough that a 40-step, 2-process run takes seconds. The preflight's storage and all-reduce
+# probes are sized to such a model: 4 MiB instead of the default 64 (the checks are the same).
 SMALL_RUN = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
     "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "monitor.interval=1",
     "optim.warmup_steps=5", "eval.interval=20", "eval.sequences=8", "checkpoint.interval=20",
+    "health.preflight_probe_mib=4",
 ]
 
 
@@ -89,3 +91,16 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "small"
     prepare(SMALL_SOURCES, out, val_fraction=0.05)
     return out
+
+
+@pytest.fixture(scope="session")
+def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 steps of SMALL_RUN on 2 processes, uninterrupted, with a checkpoint every 10 steps (all kept):
+    the run that an interrupted, restarted or resumed run must end bitwise equal to. (When a run saves
+    changes nothing it computes: tests/dist/test_checkpoint.py checks that.)"""
+    run_dir = tmp_path_factory.mktemp("runs") / "A"
+    result = run_keel(["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
+                       f"data.dir={small_corpus}", "checkpoint.interval=10", "checkpoint.keep_last=10"],
+                      cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr
+    return run_dir

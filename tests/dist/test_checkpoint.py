@@ -54,12 +54,10 @@ def flip_byte(path: Path, offset: int = 4096) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 steps on 2 processes, a checkpoint every 10, uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("ckpt") / "ref"
-    result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=run_dir.parent)
-    assert result.returncode == 0, result.stderr
-    return run_dir
+def reference(reference_run: Path) -> Path:
+    """train_cmd(corpus, run_dir, 2): 40 steps on 2 processes, a checkpoint every 10, uninterrupted
+    (tests/conftest.py)."""
+    return reference_run
 
 
 def test_checkpoints_carry_a_manifest_that_verifies(reference: Path) -> None:

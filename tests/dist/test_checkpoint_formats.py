@@ -61,11 +61,19 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
         log.close()
 
 
-def test_save_verify_and_resume_on_an_s3_object_store(s3: dict, small_corpus: Path, tmp_path: Path) -> None:
-    local, remote = tmp_path / "local", tmp_path / "remote"
+@pytest.fixture(scope="module")
+def local_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 steps on 2 processes, a checkpoint every 10 on the local disk, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("formats") / "local"
+    result = run_keel(train_cmd(small_corpus, run_dir, 30), cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_save_verify_and_resume_on_an_s3_object_store(s3: dict, local_run: Path, small_corpus: Path,
+                                                      tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
     url = "s3://keel/runs/remote"
-    reference = run_keel(train_cmd(small_corpus, local, 30), cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr
 
     # Rank 1 is SIGKILLed once step 20 is committed to the store; the same command then resumes from it.
     kill = 'callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 20, rank = 1}}]'
@@ -82,14 +90,14 @@ def test_save_verify_and_resume_on_an_s3_object_store(s3: dict, small_corpus: Pa
     assert resumed.returncode == 0, resumed.stderr
     assert [e["detail"]["checkpoint"] for e in read_jsonl(remote / "events.jsonl") if e["kind"] == "resume"] == [
         f"{url}/step-000020"]
-    assert losses(remote) == losses(local), "saved to and resumed from S3, bitwise the same run"
+    assert losses(remote) == losses(local_run), "saved to and resumed from S3, bitwise the same run"
 
 
-def test_hf_export_starts_a_new_run_from_the_same_weights(small_corpus: Path, tmp_path: Path) -> None:
-    source, target, hf = tmp_path / "source", tmp_path / "target", tmp_path / "hf"
-    assert run_keel(train_cmd(small_corpus, source, 20), cwd=tmp_path).returncode == 0
+def test_hf_export_starts_a_new_run_from_the_same_weights(local_run: Path, small_corpus: Path, tmp_path: Path) -> None:
+    source, target, hf = local_run, tmp_path / "target", tmp_path / "hf"
     exported = run_keel(["ckpt", "export", str(source), "--format", "hf", "--out", str(hf)], cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
+    assert "(step 30)" in exported.stdout, "the run's newest checkpoint"
     assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
 
     # A learning rate far below fp32 resolution: one step leaves every weight bitwise where it started.
@@ -97,7 +105,7 @@ def test_hf_export_starts_a_new_run_from_the_same_weights(small_corpus: Path, tm
                                  "optim.warmup_steps=1"), cwd=tmp_path)
     assert started.returncode == 0, started.stderr
     assert f"initialised the weights from hf:{hf}" in started.stdout
-    before = load_full_state(source / "checkpoints" / "step-000020")
+    before = load_full_state(source / "checkpoints" / "step-000030")
     after = load_full_state(target / "checkpoints" / "step-000001")
     model_keys = [k for k in before if k.startswith("model.")]
     assert model_keys and all(torch.equal(before[k], after[k]) for k in model_keys)

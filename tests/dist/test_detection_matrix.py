@@ -12,6 +12,10 @@ from tests.conftest import REPO, run_keel
 
 pytestmark = pytest.mark.dist
 
+# Flipped runs that train at a time: a 2-process run leaves much of two cores idle (while its launcher
+# imports, its workers meet and exit), and no cell's outcome depends on time.
+CONCURRENT = 2
+
 
 def readme_matrix() -> dict[tuple[str, int], dict[str, str]]:
     """(target, bit) → {layout: cell} from the README's table."""
@@ -28,12 +32,13 @@ def readme_matrix() -> dict[tuple[str, int], dict[str, str]]:
 
 
 def runner(args: list[str], cwd: Path) -> int:
-    return run_keel(args, cwd=cwd).returncode
+    # The preflight's probes sized to the small model, as in tests.conftest.SMALL_RUN.
+    return run_keel([*args, "health.preflight_probe_mib=4"], cwd=cwd).returncode
 
 
 def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_path: Path) -> None:
     documented = readme_matrix()
-    cells = run_matrix(runner, small_corpus, tmp_path, layouts=("replicated",), bits=(31, 30, 0))
+    cells = run_matrix(runner, small_corpus, tmp_path, layouts=("replicated",), bits=(31, 30, 0), concurrent=CONCURRENT)
     assert len(cells) == 12
     for c in cells:
         where = f"{c['target']} bit {c['bit']} ({BITS[c['bit']]})"
@@ -48,7 +53,7 @@ def test_without_replicas_replays_catch_gradient_flips_and_state_flips_go_unseen
                                                                                  tmp_path: Path) -> None:
     documented = readme_matrix()
     cells = run_matrix(runner, small_corpus, tmp_path, layouts=("sharded",), targets=("grads", "params"),
-                       bits=(31, 0))
+                       bits=(31, 0), concurrent=CONCURRENT)
     for c in cells:
         where = f"{c['target']} bit {c['bit']}"
         assert describe(c) == documented[(c["target"], c["bit"])]["sharded"], where

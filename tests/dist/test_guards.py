@@ -4,6 +4,8 @@ run that does what the guard should have done (skip a step, omit a stretch of da
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,14 @@ def train(corpus: Path, run_dir: Path, *extra: str, nproc: int = 2, steps: int =
            f"data.dir={corpus}", *GUARDS, *extra]
     result = run_keel(cmd, cwd=run_dir.parent)
     assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def together(*runs: Callable[[], object]) -> None:
+    """Independent runs, two at a time: a run leaves much of two cores idle (while its launcher imports,
+    its workers meet and exit), and every guard here acts on steps, losses and bits, never on time."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for made in [pool.submit(run) for run in runs]:
+            made.result()
 
 
 def events(run_dir: Path, kind: str = "guard") -> list[dict]:
@@ -65,8 +75,8 @@ def clean(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def test_nan_on_one_rank_skips_that_step_on_every_rank(small_corpus: Path, tmp_path: Path) -> None:
     faulted, told = tmp_path / "nan", tmp_path / "told-to-skip"
-    train(small_corpus, faulted, 'drill.inject=["nan_grads:step=12,rank=1"]')
-    train(small_corpus, told, 'drill.inject=["skip_update:step=12"]')
+    together(lambda: train(small_corpus, faulted, 'drill.inject=["nan_grads:step=12,rank=1"]'),
+             lambda: train(small_corpus, told, 'drill.inject=["skip_update:step=12"]'))
 
     [skip] = events(faulted)
     assert (skip["step"], skip["action"], skip["detail"]["guard"]) == (12, "skip", "numerics")
@@ -79,7 +89,8 @@ def test_nan_on_one_rank_skips_that_step_on_every_rank(small_corpus: Path, tmp_p
 def test_poisoned_batch_is_rolled_back_and_its_data_skipped(small_corpus: Path, tmp_path: Path) -> None:
     steps = 80
     faulted, omitted = tmp_path / "poisoned", tmp_path / "omits-the-window"
-    train(small_corpus, faulted, 'drill.inject=["poison_batch:batch=49"]', steps=steps)
+    together(lambda: train(small_corpus, faulted, 'drill.inject=["poison_batch:batch=49"]', steps=steps),
+             lambda: train(small_corpus, omitted, "data.skip_batches=[[40, 50]]", steps=steps))
 
     spike, rolled = events(faulted)
     assert (spike["step"], spike["action"], spike["detail"]["guard"]) == (50, "rollback", "spike")
@@ -89,7 +100,7 @@ def test_poisoned_batch_is_rolled_back_and_its_data_skipped(small_corpus: Path, 
     assert rolled["detail"]["skipped_batches"] == [40, 50]  # from the snapshot through the poisoned batch
     assert train_state(faulted, steps)["loader"]["skips"] == [[40, 50]]
 
-    train(small_corpus, omitted, "data.skip_batches=[[40, 50]]", steps=steps)
+    # The run that omitted the same stretch of data from the start.
     assert final_loss(faulted) == pytest.approx(final_loss(omitted), rel=0.02)
     assert final_state(faulted, steps) == final_state(omitted, steps), "and in fact bitwise equal"
 
@@ -114,8 +125,9 @@ def test_without_snapshots_a_rollback_reads_the_checkpoint_and_lowers_the_learni
 
 def test_a_majority_of_replicas_names_the_odd_one_at_once(clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "four-replicas"
-    train(small_corpus, run_dir, *LAYOUTS["dp4_replicated"], "guard.sdc.fingerprint_interval=10",
-          'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=0,element=7,bit=0"]', nproc=4)
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["dp4_replicated"], "guard.sdc.fingerprint_interval=10",
+                           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=0,element=7,bit=0"]', nproc=4),
+             lambda: clean("dp4_replicated"))
     quarantine, rolled = events(run_dir)
     assert (quarantine["step"], quarantine["action"], quarantine["detail"]["outvoted"]) == (30, "quarantine", [1])
     assert quarantine["detail"]["ranks"] == [1], "outvoted by three replicas: no re-execution needed to name it"
@@ -141,8 +153,9 @@ def test_a_spike_that_keeps_coming_back_escalates_then_stops(small_corpus: Path,
 def test_bit_flip_in_replicated_parameters_is_caught_by_fingerprints(clean, small_corpus: Path,
                                                                       tmp_path: Path) -> None:
     run_dir = tmp_path / "flipped"
-    train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
-          'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]')
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
+                           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]'),
+             lambda: clean("dp2_replicated"))
     decided = events(run_dir)
     assert (decided[0]["step"], decided[0]["action"]) == (30, "rollback"), "caught at the next check"
     assert decided[0]["detail"]["tied"] == [0, 1]
@@ -170,8 +183,9 @@ def test_a_rollback_goes_to_the_newest_verified_state_whether_in_memory_or_on_di
 
 def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "flipped"
-    train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",
-          'drill.inject=["bitflip:step=25,rank=1,target=grads,tensor=3,element=5,bit=3"]')
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",
+                           'drill.inject=["bitflip:step=25,rank=1,target=grads,tensor=3,element=5,bit=3"]'),
+             lambda: clean("fsdp2"))
     decided = events(run_dir)
     assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (25, "quarantine", "replay")
     assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["differing_gradients"] == {"1": 1}
@@ -185,7 +199,8 @@ def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_no
     run_dir = tmp_path / "hsdp"
     flip = 'drill.inject=["bitflip:step=25,rank=1,target=exp_avg,tensor=2,element=0,bit=30"]'
     common = [*LAYOUTS["hsdp2x2"], "guard.sdc.fingerprint_interval=10", "checkpoint.interval=10"]
-    train(small_corpus, run_dir, *common, "guard.sdc.response=exit", flip, nproc=4, expect=76)
+    together(lambda: train(small_corpus, run_dir, *common, "guard.sdc.response=exit", flip, nproc=4, expect=76),
+             lambda: clean("hsdp2x2"))
     # Rank 1's huge first moment blows up its replica's next update: the numerics guard fires, the check it
     # calls finds the replicas of rank 1's shard (1 and 3) disagreeing, and re-execution names rank 1.
     decided = events(run_dir)
@@ -207,10 +222,21 @@ def test_no_false_positives_over_two_thousand_clean_steps(small_corpus: Path, tm
     stress = ["guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5", "checkpoint.interval=500",
               "eval.interval=0", "monitor.interval=50"]
     default_spike = ["guard.spike.warmup=50", "guard.spike.window=100"]
+    # No step runs under the profiler to measure the time in collectives (a measurement, not a guard). The
+    # straggler check keeps its default interval where there are ranks to compare; one process has none.
+    unprofiled = ["monitor.profile_interval=0"]
+    runs = (("single", 1, 1000), ("dp2_replicated", 2, 600), ("fsdp2", 2, 400))
+
+    def make(layout: str, nproc: int, steps: int) -> None:
+        alone = ["health.straggler.interval=0"] if nproc == 1 else []
+        train(small_corpus, tmp_path / layout, *LAYOUTS.get(layout, []), *stress, *default_spike, *unprofiled,
+              *alone, nproc=nproc, steps=steps)
+
+    # The one-process run beside the two 2-process runs, one after the other.
+    together(lambda: make(*runs[0]), lambda: [make(*run) for run in runs[1:]])
     checked = 0
-    for layout, nproc, steps in (("single", 1, 1000), ("dp2_replicated", 2, 600), ("fsdp2", 2, 400)):
+    for layout, nproc, steps in runs:
         run_dir = tmp_path / layout
-        train(small_corpus, run_dir, *LAYOUTS.get(layout, []), *stress, *default_spike, nproc=nproc, steps=steps)
         assert events(run_dir) == [], layout
         counts = train_state(run_dir, steps)["guards"]["counts"]
         assert counts["sdc_replays"] == steps // 5

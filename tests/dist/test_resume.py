@@ -35,13 +35,7 @@ def final_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step-{STEPS:06d}"
 
 
-@pytest.fixture(scope="module")
-def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run A: 40 steps on 2 processes, uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("runs") / "A"
-    result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=run_dir.parent)
-    assert result.returncode == 0, result.stderr
-    return run_dir
+# Run A, `reference_run` (tests/conftest.py): train_cmd(corpus, run_dir, 2) uninterrupted, saving every 10 steps.
 
 
 def test_sigkill_after_checkpoint_resumes_bitwise(reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
