@@ -254,7 +254,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from keel.drill.scenarios import QUICK_SHAPE, Plan, catalog, suite
     from keel.drill.scorecard import all_kept, format_scorecard
 
-    steps = args.steps or (30 if args.suite == "quick" else 40)
+    steps = args.steps or max(30 if args.suite == "quick" else 40, 3 * args.interval)
     plan = Plan(steps=steps, interval=args.interval)
     scenarios = catalog(plan)
     if args.list:

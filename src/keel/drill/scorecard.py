@@ -61,6 +61,8 @@ def format_scorecard(results: list[dict[str, Any]], baseline: dict[str, Any] | N
         for more in promise[1:]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(["", more, "", "", "", ""], widths,
                                                               strict=True)).rstrip())
+    for r in results:
+        lines.extend(fault_lines(r))
     kept = sum(1 for r in results if r.get("promise_kept"))
     judged = sum(1 for r in results if r.get("promise_kept") is not None)
     lines.append(f"{kept} of {judged} promises kept" + (f", {len(results) - judged} not run" if judged < len(results)
@@ -70,6 +72,19 @@ def format_scorecard(results: list[dict[str, Any]], baseline: dict[str, Any] | N
                      f"the step-{baseline['from_step']} checkpoint, "
                      f"then {baseline['step_s']:.2f} s per step made again")
     return "\n".join(lines)
+
+
+def fault_lines(r: dict[str, Any]) -> list[str]:
+    """One line per fault of a run that had many (chaos): where it landed, what saw it, how fast."""
+    if not r.get("faults"):
+        return []
+    lines = [f"{r['scenario']}: {len(r['faults'])} faults"]
+    for f in r["faults"]:
+        seen = (f"{f['detected_by']} at step {f['detected_at_step']} in {f['detect_s']:.2f} s" if f["detected_by"]
+                else "fired, undetected" if f["fired"] else "never fired")
+        back = f", recovered in {f['recover_s']:.2f} s" if f.get("recover_s") is not None else ""
+        lines.append(f"  {f['kind'] + '@' + str(f['step']):24} {seen}{back}")
+    return lines
 
 
 def all_kept(results: list[dict[str, Any]]) -> bool:

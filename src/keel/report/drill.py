@@ -7,7 +7,7 @@ import json
 from html import escape
 from pathlib import Path
 
-from keel.drill.scorecard import detected, lost, recovered, restart, verdict
+from keel.drill.scorecard import detected, fault_lines, lost, recovered, restart, verdict
 
 DRILL_FILE = "drill.json"
 
@@ -31,6 +31,9 @@ def drill_section(record: dict) -> str:
                     f'<td>{escape(detected(r))}</td><td>{escape(recovered(r))}</td><td>{escape(lost(r))}</td>'
                     f'<td>{escape(restart(r))}</td><td><b>{escape(verdict(r))}</b>'
                     f'{f"<br><small>{escape(story)}</small>" if story else ""}</td></tr>')
+    faults = "".join(f'<p class="note">{escape(line)}</p>' if not line.startswith("  ") else
+                     f'<p class="note" style="margin:0 0 0 16px;font-family:monospace">{escape(line.strip())}</p>'
+                     for r in results for line in fault_lines(r))
     judged = [r for r in results if r.get("promise_kept") is not None]
     kept = sum(1 for r in judged if r["promise_kept"])
     about = [f"{kept} of {len(judged)} promises kept", f"{record.get('nproc', '?')} processes",
@@ -43,4 +46,4 @@ def drill_section(record: dict) -> str:
             f'again.</p>') if baseline.get("restart_s") is not None else ""
     return (f'<h2>Failure drills</h2><p class="sub">{escape(" · ".join(about))}</p><table><thead><tr>'
             f'<th>scenario</th><th>promise</th><th>detected in</th><th>recovered in</th><th>lost</th>'
-            f'<th>plain restart</th><th>verdict</th></tr></thead><tbody>{"".join(rows)}</tbody></table>{note}')
+            f'<th>plain restart</th><th>verdict</th></tr></thead><tbody>{"".join(rows)}</tbody></table>{faults}{note}')
