@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,21 +115,25 @@ def test_ledger_charges_are_contiguous_and_persisted(tmp_path: Path) -> None:
     assert data["history"][-1]["step"] == 2
 
 
+def make_steps(ledger: GoodputLedger, steps: range, ends_at: Callable[[int], float], flush_every: int = 0) -> None:
+    """Steps as the trainer makes them: each ends at `ends_at(step)`, its time wasted when recomputed."""
+    for step in steps:
+        ledger.begin_step(step)
+        ledger.charge("wasted" if ledger.recomputing else "productive", ends_at(step))
+        ledger.step_done(step)
+        if flush_every and step % flush_every == 0:
+            ledger.flush(step)
+
+
 def test_a_crash_gap_is_down_time_and_recomputed_steps_are_wasted(tmp_path: Path) -> None:
     first = GoodputLedger(tmp_path, started=0.0, write=True)
-    for step in range(1, 6):
-        first.begin_step(step)
-        first.charge("productive", float(step))
-        first.step_done(step)
+    make_steps(first, range(1, 6), float)
     first.flush(5)  # then the process dies: the ledger stays open at t=5
 
     second = GoodputLedger(tmp_path, started=9.0, write=True)
     assert second.buckets["failed_down"] == pytest.approx(4.0)
     second.charge("startup", 10.0)
-    for step in range(4, 8):  # resumed from the checkpoint of step 3
-        second.begin_step(step)
-        second.charge("wasted" if second.recomputing else "productive", 10.0 + step - 3)
-        second.step_done(step)
+    make_steps(second, range(4, 8), lambda step: 10.0 + step - 3)  # resumed from the checkpoint of step 3
     assert second.buckets["wasted"] == pytest.approx(2.0) and second.data["recomputed_steps"] == 2
     second.close(7, "finished")
     data = read_ledger(tmp_path)
@@ -138,19 +143,11 @@ def test_a_crash_gap_is_down_time_and_recomputed_steps_are_wasted(tmp_path: Path
 
 def test_steps_made_after_the_last_flush_count_as_recomputed_after_a_crash(tmp_path: Path) -> None:
     first = GoodputLedger(tmp_path, started=0.0, write=True)
-    for step in range(1, 15):
-        first.begin_step(step)
-        first.charge("productive", float(step))
-        first.step_done(step)
-        if step % 5 == 0:
-            first.flush(step)
+    make_steps(first, range(1, 15), float, flush_every=5)
     # The process dies in step 15: goodput.json last says step 10, the run got to step 14.
     assert read_ledger(tmp_path)["high_water"] == 10
     second = GoodputLedger(tmp_path, started=20.0, write=True)
-    for step in range(11, 17):  # resumed from the checkpoint of step 10
-        second.begin_step(step)
-        second.charge("wasted" if second.recomputing else "productive", 20.0 + step - 10)
-        second.step_done(step)
+    make_steps(second, range(11, 17), lambda step: 20.0 + step - 10)  # resumed from the checkpoint of step 10
     assert second.data["recomputed_steps"] == 4 and second.buckets["wasted"] == pytest.approx(4.0)
 
 
