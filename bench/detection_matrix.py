@@ -134,11 +134,12 @@ def main() -> None:
         work = Path(tmp)
         corpus = args.corpus
         if corpus is None:
+            from keel.config import DataConfig, SourceConfig
             from keel.data.prepare import prepare
             from tests.conftest import SMALL_SOURCES
 
             corpus = work / "corpus"
-            prepare(SMALL_SOURCES, corpus, val_fraction=0.05)
+            prepare(DataConfig(sources={"main": SourceConfig(paths=SMALL_SOURCES)}, val_fraction=0.05), corpus)
         started = time.perf_counter()
         cells = run_matrix(subprocess_runner, corpus, work)
     table = markdown(cells)

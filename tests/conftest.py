@@ -86,10 +86,11 @@ def run_keel(args: list[str], cwd: Path, timeout: float = 240,
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from keel.config import DataConfig, SourceConfig
     from keel.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("corpus") / "small"
-    prepare(SMALL_SOURCES, out, val_fraction=0.05)
+    prepare(DataConfig(sources={"main": SourceConfig(paths=SMALL_SOURCES)}, val_fraction=0.05), out)
     return out
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from keel.config import Config, load_config, reference, resolve_layout, to_toml
-from keel.errors import EXIT_BAD_INPUT, KeelError
+from keel.config import Config, SourceConfig, load_config, reference, resolve_layout, to_toml
+from keel.errors import EXIT_BAD_INPUT, ConfigError, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
 
@@ -100,10 +102,15 @@ def parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="turn sources into token shards and print corpus statistics")
     _add_config_args(prep)
-    prep.add_argument("--source", action="append", help="file, directory or 'stdlib' (repeatable; default: "
-                      "data.sources)")
+    prep.add_argument("--source", action="append", help="file, directory, glob or 'stdlib', as one source named "
+                      "'main' (repeatable; default: data.sources)")
     prep.add_argument("--out", type=Path, help="output directory (default: data.dir)")
+    prep.add_argument("--workers", type=int, help="worker processes (default: data.workers)")
     prep.add_argument("--force", action="store_true", help="replace a corpus prepared from other sources")
+    st = dsub.add_parser("stats", help="documents in and out, what every filter and dedup removed, tokens per "
+                         "source, document lengths")
+    st.add_argument("dir", type=Path, help="a prepared corpus")
+    st.add_argument("--json", action="store_true", help="print stats.json")
 
     k = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ksub = k.add_subparsers(dest="ckpt_command", required=True)
@@ -131,15 +138,18 @@ def in_torchrun_worker() -> bool:
 def ensure_corpus(cfg: Config, verbose: bool) -> None:
     """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist."""
     from keel.data.prepare import BUILTIN_STDLIB, describe, prepare
-    from keel.data.shards import MANIFEST, open_corpus
+    from keel.data.shards import FORMAT_VERSION, MANIFEST, open_corpus
 
     defaults = Config().data
-    builtin = cfg.data.dir == defaults.dir and cfg.data.sources == [BUILTIN_STDLIB]
-    if builtin and not (Path(cfg.data.dir) / MANIFEST).exists():
+    builtin = cfg.data.dir == defaults.dir and [s.paths for s in cfg.data.sources.values()] == [[BUILTIN_STDLIB]]
+    manifest_path = Path(cfg.data.dir) / MANIFEST
+    # The built-in corpus is (re)built when missing or prepared by a keel that wrote another format.
+    if builtin and (not manifest_path.exists() or json.loads(manifest_path.read_text()).get("format_version")
+                    != FORMAT_VERSION):
         if verbose:
             print(f"preparing the built-in corpus (Python standard library sources) into {cfg.data.dir} ...",
                   flush=True)
-        manifest = prepare(cfg.data.sources, cfg.data.dir, cfg.data.tokenizer, cfg.data.val_fraction)
+        manifest = prepare(cfg.data, cfg.data.dir, force=True, progress=verbose)
         if verbose:
             print(describe(manifest), flush=True)
     open_corpus(cfg.data.dir, cfg.data.verify_checksums)
@@ -221,7 +231,6 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
 
     from keel.report.status import summary, summary_lines
 
@@ -338,7 +347,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
         storage, name = latest_verified(args.path)
         manifest = read_manifest(storage, name)
-        tokens = {k: manifest["tokenizer"][k] for k in ("bos", "eos", "pad") if k in manifest.get("tokenizer", {})}
+        described = manifest.get("tokenizer") or {}
+        tokens = {k: described[k] for k in ("bos", "eos", "pad") if k in described}
         with storage.reading(name):
             files = export_hf(storage.path(name), ModelConfig(**manifest["model"]), args.out,
                               dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, special_tokens=tokens)
@@ -364,12 +374,23 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from keel.data.prepare import describe, prepare
+    from keel.data.stats import format_stats, load_stats
 
+    if args.data_command == "stats":
+        stats = load_stats(args.dir)
+        print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+        return 0
     cfg = _load(args)
-    sources = args.source or cfg.data.sources
+    if args.source:
+        cfg.data.sources = {"main": SourceConfig(paths=args.source)}
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: expected at least 1")
+        cfg.data.workers = args.workers
     out = args.out or Path(cfg.data.dir)
-    manifest = prepare(sources, out, cfg.data.tokenizer, cfg.data.val_fraction, force=args.force)
-    print(f"corpus in {out}")
+    started = time.perf_counter()
+    manifest = prepare(cfg.data, out, force=args.force, progress=True)
+    print(f"corpus in {out} ({time.perf_counter() - started:.1f} s; `keel data stats {out}` for what was removed)")
     print(describe(manifest))
     return 0
 

@@ -238,7 +238,7 @@ def test_no_false_positives_over_two_thousand_clean_steps(small_corpus: Path, tm
     # The one-process run beside the two 2-process runs, one after the other.
     together(lambda: make(*runs[0]), lambda: [make(*run) for run in runs[1:]])
     checked = 0
-    for layout, nproc, steps in runs:
+    for layout, _, steps in runs:
         run_dir = tmp_path / layout
         assert events(run_dir) == [], layout
         counts = train_state(run_dir, steps)["guards"]["counts"]

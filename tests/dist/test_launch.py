@@ -23,7 +23,7 @@ def test_external_torchrun_prepares_the_corpus_once_and_trains(tmp_path: Path) -
     result = subprocess.run(cmd, cwd=tmp_path, env=keel_env(), capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr
     corpus = open_corpus(tmp_path / "data" / "stdlib")  # built by the workers, checksums verified
-    assert corpus.manifest["sources"] == ["stdlib"]
+    assert corpus.manifest["sources"]["main"]["paths"] == ["stdlib"]
     assert not list((tmp_path / "data").glob(".stdlib.tmp-*")), "no half-written corpus is left"
     run_dir = tmp_path / "runs" / "tiny"
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from keel.config import CallbackSpec, Config, load_config, reference, resolve_layout, to_toml
+from keel.config import (
+    CallbackSpec,
+    Config,
+    MixturePhase,
+    SourceConfig,
+    load_config,
+    reference,
+    resolve_layout,
+    to_toml,
+)
 from keel.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,13 +55,14 @@ def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
     assert cfg.name == path.stem
     resolve_layout(cfg, 1)
     # Every value written in the file is the value the config holds (nothing dropped or renamed).
-    raw = tomllib.loads(path.read_text())
-    for section, values in raw.items():
-        if not isinstance(values, dict):
-            assert getattr(cfg, section) == values
-            continue
-        for key, value in values.items():
-            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+    def holds(node: object, value: object, where: str) -> None:
+        if not isinstance(value, dict) or isinstance(node, dict) and not node:
+            assert node == value, where
+            return
+        for key, sub in value.items():
+            holds(node[key] if isinstance(node, dict) else getattr(node, key), sub, f"{where}.{key}".lstrip("."))
+
+    holds(cfg, tomllib.loads(path.read_text()), "")
 
 
 def test_name_defaults_to_file_stem_or_default(tmp_path: Path) -> None:
@@ -75,8 +85,6 @@ def test_missing_file_and_invalid_toml_are_config_errors(tmp_path: Path) -> None
     ("optim.min_lr_ratio=0.05", "optim", "min_lr_ratio", 0.05, float),
     ("train.deterministic=false", "train", "deterministic", False, bool),
     ("model.tie_embeddings=true", "model", "tie_embeddings", True, bool),
-    ("data.sources=['a.py', \"lib/\"]", "data", "sources", ["a.py", "lib/"], list),
-    ("data.sources=[]", "data", "sources", [], list),
     ("data.dir=some/where", "data", "dir", "some/where", str),  # not TOML: taken as a bare string
     ("data.dir=\"quoted dir\"", "data", "dir", "quoted dir", str),
     ("train.device=cpu", "train", "device", "cpu", str),
@@ -86,6 +94,28 @@ def test_override_values_are_typed(override: str, section: str, key: str, expect
                                    expected_type: type) -> None:
     value = getattr(getattr(load_config(None, [override]), section), key)
     assert value == expected and type(value) is expected_type
+
+
+def test_sources_are_named_tables_and_a_list_of_paths_is_one_source() -> None:
+    cfg = load_config(None, ["data.sources=['a.py', \"lib/\"]"])
+    assert cfg.data.sources == {"main": SourceConfig(paths=["a.py", "lib/"], weight=1.0)}
+    cfg = load_config(None, ["data.sources.web.paths=['web/']", "data.sources.web.weight=0.7",
+                             "data.sources.code.paths=['code/']", "data.sources.code.weight=0.3",
+                             "data.schedule=[{step = 900, weights = {code = 1}}]"])
+    assert cfg.data.sources == {"web": SourceConfig(["web/"], 0.7), "code": SourceConfig(["code/"], 0.3)}
+    assert cfg.data.schedule == [MixturePhase(step=900, weights={"code": 1})]
+    assert load_config(None, ["data.sources.main.weight=2"]).data.sources["main"].paths == ["stdlib"]
+
+
+@pytest.mark.parametrize(("overrides", "expect"), [
+    (["data.schedule=[{step = 5, weights = {web = 1}}]"], "data.schedule[0]: unknown source 'web'"),
+    (["data.sources.main.weight=0"], "data.sources: every weight is 0"),
+    (["data.schedule=[{step = 5, weights = {main = 1}}, {step = 5, weights = {main = 2}}]"], "must increase"),
+    (["data.sources.bad-name.paths=['x']"], "a source name is letters"),
+    (["data.tokenizer=sentencepiece"], "expected byte, bpe:VOCAB"),
+])
+def test_mixture_errors_name_the_problem(overrides: list[str], expect: str) -> None:
+    assert expect in config_error(overrides)
 
 
 def test_top_level_override() -> None:
@@ -155,8 +185,10 @@ def test_section_of_the_wrong_shape(tmp_path: Path, data: str, expect: str) -> N
     ("optim.lr=false", "optim.lr = False: expected a number"),
     ("train.deterministic=1", "train.deterministic = 1: expected true or false"),
     ("train.device=1", "train.device = '1': expected one of auto, cpu, cuda"),
-    ("data.sources=5", "data.sources = 5: expected a list"),
-    ("data.sources=['ok', 1]", "data.sources[1] = 1: expected a string"),
+    ("data.sources=5", "data.sources = 5: expected named tables, e.g. [data.sources.web]"),
+    ("data.sources=[]", "data.sources.main.paths is empty"),
+    ("data.sources.main.paths=['ok', 1]", "data.sources.main.paths[1] = 1: expected a string"),
+    ("data.sources.web.weight=-1", "data.sources.web.weight = -1.0 is out of range: must be >= 0"),
     ("optim.lr=inf", "optim.lr = inf: expected a finite number"),
     ("optim.lr=nan", "optim.lr = nan: expected a finite number"),
 ])
@@ -306,6 +338,8 @@ def _leaf_options(cls: type, prefix: str = "") -> dict[str, Any]:
             leaves |= _leaf_options(tp, f"{prefix}{f.name}.")
         elif item is not None and dataclasses.is_dataclass(item):
             leaves |= _leaf_options(item, f"{prefix}{f.name}[].")
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            leaves |= _leaf_options(typing.get_args(tp)[1], f"{prefix}{f.name}.NAME.")
         else:
             leaves[prefix + f.name] = getattr(cls(), f.name)
     return leaves
@@ -317,7 +351,7 @@ def test_reference_covers_every_leaf_option() -> None:
     leaves = _leaf_options(Config)
     assert len(keys) == len(set(keys)), "duplicate rows"
     assert set(keys) == set(leaves)
-    assert {"train.steps", "optim.lr", "data.sources", "callbacks[].path", "callbacks[].args"} <= set(keys)
+    assert {"train.steps", "optim.lr", "data.sources.NAME.paths", "callbacks[].path", "callbacks[].args"} <= set(keys)
     for key, type_name, default, help_text in rows:
         assert help_text.strip(), f"{key} has no help"
         assert type_name.startswith(type(leaves[key]).__name__), (key, type_name)
@@ -326,5 +360,6 @@ def test_reference_covers_every_leaf_option() -> None:
     # Options restricted to choices document every choice.
     help_by_key = {row[0]: row[3] for row in rows}
     for key, choices in [("train.device", ("auto", "cpu", "cuda")), ("train.precision", ("auto", "fp32", "bf16")),
-                         ("optim.schedule", ("cosine", "wsd", "constant")), ("data.tokenizer", ("byte",))]:
+                         ("optim.schedule", ("cosine", "wsd", "constant")),
+                         ("data.tokenizer", ("byte", "bpe:VOCAB", "tokenizer.json"))]:
         assert all(choice in help_by_key[key] for choice in choices), (key, help_by_key[key])

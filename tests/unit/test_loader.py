@@ -137,7 +137,8 @@ def test_resume_with_another_world_size(make_loader, before, after):
     states = [rank.state_dict() for rank in first]
     assert all(s == states[0] for s in states)
     assert states[0] == {"epoch": 2, "cursor": k * GLOBAL, "seed": 0, "fingerprint": FP,
-                         "skips": []}
+                         "skips": [], "batch": k, "consumed": {"main": k * GLOBAL},
+                         "origin": {"batch": 0, "consumed": {"main": 0}}}
 
     resumed = [make_loader(r, after) for r in range(after)]
     for rank in resumed:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import keel.data.prepare as prepare_mod
+from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
+from keel.data.prepare import prepare
 from keel.data.shards import MANIFEST, open_corpus
 from keel.data.tokenizer import ByteTokenizer
 from keel.errors import DataError
@@ -34,7 +35,6 @@ def split_documents(tokens: np.ndarray) -> list[bytes]:
 def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[bytes]]:
     """A corpus of 40 documents given as an ordered file list, with tiny shards so that each split
     spans several files: the order of documents in the shards is then the order of the sources."""
-    monkeypatch.setattr(prepare_mod, "SHARD_TOKENS", 200)
     src = tmp_path / "src"
     src.mkdir()
     docs, files = [], []
@@ -45,7 +45,10 @@ def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[
         docs.append(body.encode())
         files.append(str(path))
     out = tmp_path / "corpus"
-    prepare_mod.prepare(files, out, val_fraction=0.25)
+    # cleaning and dedup off: the shards hold exactly these documents, in this order
+    prepare(DataConfig(sources={"main": SourceConfig(paths=files)}, val_fraction=0.25, shard_tokens=200,
+                       clean=CleanConfig(enabled=False), dedup=DedupConfig(exact=False, near=False),
+                       decontam=DecontamConfig(enabled=False)), out)
     return out, docs
 
 

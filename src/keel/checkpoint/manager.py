@@ -57,7 +57,6 @@ from keel.checkpoint.manifest import (
 from keel.checkpoint.staging import HostStager
 from keel.checkpoint.storage import LATEST, Storage, locate
 from keel.config import Config
-from keel.data.tokenizer import get_tokenizer
 from keel.errors import CheckpointError
 from keel.monitor.sinks import EventLog
 from keel.train.state import TrainState, rng_state, seed_everything, set_rng_state
@@ -95,8 +94,9 @@ def _first_line(e: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: Config, run_dir: Path, layout: str, events: EventLog,
-                 on_write: Callable[[int, str], None] | None = None) -> None:
-        self.cfg, self.policy = cfg, cfg.checkpoint
+                 on_write: Callable[[int, str], None] | None = None, tokenizer: dict | None = None) -> None:
+        """`tokenizer`: the corpus tokenizer's description, recorded in every checkpoint's manifest."""
+        self.cfg, self.policy, self.tokenizer = cfg, cfg.checkpoint, tokenizer
         self.storage = checkpoint_root(cfg, run_dir)
         self.layout, self.events, self.on_write = layout, events, on_write
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -196,7 +196,7 @@ class CheckpointManager:
             manifest = {"format": FORMAT, "checksum": CHECKSUM, "step": outcome.step, "tokens_seen": tokens_seen,
                         "layout": self.layout,
                         "world_size": self.world_size, "config_digest": self.cfg.digest(),
-                        "model": asdict(self.cfg.model), "tokenizer": get_tokenizer(self.cfg.data.tokenizer).describe(),
+                        "model": asdict(self.cfg.model), "tokenizer": self.tokenizer,
                         "seed": self.cfg.train.seed,
                         "permanent": bool(self.policy.keep_every and outcome.step % self.policy.keep_every == 0),
                         "keel_version": keel.__version__, "torch_version": torch.__version__,

@@ -1,78 +1,59 @@
-"""`keel data prepare`: sources → documents → tokens → shards + manifest.json.
+"""`keel data prepare`: sources → clean → dedup → decontaminate → tokenize → fixed-size shards + manifest.
 
-The output directory appears complete or not at all: everything is written into `<dir>.tmp` and
-renamed into place last.
+Stages, each leaving a completion marker in a work directory named after everything that decides the output
+(the inputs' content and the settings), so that an interrupted prepare resumes where it stopped:
+
+1. scan, one task per input file, in parallel worker processes: read, normalise and clean the documents; keep
+   each survivor's text, exact key, split and MinHash signature in the input's own work files.
+2. dedup, in the main process: exact duplicates (first occurrence kept), then MinHash-LSH near duplicates
+   (union-find, the cluster's first document kept), across all sources and both splits.
+3. tokenizer: byte, a given tokenizer.json, or BPE trained on the deduplicated training documents.
+4. encode, one task per input file, in parallel: drop training documents that share a long n-gram with the
+   validation split or the evaluation files, and tokenize the rest.
+5. shards, in the main process: every source's tokens, in input order, cut into files of `shard_tokens` tokens.
+
+Documents are always visited in input order and every choice is a function of content, so the output is
+byte-identical whatever the number of workers and however often the prepare was interrupted. The output
+directory appears complete or not at all: it is assembled in a temporary directory and renamed into place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
+import os
 import shutil
-import sysconfig
+import struct
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
+from keel.config import DataConfig
+from keel.data.clean import Cleaner, merge_stats
+from keel.data.dedup import MinHasher, exact_key, lsh_formula, lsh_params, near_duplicate_roots, ngram_hashes
 from keel.data.shards import FORMAT_VERSION, MANIFEST, read_manifest, sha256_file, token_dtype
-from keel.data.tokenizer import ByteTokenizer, get_tokenizer
+from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
+from keel.data.stats import STATS
+from keel.data.tokenizer import Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
 from keel.errors import DataError
 
-BUILTIN_STDLIB = "stdlib"
-TEXT_SUFFIXES = (".txt", ".py", ".md")
-SUFFIXES = TEXT_SUFFIXES + (".jsonl",)
-SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
+__all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_files", "unigram_entropy"]
 
+SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call cost, bounds memory
+MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
+LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
-def stdlib_files() -> list[Path]:
-    """The running interpreter's standard library sources, without site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py")
-                  if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts))
-
-
-def source_files(sources: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for source in sources:
-        if source == BUILTIN_STDLIB:
-            files += stdlib_files()
-            continue
-        path = Path(source)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-        elif path.is_file():
-            if path.suffix not in SUFFIXES:
-                raise DataError(f"source {source!r} has an unsupported type; expected {', '.join(SUFFIXES)} files, "
-                                f"a directory of them, or '{BUILTIN_STDLIB}'")
-            files.append(path)
-        else:
-            raise DataError(f"source {source!r} does not exist; give files, directories or '{BUILTIN_STDLIB}'")
-    if not files:
-        raise DataError(f"sources {sources} hold no {', '.join(SUFFIXES)} files")
-    return files
-
-
-def documents(path: Path) -> Iterator[bytes]:
-    """One document per text file; one per line (its `text` field) of a .jsonl file."""
-    if path.suffix != ".jsonl":
-        yield path.read_bytes()
-        return
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{lineno}: expected a JSON object with a string 'text' field ({e})") from None
-            yield text.encode("utf-8")
+# One record per kept document in an input's .meta file: text offset, text length, exact key, validation flag.
+META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1")])
 
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
@@ -81,142 +62,556 @@ def is_validation(doc: bytes, val_fraction: float) -> bool:
     return bucket < val_fraction * 1_000_000
 
 
-@dataclass
-class _SplitWriter:
-    directory: Path
-    split: str
-    dtype: np.dtype
-    files: list[dict] = field(default_factory=list)
-    documents: int = 0
-    pending: list[np.ndarray] = field(default_factory=list)
-    pending_tokens: int = 0
-    counts: np.ndarray | None = None
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.documents += 1
-        self.pending.append(tokens)
-        self.pending_tokens += len(tokens)
-        if self.pending_tokens >= SHARD_TOKENS:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        data = np.concatenate(self.pending).astype(self.dtype)
-        counts = np.bincount(data, minlength=1)
-        self.counts = counts if self.counts is None else _add_counts(self.counts, counts)
-        name = f"{self.split}-{len(self.files):05d}.bin"
-        data.tofile(self.directory / name)
-        self.files.append({"name": name, "split": self.split, "tokens": int(len(data)),
-                           "sha256": sha256_file(self.directory / name)})
-        self.pending, self.pending_tokens = [], 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(f["tokens"] for f in self.files)
-
-
-def _add_counts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = np.zeros(max(len(a), len(b)), dtype=np.int64)
-    out[: len(a)] += a
-    out[: len(b)] += b
-    return out
-
-
 def unigram_entropy(counts: np.ndarray) -> float:
     """Entropy in nats of the token frequencies: the loss of a model that learns only frequencies."""
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
-def source_fingerprint(files: list[Path]) -> str:
-    h = hashlib.sha256()
-    for path in files:
-        h.update(f"{path.name}\0{sha256_file(path)}\0".encode())
+# ---------------------------------------------------------------- settings and work directory
+
+def _settings(data: DataConfig) -> dict:
+    """Everything that decides the output, and nothing that does not (the number of workers)."""
+    return {"format_version": FORMAT_VERSION,
+            "sources": {name: s.paths for name, s in data.sources.items()},
+            "tokenizer": data.tokenizer, "val_fraction": data.val_fraction, "text_field": data.text_field,
+            "shard_tokens": data.shard_tokens, "clean": dataclasses.asdict(data.clean),
+            "dedup": dataclasses.asdict(data.dedup), "decontam": dataclasses.asdict(data.decontam)}
+
+
+def _content_fingerprint(settings: dict, inputs: list[InputFile], evals: list[InputFile],
+                         tokenizer_file: Path | None) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for f in [*inputs, *evals]:
+        h.update(f"{f.source}\0{f.path.name}\0{sha256_file(f.path)}\0".encode())
+    if tokenizer_file is not None:
+        h.update(sha256_file(tokenizer_file).encode())
     return h.hexdigest()
 
 
-def prepare(sources: list[str], out: str | Path, tokenizer_name: str = "byte", val_fraction: float = 0.01,
-            force: bool = False) -> dict:
-    """Build the corpus at `out` and return its manifest. An existing corpus built from the same
-    sources is kept as it is; a different one is replaced only with `force`. Concurrent calls for
-    the same `out` (every worker of a job started by an external launcher) prepare it once."""
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _mark(path: Path, record: dict) -> None:
+    _atomic_write(path, json.dumps(record, sort_keys=True).encode())
+
+
+def _marked(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ---------------------------------------------------------------- progress
+
+class Progress:
+    """One line of progress: done/total MB, MB/s and ETA; redrawn in place on a terminal, else every 10 s."""
+
+    def __init__(self, label: str, total_bytes: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled = label, total_bytes, enabled
+        self.done, self.files, self.start, self.last = 0, 0, time.monotonic(), 0.0
+        self.tty = enabled and sys.stderr.isatty()
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.files += 1
+        now = time.monotonic()
+        if self.enabled and (self.tty or now - self.last >= 10 or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else 0.0
+            line = (f"{self.label}: {self.files} files, {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, "
+                    f"{rate / 1e6:,.1f} MB/s, ETA {eta:,.0f} s")
+            print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def _one_thread() -> None:
+    """A worker process keeps to one core: the workers are the parallelism (Hugging Face's encoder would
+    otherwise start a thread per core in each of them)."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+def _run_tasks(task: Callable, items: list[tuple], workers: int, progress: Progress) -> None:
+    """Run `task(*item)` for every item, in worker processes when there are several, advancing the progress
+    by each item's first element's size. Results are files with markers, so the order of completion is free."""
+    if workers <= 1 or len(items) <= 1:
+        for item in items:
+            task(*item)
+            progress.advance(item[0].size)
+        return
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_one_thread) as pool:
+        futures = {pool.submit(task, *item): item for item in items}
+        for future in futures:  # in submission order; the first error is raised, the rest are cancelled
+            try:
+                future.result()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+            progress.advance(futures[future][0].size)
+
+
+# ---------------------------------------------------------------- stage 1: scan
+
+def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
+    """Clean one input's documents; write their text, metadata and MinHash signatures; mark it done."""
+    marker = work / f"{index:06d}.scan"
+    if marker.is_file():
+        return
+    cleaner, malformed = Cleaner(data.clean), []
+    hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
+    part = f".{os.getpid()}.tmp"
+    paths = {kind: work / f"{index:06d}.{kind}" for kind in ("text", "meta", "sig")}
+    tmp = {kind: p.with_name(p.name + part) for kind, p in paths.items()}
+    documents = source_bytes = 0
+    with open(tmp["text"], "wb") as text_out, open(tmp["meta"], "wb") as meta_out, open(tmp["sig"], "wb") as sig_out:
+        batch: list[str] = []
+        metas: list[tuple] = []
+
+        def flush() -> None:
+            if batch:
+                sig_out.write(np.ascontiguousarray(hasher.signatures(batch), dtype="<u4").tobytes())
+                meta_out.write(np.array(metas, dtype=META).tobytes())
+                batch.clear()
+                metas.clear()
+
+        offset = 0
+        for number, text in enumerate(read_documents(f, data.text_field, malformed)):
+            documents += 1
+            source_bytes += len(text.encode("utf-8"))
+            cleaned, _ = cleaner.clean(text, f.is_code, f"{f.path}#{number}")
+            if cleaned is None:
+                continue
+            body = cleaned.encode("utf-8")
+            text_out.write(body)
+            metas.append((offset, len(body), exact_key(cleaned), is_validation(body, data.val_fraction)))
+            offset += len(body)
+            batch.append(cleaned)
+            if len(batch) >= SIGNATURE_BATCH:
+                flush()
+        flush()
+    for kind in paths:
+        os.replace(tmp[kind], paths[kind])
+    _mark(marker, {"documents": documents, "source_bytes": source_bytes, "malformed": len(malformed),
+                   "malformed_shown": malformed[:MALFORMED_SHOWN], "clean": cleaner.stats()})
+
+
+def _texts(work: Path, index: int, meta: np.ndarray, rows: np.ndarray) -> Iterator[tuple[int, str]]:
+    """(row, text) of an input's kept documents `rows`, streamed from its text file."""
+    with open(work / f"{index:06d}.text", "rb") as f:
+        for row in rows:
+            f.seek(int(meta["offset"][row]))
+            yield int(row), f.read(int(meta["length"][row])).decode("utf-8", errors="replace")
+
+
+def _read_meta(work: Path, index: int) -> np.ndarray:
+    return np.fromfile(work / f"{index:06d}.meta", dtype=META)
+
+
+# ---------------------------------------------------------------- stage 2: dedup
+
+def _dedup(work: Path, inputs: list[InputFile], data: DataConfig) -> dict:
+    """Decide which documents survive deduplication: writes `keep.npy` (one flag per scanned document, in input
+    order) and the counts. Exact duplicates first; near duplicates among the rest."""
+    marker = work / "dedup.done"
+    if (done := _marked(marker)) is not None:
+        return done
+    metas = [_read_meta(work, i) for i in range(len(inputs))]
+    keys = np.concatenate([m["key"] for m in metas]) if metas else np.empty(0, dtype="V16")
+    total = len(keys)
+    alive = np.zeros(total, dtype=bool)
+    first_of = np.arange(total)  # the document each exact duplicate repeats
+    if data.dedup.exact and total:
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        alive[first] = True
+        first_of = first[inverse.ravel()]
+    else:
+        alive[:] = True
+    exact = int(total - alive.sum())
+    dc = data.dedup
+    bands, rows = (dc.bands, dc.rows) if dc.bands and dc.rows else lsh_params(dc.threshold, dc.num_perm)
+    near, near_dup, roots = 0, np.zeros(total, dtype=bool), np.arange(total)
+    if dc.near and total:
+        signatures = _signatures(work, len(inputs), total, dc.num_perm)
+        roots = near_duplicate_roots(signatures, bands, rows, dc.threshold, alive)
+        near_dup = alive & (roots != np.arange(total))
+        near = int(near_dup.sum())
+        alive &= ~near_dup
+        np.save(work / "roots.npy", roots)
+    np.save(work / "keep.npy", alive)
+    samples = {"exact_duplicate": _samples(work, inputs, metas, np.nonzero(~alive & ~near_dup)[0], first_of,
+                                           data.clean.samples),
+               "near_duplicate": _samples(work, inputs, metas, np.nonzero(near_dup)[0], roots, data.clean.samples)}
+    record = {"documents": total, "exact_duplicates": exact, "near_duplicates": near, "samples": samples,
+              "lsh": {"threshold": dc.threshold, "num_perm": dc.num_perm, "bands": bands, "rows": rows,
+                      "shingle": f"{dc.shingle} {dc.ngram}-grams", "formula": lsh_formula(bands, rows)}}
+    _mark(marker, record)
+    return record
+
+
+def _samples(work: Path, inputs: list[InputFile], metas: list[np.ndarray], removed: np.ndarray, kept: np.ndarray,
+             limit: int) -> list[dict]:
+    """The first `limit` removed documents, each with the origin of the document that was kept instead."""
+    bounds = np.concatenate([[0], np.cumsum([len(m) for m in metas])]).astype(np.int64)
+
+    def locate(doc: int) -> tuple[int, int]:
+        i = int(np.searchsorted(bounds, doc, side="right") - 1)
+        return i, doc - int(bounds[i])
+
+    out = []
+    for doc in removed[:limit]:
+        i, row = locate(int(doc))
+        ki, krow = locate(int(kept[doc]))
+        (_, text), = _texts(work, i, metas[i], np.array([row]))
+        out.append({"origin": f"{inputs[i].path}#{row}", "kept": f"{inputs[ki].path}#{krow}", "text": text[:2000]})
+    return out
+
+
+def _signatures(work: Path, n_inputs: int, total: int, num_perm: int) -> np.ndarray:
+    """All signatures as one memmap, (documents, num_perm), built by appending the inputs' files."""
+    path = work / "signatures.u4"
+    if not path.is_file() or path.stat().st_size != total * num_perm * 4:
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as out:
+            for i in range(n_inputs):
+                with open(work / f"{i:06d}.sig", "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        os.replace(tmp, path)
+    return np.memmap(path, dtype="<u4", mode="r", shape=(total, num_perm))
+
+
+def _keep_slices(work: Path, inputs: list[InputFile]) -> list[np.ndarray]:
+    """Per input, the rows of its scanned documents that survived deduplication."""
+    keep = np.load(work / "keep.npy")
+    sizes = [len(_read_meta(work, i)) for i in range(len(inputs))]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return [np.nonzero(keep[bounds[i]:bounds[i + 1]])[0] for i in range(len(inputs))]
+
+
+# ---------------------------------------------------------------- stage 3: tokenizer
+
+def _tokenizer(work: Path, inputs: list[InputFile], data: DataConfig) -> Tokenizer:
+    kind, arg = parse_tokenizer_spec(data.tokenizer)
+    marker = work / "tokenizer.done"
+    if kind == "byte":
+        tokenizer = open_tokenizer(work, {"name": "byte"})
+        _mark(marker, tokenizer.describe())
+        return tokenizer
+    if kind == "file":
+        shutil.copyfile(arg, work / "tokenizer.json")
+    elif _marked(marker) is None:
+        keep = _keep_slices(work, inputs)
+
+        def training_texts() -> Iterator[str]:
+            for i, rows in enumerate(keep):
+                meta = _read_meta(work, i)
+                rows = rows[meta["val"][rows] == 0]
+                for _, text in _texts(work, i, meta, rows):
+                    yield text
+
+        train_bpe(training_texts(), arg).save(work)
+    tokenizer = open_tokenizer(work, {"name": kind, "file": "tokenizer.json",
+                                      "sha256": sha256_file(work / "tokenizer.json")})
+    _mark(marker, tokenizer.describe())
+    return tokenizer
+
+
+# ---------------------------------------------------------------- stage 4: encode
+
+def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: np.ndarray) -> None:
+    """Tokenize one input's surviving documents, dropping contaminated training ones; writes per split a token
+    file and the documents' token counts, and marks the input done."""
+    marker = work / f"{index:06d}.encode"
+    if marker.is_file():
+        return
+    tokenizer = open_tokenizer(work, json.loads((work / "tokenizer.done").read_text()))
+    banned = np.load(work / "contamination.npy", mmap_mode="r") if data.decontam.enabled else None
+    meta = _read_meta(work, index)
+    dtype = token_dtype(tokenizer.vocab_size)
+    part = f".{os.getpid()}.tmp"
+    outputs = {split: (work / f"{index:06d}.{split}.tok", work / f"{index:06d}.{split}.len") for split in SPLITS}
+    contaminated, samples = 0, []
+    with ExitStack() as stack:
+        files = {split: (stack.enter_context(open(a.with_name(a.name + part), "wb")),
+                         stack.enter_context(open(b.with_name(b.name + part), "wb")))
+                 for split, (a, b) in outputs.items()}
+        pending: list[tuple[int, str]] = []
+
+        def flush() -> None:
+            for (row, _), tokens in zip(pending, tokenizer.encode_documents([t for _, t in pending]), strict=True):
+                tok_out, len_out = files["val" if meta["val"][row] else "train"]
+                tok_out.write(tokens.astype(dtype).tobytes())
+                len_out.write(struct.pack("<Q", len(tokens)))
+            pending.clear()
+
+        for row, text in _texts(work, index, meta, rows):
+            if banned is not None and not meta["val"][row] and _contaminated(text, data.decontam.ngram, banned):
+                contaminated += 1
+                if len(samples) < data.clean.samples:
+                    samples.append({"origin": f"{f.path}#{row}", "text": text[:2000]})
+                continue
+            pending.append((row, text))
+            if len(pending) >= SIGNATURE_BATCH:
+                flush()
+        flush()
+    for a, b in outputs.values():
+        os.replace(a.with_name(a.name + part), a)
+        os.replace(b.with_name(b.name + part), b)
+    _mark(marker, {"contaminated": contaminated, "samples": samples})
+
+
+SPLITS = ("train", "val")
+
+
+def _contaminated(text: str, n: int, banned: np.ndarray) -> bool:
+    grams = ngram_hashes(text, n)
+    if not len(grams) or not len(banned):
+        return False
+    at = np.searchsorted(banned, grams).clip(max=len(banned) - 1)
+    return bool((banned[at] == grams).any())
+
+
+def _contamination_set(work: Path, inputs: list[InputFile], evals: list[InputFile], data: DataConfig) -> dict:
+    """The sorted n-gram hashes that training documents must not share: those of the kept validation documents
+    and of the evaluation files."""
+    marker = work / "contamination.done"
+    if (done := _marked(marker)) is not None:
+        return done
+    grams: list[np.ndarray] = []
+    n = data.decontam.ngram
+    for i, rows in enumerate(_keep_slices(work, inputs)):
+        meta = _read_meta(work, i)
+        for _, text in _texts(work, i, meta, rows[meta["val"][rows] == 1]):
+            grams.append(ngram_hashes(text, n))
+    malformed: list[str] = []
+    eval_documents = 0
+    for f in evals:
+        for text in read_documents(f, data.text_field, malformed):
+            eval_documents += 1
+            grams.append(ngram_hashes(text, n))
+    banned = np.unique(np.concatenate(grams)) if grams else np.empty(0, dtype=np.uint64)
+    np.save(work / "contamination.npy", banned)
+    record = {"ngrams": int(len(banned)), "eval_files": len(evals), "eval_documents": eval_documents}
+    _mark(marker, record)
+    return record
+
+
+# ---------------------------------------------------------------- stage 5: shards
+
+def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConfig, dtype: np.dtype,
+                  tokenizer: Tokenizer) -> tuple[list[dict], dict]:
+    """Cut every source's tokens (inputs in order) into files of `shard_tokens` tokens; returns the file entries
+    and per source and split: documents, tokens, text bytes, token counts and document lengths."""
+    vocab_size, token_bytes = tokenizer.vocab_size, tokenizer.token_bytes()
+    entries: list[dict] = []
+    totals: dict = {}
+    for source in data.sources:
+        for split in SPLITS:
+            counts = np.zeros(vocab_size, dtype=np.int64)
+            lengths: list[np.ndarray] = []
+            writer = _ShardWriter(tmp, f"{source}-{split}", source, split, dtype, data.shard_tokens, entries)
+            for i, f in enumerate(inputs):
+                if f.source != source:
+                    continue
+                tokens = np.fromfile(work / f"{i:06d}.{split}.tok", dtype=dtype)
+                lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
+                counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+                writer.write(tokens)
+            writer.close()
+            doc_lengths = np.concatenate(lengths) if lengths else np.empty(0, dtype="<u8")
+            totals[(source, split)] = {"documents": int(len(doc_lengths)), "tokens": writer.written,
+                                       "bytes": int(counts @ token_bytes), "counts": counts, "lengths": doc_lengths}
+    return entries, totals
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, prefix: str, source: str, split: str, dtype: np.dtype, size: int,
+                 entries: list[dict]) -> None:
+        self.directory, self.prefix, self.source, self.split = directory, prefix, source, split
+        self.dtype, self.size, self.entries = dtype, size, entries
+        self.file, self.in_file, self.written, self.number = None, 0, 0, 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.name = f"{self.prefix}-{self.number:05d}.bin"
+                # open across calls: one shard takes the tokens of many inputs
+                self.file = open(self.directory / self.name, "wb")  # noqa: SIM115
+                self.in_file, self.hash = 0, hashlib.sha256()
+            take = tokens[: self.size - self.in_file]
+            data = take.astype(self.dtype).tobytes()
+            self.file.write(data)
+            self.hash.update(data)
+            self.in_file += len(take)
+            self.written += len(take)
+            tokens = tokens[len(take):]
+            if self.in_file == self.size:
+                self._end()
+
+    def _end(self) -> None:
+        self.file.close()
+        self.entries.append({"name": self.name, "source": self.source, "split": self.split, "tokens": self.in_file,
+                             "sha256": self.hash.hexdigest()})
+        self.file, self.number = None, self.number + 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self._end()
+
+
+# ---------------------------------------------------------------- the whole prepare
+
+def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bool = False) -> dict:
+    """Build the corpus at `out` and return its manifest. An existing corpus built from the same inputs and
+    settings is kept as it is; a different one is replaced only with `force`, and only once the new one is
+    complete; `force` never rebuilds an identical one. Concurrent calls for the same `out` (every worker of a job
+    started by an external launcher) prepare it once."""
     out = Path(out)
-    tokenizer = get_tokenizer(tokenizer_name)
-    files = source_files(sources)
+    parse_tokenizer_spec(data.tokenizer)
+    inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()})
+    evals = resolve_inputs({"eval": data.decontam.eval_files}) if data.decontam.eval_files else []
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _prepare_locked(files, sources, out, tokenizer, val_fraction, force)
+        return _prepare_locked(data, inputs, evals, out, force, progress)
 
 
-def _prepare_locked(files: list[Path], sources: list[str], out: Path, tokenizer: ByteTokenizer,
-                    val_fraction: float, force: bool) -> dict:
-    started = time.time()
-    fingerprint_of_sources = source_fingerprint(files)
+def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[InputFile], out: Path, force: bool,
+                    progress: bool) -> dict:
+    kind, arg = parse_tokenizer_spec(data.tokenizer)
+    settings = _settings(data)
+    fingerprint = _content_fingerprint(settings, inputs, evals, arg if kind == "file" else None)
     if (out / MANIFEST).exists():
-        existing = read_manifest(out)
-        same = (existing.get("source_fingerprint") == fingerprint_of_sources
-                and existing.get("tokenizer", {}).get("name") == tokenizer.name
-                and existing.get("val_fraction") == val_fraction)
-        if same and not force:
-            return existing
+        try:
+            existing = json.loads((out / MANIFEST).read_text())
+        except json.JSONDecodeError:
+            existing = {}  # damaged: another corpus as far as replacing it goes
+        if existing.get("prepare_fingerprint") == fingerprint:
+            return read_manifest(out)
         if not force:
             raise DataError(f"{str(out)!r} already holds a corpus prepared from other sources or settings; "
                             f"choose another --out or pass --force to replace it")
     elif out.exists() and any(out.iterdir()):
         raise DataError(f"{str(out)!r} exists and is not a prepared corpus; choose an empty or new --out directory")
 
+    work = out.parent / f".{out.name}.work-{fingerprint[:16]}"
+    work.mkdir(exist_ok=True)
+    workers = data.workers or min(8, os.cpu_count() or 1)
+    total_bytes = sum(f.size for f in inputs)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+
+    bar = Progress("clean and hash", total_bytes, progress)
+    _run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
+    bar.finish()
+    scans = [_marked(work / f"{i:06d}.scan") for i in range(len(inputs))]
+    say("deduplicating ...")
+    dedup = _dedup(work, inputs, data)
+    tokenizer = _tokenizer(work, inputs, data)
+    if data.decontam.enabled:
+        contamination = _contamination_set(work, inputs, evals, data)
+    keep = _keep_slices(work, inputs)
+    bar = Progress("decontaminate and tokenize", total_bytes, progress)
+    _run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
+    bar.finish()
+    encodes = [_marked(work / f"{i:06d}.encode") for i in range(len(inputs))]
+
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        manifest = _write_corpus(tmp, files, sources, tokenizer, val_fraction, fingerprint_of_sources, started)
+        dtype = token_dtype(tokenizer.vocab_size)
+        entries, totals = _write_shards(work, tmp, inputs, data, dtype, tokenizer)
+        tokenizer.save(tmp)
+        stats = _stats(inputs, scans, dedup, encodes, totals, tokenizer,
+                       contamination if data.decontam.enabled else None)
+        for split in SPLITS:
+            if not any(totals[(s, split)]["documents"] for s in data.sources):
+                raise DataError(f"sources {', '.join(data.sources)} give {stats['documents']['train']} training and "
+                                f"{stats['documents']['val']} validation documents after cleaning and dedup; both "
+                                f"splits need at least one (more documents or another data.val_fraction)")
+        _write_removed(tmp, scans, dedup, encodes, data.clean.samples)
+        corpus_fp = hashlib.sha256(json.dumps([tokenizer.describe(), [e["sha256"] for e in entries]])
+                                   .encode()).hexdigest()
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "sources": {name: {"paths": s.paths, "files": sum(f.source == name for f in inputs)}
+                        for name, s in data.sources.items()},
+            "source_files": len(inputs),
+            "source_bytes": stats["source_bytes"],
+            "prepare_fingerprint": fingerprint,
+            "settings": settings,
+            "tokenizer": tokenizer.describe(),
+            "dtype": dtype.name,
+            "val_fraction": data.val_fraction,
+            "documents": stats["documents"],
+            "tokens": stats["tokens"],
+            "text_bytes": stats["text_bytes"],  # the UTF-8 bytes the tokens stand for: bits per byte
+            "files": entries,
+            "fingerprint": corpus_fp,
+            "stats": {"unigram_entropy_nats": stats["unigram_entropy_nats"],
+                      "tokens_per_byte": stats["tokens_per_byte"]},
+        }
+        (tmp / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(tmp, out)
+    shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
-def _write_corpus(tmp: Path, files: list[Path], sources: list[str], tokenizer: ByteTokenizer, val_fraction: float,
-                  fingerprint_of_sources: str, started: float) -> dict:
-    dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: _SplitWriter(tmp, s, dtype) for s in ("train", "val")}
-    source_bytes = 0
-    for path in files:
-        for doc in documents(path):
-            source_bytes += len(doc)
-            writers["val" if is_validation(doc, val_fraction) else "train"].add(tokenizer.encode_document(doc))
-    for writer in writers.values():
-        writer.flush()
-    if not writers["train"].files or not writers["val"].files:
-        raise DataError(f"sources {sources} give {writers['train'].documents} training and {writers['val'].documents} "
-                        f"validation documents; both splits need at least one (more documents or another "
-                        f"data.val_fraction)")
-    shard_files = writers["train"].files + writers["val"].files
-    fingerprint = hashlib.sha256(json.dumps([tokenizer.describe(), [f["sha256"] for f in shard_files]])
-                                 .encode()).hexdigest()
-    train_tokens = writers["train"].tokens
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "sources": sources,
-        "source_files": len(files),
+def _stats(inputs: list[InputFile], scans: list[dict], dedup: dict, encodes: list[dict], totals: dict,
+           tokenizer: Tokenizer, contamination: dict | None) -> dict:
+    clean = merge_stats([s["clean"] for s in scans])
+    split_docs = {split: sum(v["documents"] for (_, s), v in totals.items() if s == split) for split in SPLITS}
+    split_tokens = {split: sum(v["tokens"] for (_, s), v in totals.items() if s == split) for split in SPLITS}
+    split_bytes = {split: sum(v["bytes"] for (_, s), v in totals.items() if s == split) for split in SPLITS}
+    counts = sum(v["counts"] for (_, s), v in totals.items() if s == "train")
+    lengths = np.concatenate([v["lengths"] for v in totals.values()])
+    histogram, _ = np.histogram(lengths, bins=LENGTH_BINS)
+    source_bytes = sum(s["source_bytes"] for s in scans)
+    sources: dict = {}
+    for (name, split), v in totals.items():
+        sources.setdefault(name, {"files": sum(f.source == name for f in inputs)})
+        sources[name][f"{split}_documents"] = v["documents"]
+        sources[name][f"{split}_tokens"] = v["tokens"]
+    return {
+        "documents_in": sum(s["documents"] for s in scans),
+        "documents_out": split_docs["train"] + split_docs["val"],
+        "documents": split_docs,
+        "tokens": split_tokens,
+        "text_bytes": split_bytes,
         "source_bytes": source_bytes,
-        "source_fingerprint": fingerprint_of_sources,
+        "malformed": sum(s["malformed"] for s in scans),
+        "malformed_lines": [line for s in scans for line in s["malformed_shown"]][:MALFORMED_SHOWN],
+        "removed_by_filter": clean["removed"],
+        "changed_by_filter": clean["changed"],
+        "exact_duplicates": dedup["exact_duplicates"],
+        "near_duplicates": dedup["near_duplicates"],
+        "decontaminated": sum(e["contaminated"] for e in encodes),
+        "contamination": contamination,
+        "lsh": dedup["lsh"],
+        "sources": sources,
         "tokenizer": tokenizer.describe(),
-        "dtype": dtype.name,
-        "val_fraction": val_fraction,
-        "documents": {s: w.documents for s, w in writers.items()},
-        "tokens": {s: w.tokens for s, w in writers.items()},
-        "files": shard_files,
-        "fingerprint": fingerprint,
-        "stats": {
-            "unigram_entropy_nats": unigram_entropy(writers["train"].counts),
-            "tokens_per_byte": (train_tokens + writers["val"].tokens) / max(1, source_bytes),
-            "prepare_seconds": round(time.time() - started, 3),
-        },
+        "tokens_per_byte": (split_tokens["train"] + split_tokens["val"]) / max(1, source_bytes),
+        "unigram_entropy_nats": unigram_entropy(counts) if counts.sum() else 0.0,
+        "length_histogram": {"bins_tokens": LENGTH_BINS[:-1], "documents": histogram.tolist()},
+        "removed_samples": "removed/<filter>.jsonl",
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+
+
+def _write_removed(tmp: Path, scans: list[dict], dedup: dict, encodes: list[dict], limit: int) -> None:
+    """A sample of what every filter removed, for inspection: removed/<filter>.jsonl."""
+    samples = merge_stats([s["clean"] for s in scans])["samples"]
+    samples.update(dedup["samples"])
+    samples["decontaminated"] = [s for e in encodes for s in e["samples"]][:limit]
+    (tmp / "removed").mkdir()
+    for name, docs in samples.items():
+        if docs:
+            (tmp / "removed" / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from keel.errors import DataError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards per source (a file without "source" belongs to the one source, "main")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -34,6 +34,7 @@ class Corpus:
     dir: Path
     manifest: dict
     splits: dict[str, list[np.memmap]]
+    sources: dict[str, list[np.memmap]]  # the training shards of every source, in the manifest's order
 
     @property
     def fingerprint(self) -> str:
@@ -57,6 +58,10 @@ def read_manifest(directory: Path) -> dict:
         manifest["files"], manifest["fingerprint"]  # noqa: B018 - required keys
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"{str(path)!r} is not a valid corpus manifest ({e}); prepare the corpus again") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{str(directory)!r} was prepared in corpus format {manifest.get('format_version')}, this keel "
+                        f"reads format {FORMAT_VERSION}; prepare it again (`keel data prepare --out {directory} "
+                        f"--force`)")
     return manifest
 
 
@@ -67,6 +72,7 @@ def open_corpus(directory: str | Path, verify_checksums: bool = True) -> Corpus:
     manifest = read_manifest(directory)
     dtype = np.dtype(manifest["dtype"])
     splits: dict[str, list[np.memmap]] = {"train": [], "val": []}
+    sources: dict[str, list[np.memmap]] = {}
     for entry in manifest["files"]:
         path = directory / entry["name"]
         expected = entry["tokens"] * dtype.itemsize
@@ -78,5 +84,8 @@ def open_corpus(directory: str | Path, verify_checksums: bool = True) -> Corpus:
         if verify_checksums and sha256_file(path) != entry["sha256"]:
             raise DataError(f"shard {str(path)!r} fails its sha256 check against the manifest: altered or "
                             f"corrupt; prepare the corpus again")
-        splits[entry["split"]].append(np.memmap(path, dtype=dtype, mode="r"))
-    return Corpus(directory, manifest, splits)
+        shard = np.memmap(path, dtype=dtype, mode="r")
+        splits[entry["split"]].append(shard)
+        if entry["split"] == "train":
+            sources.setdefault(entry.get("source", "main"), []).append(shard)
+    return Corpus(directory, manifest, splits, sources)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -17,9 +19,10 @@ from keel.callbacks import load_callbacks
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
 from keel.config import Config, resolve_layout, to_toml
-from keel.data.loader import GlobalOrderLoader, validation_batches
-from keel.data.shards import open_corpus
-from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigError, KeelError
+from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
+from keel.data.shards import Corpus, open_corpus
+from keel.data.tokenizer import open_tokenizer
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigError, DataError, KeelError
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
@@ -182,14 +185,21 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     parts, stages = build_model_parts(cfg, mesh, dtype)
     optimizers = [build_optimizer(part, cfg.optim) for part in parts]
     pipeline = Pipeline(cfg, mesh, parts, stages, optimizers, tp) if mesh.layout.pp > 1 else None
+    if set(corpus.sources) != set(cfg.data.sources):
+        raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config names "
+                        f"{', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the corpus again")
     loader = GlobalOrderLoader(
-        corpus.splits["train"], seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-        micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=cfg.train.seed,
+        corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
+        schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
+        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
+        dp_size=mesh.layout.dp, seed=cfg.train.seed,
         fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
                                      micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.layout.dp)
-    manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write)
+    val_nats_to_bpb, train_nats_to_bpb = nats_to_bits_per_byte(corpus, cfg.train.seq_len, cfg.eval.sequences)
+    manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write,
+                                tokenizer=corpus.manifest["tokenizer"])
     stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
                       loss_parallel=tp)
     guards = Guards(cfg, mesh, parts, optimizers, stepper.params, loader, manager, callbacks.guards(), events, say,
@@ -368,7 +378,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 registry.add("memory/peak_bytes_max_rank", peak_memory(ctx.device), reduce="max")
                 reduced = registry.reduce()  # the interval's one reduction of every metric
                 report.update_norm = reduced.pop("optim/update_norm_sq") ** 0.5
-                metrics.update({"train/loss": train_loss, "optim/grad_norm": report.grad_norm,
+                metrics.update({"train/loss": train_loss, "train/bpb": train_loss * train_nats_to_bpb,
+                                **{f"data/tokens/{name}": n for name, n in loader.tokens_by_source().items()},
+                                "optim/grad_norm": report.grad_norm,
                                 "optim/update_norm": report.update_norm,
                                 "train/tokens_seen": state.tokens_seen, **meter.window(), **reduced, **comm.last,
                                 **guards.metrics(), **straggler.last})
@@ -388,9 +400,10 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                     val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
                                          evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
                 watchdog.end()
-                monitor.publish({"step": state.step, "val/loss": val_loss})
-                metrics["val/loss"] = val_loss
-                say(f"step {state.step}: validation loss {val_loss:.4f}")
+                val_bpb = val_loss * val_nats_to_bpb
+                monitor.publish({"step": state.step, "val/loss": val_loss, "val/bpb": val_bpb})
+                metrics.update({"val/loss": val_loss, "val/bpb": val_bpb})
+                say(f"step {state.step}: validation loss {val_loss:.4f} ({val_bpb:.4f} bits per byte)")
                 callbacks.on_eval(state, val_loss)
 
             with monitor.phase("guard_checks") as checking:
@@ -431,6 +444,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
 
     callbacks.on_end(state)
     summary = {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss,
+               "val_bpb": val_loss * val_nats_to_bpb, "tokenizer": corpus.manifest["tokenizer"]["name"],
                "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"],
                "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
                "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
@@ -482,6 +496,18 @@ def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, che
     status("paused", reason=reason)
     say(f"paused at step {step} ({reason}): {where}; run the same command to resume")
     return EXIT_PAUSED
+
+
+def nats_to_bits_per_byte(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[float, float]:
+    """Factors from a mean loss in nats per token to bits per byte of text, which compares runs whatever their
+    tokenizer: exact for the fixed validation set (the bytes its target tokens stand for); for training, the
+    training split's average bytes per token."""
+    token_bytes = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"]).token_bytes()
+    targets = SequenceIndex(corpus.splits["val"], seq_len).tokens(np.arange(val_sequences))[:, 1:]
+    val_bytes = int(token_bytes[targets].sum())
+    text = corpus.manifest["text_bytes"]["train"]
+    return (targets.size / (max(1, val_bytes) * math.log(2)),
+            corpus.manifest["tokens"]["train"] / (max(1, text) * math.log(2)))
 
 
 def _validate(sums: tuple[torch.Tensor, torch.Tensor]) -> float:

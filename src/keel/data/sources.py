@@ -1,0 +1,247 @@
+"""Input sources of `keel data prepare`: which files make up each named source, and their documents.
+
+`resolve_inputs` turns the configured paths of every source (files, directories, globs or 'stdlib')
+into one deterministic list of `InputFile`s, failing early with a one-line `DataError` on anything
+that would otherwise surface hours later: a missing path, a type we cannot read, an unreadable or
+empty file, a source that holds nothing, or a file claimed by two sources (it would be counted twice
+and tilt the mixture).
+
+`read_documents` streams one file's documents as `str`. A text file is one document; every line of
+a JSON Lines file (plain or gzip) and every row of a Parquet file is one. Damage inside a file does
+not stop a long preparation: a bad line or a null row is appended to the caller's `malformed` list
+as `path:line N: reason` and reading goes on; a truncated or corrupt compressed stream ends that
+file with a `path: reason` entry. Memory stays bounded by the largest single document: lines are
+read one at a time and Parquet in small record batches.
+
+Every document comes out as valid Unicode that encodes to UTF-8: undecodable bytes of text files
+become U+FFFD, and so do the lone surrogates that JSON `\\ud800` escapes can produce.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.errors import DataError
+
+BUILTIN_STDLIB = "stdlib"
+CODE_SUFFIXES = (".py",)
+TEXT_SUFFIXES = (".txt", ".md", ".rst") + CODE_SUFFIXES
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+PARQUET_SUFFIXES = (".parquet",)
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+PARQUET_BATCH_ROWS = 1024  # rows per record batch: bounds memory on files of long documents
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One file of a named source; `kind` is how its documents are read: text, jsonl or parquet."""
+
+    source: str
+    path: Path
+    kind: str
+
+    @property
+    def is_code(self) -> bool:
+        return self.path.suffix in CODE_SUFFIXES
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk (compressed size for .jsonl.gz and .parquet)."""
+        return self.path.stat().st_size
+
+
+def stdlib_files() -> list[Path]:
+    """The running interpreter's standard library sources, without site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts))
+
+
+def file_kind(path: Path) -> str | None:
+    """text, jsonl or parquet by the file name's ending; None for a type we do not read."""
+    name = path.name
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if path.suffix in TEXT_SUFFIXES:
+        return "text"
+    return None
+
+
+def _supported() -> str:
+    return ", ".join(SUFFIXES[:-1]) + " or " + SUFFIXES[-1]
+
+
+def _walk(directory: Path) -> list[Path]:
+    """Supported files under `directory`, sorted; hidden files and directories (.git, .cache) are skipped."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        found += [Path(root, f) for f in files if not f.startswith(".") and file_kind(Path(f))]
+    return sorted(found)
+
+
+def _expand(source: str, entry: str) -> list[Path]:
+    """The files one configured path entry names. Files met inside directories or through a glob are
+    filtered by type and empty ones skipped (an empty `__init__.py` holds no document); a file named
+    directly must be readable as it is."""
+    if entry == BUILTIN_STDLIB:
+        return [p for p in stdlib_files() if p.stat().st_size > 0]
+    where = f"source {source!r}: path {entry!r}"
+    if _GLOB_CHARS.search(entry) and not Path(entry).exists():
+        matches = sorted(glob.glob(entry, recursive=True))
+        if not matches:
+            raise DataError(f"{where} matches no files; give existing files, directories or globs "
+                            f"(*, ?, [...], **), or '{BUILTIN_STDLIB}'")
+        found: list[Path] = []
+        for match in map(Path, matches):
+            if match.is_dir():
+                found += _walk(match)
+            elif file_kind(match):
+                found.append(match)
+        return [p for p in found if p.stat().st_size > 0]
+    path = Path(entry)
+    if path.is_dir():
+        return [p for p in _walk(path) if p.stat().st_size > 0]
+    if not path.exists():
+        raise DataError(f"{where} does not exist; give existing files, directories or globs, "
+                        f"or '{BUILTIN_STDLIB}'")
+    if not path.is_file():
+        raise DataError(f"{where} is not a regular file or directory")
+    if not file_kind(path):
+        raise DataError(f"{where} has an unsupported type; supported files end in {_supported()}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{where} is empty; remove it from the source or give it documents")
+    return [path]
+
+
+def resolve_inputs(sources: dict[str, list[str]]) -> list[InputFile]:
+    """Every input file of every source, sources in the given order and files sorted within each path
+    entry. A file reached twice within one source is read once; a file in two sources is an error."""
+    inputs: list[InputFile] = []
+    owner: dict[str, str] = {}
+    for source, entries in sources.items():
+        count = 0
+        for entry in entries:
+            for path in _expand(source, entry):
+                key = os.path.realpath(path)
+                if key in owner:
+                    if owner[key] == source:
+                        continue
+                    raise DataError(f"file {str(path)!r} is in source {owner[key]!r} and in source {source!r}; "
+                                    f"a file may belong to one source only (it would be counted twice)")
+                if not os.access(path, os.R_OK):
+                    raise DataError(f"source {source!r}: file {str(path)!r} is not readable (permission denied); "
+                                    f"fix its permissions or remove it from the source")
+                owner[key] = source
+                inputs.append(InputFile(source, path, file_kind(path) or "text"))
+                count += 1
+        if not count:
+            raise DataError(f"source {source!r} (paths {entries}) holds no non-empty {_supported()} files")
+    return inputs
+
+
+def read_documents(f: InputFile, text_field: str, malformed: list[str]) -> Iterator[str]:
+    """Stream the documents of `f`; damaged lines and rows are appended to `malformed`, not raised."""
+    if f.kind == "text":
+        yield f.path.read_bytes().decode("utf-8", errors="replace")
+    elif f.kind == "jsonl":
+        yield from _read_jsonl(f.path, text_field, malformed)
+    elif f.kind == "parquet":
+        yield from _read_parquet(f.path, text_field, malformed)
+    else:
+        raise DataError(f"{f.path}: unknown input kind {f.kind!r}; expected text, jsonl or parquet")
+
+
+def _valid_unicode(text: str) -> str:
+    """Lone surrogates cannot be encoded to UTF-8; they become U+FFFD like other undecodable input."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def _jsonl_line(line: bytes, text_field: str) -> str:
+    """The document of one JSON line; ValueError says what is wrong with the line."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+        raise ValueError(f"no {text_field!r} field")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"field {text_field!r} is {type(text).__name__}, not a string")
+    return _valid_unicode(text)
+
+
+def _read_jsonl(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    lineno = 0
+    try:
+        with opener(path, "rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = _jsonl_line(line, text_field)
+                except ValueError as e:
+                    malformed.append(f"{path}:{lineno}: {e}")
+                    continue
+                yield text
+    except (EOFError, OSError, zlib.error) as e:
+        # A truncated or corrupt gzip stream: what came before it is kept, the rest is unreadable.
+        malformed.append(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})")
+
+
+def _read_parquet(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet files needs pyarrow; pip install 'keel[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        malformed.append(f"{path}: not a readable Parquet file ({e})")
+        return
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        shown = ", ".join(schema.names[:10]) + (" ..." if len(schema.names) > 10 else "")
+        raise DataError(f"{path}: no column {text_field!r} (columns: {shown}); set data.text_field to the "
+                        f"column that holds the text")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{path}: column {text_field!r} holds {kind}, expected strings; set data.text_field to "
+                        f"the column that holds the text")
+    row = 0  # rows are numbered from 0, as pyarrow and pandas number them
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    malformed.append(f"{path}:row {row}: null")
+                else:
+                    yield text
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        malformed.append(f"{path}: unreadable from row {row} ({e})")

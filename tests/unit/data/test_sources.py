@@ -1,0 +1,171 @@
+"""Input sources: which files each source resolves to, how documents stream out of them, and the errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.data.sources import InputFile, read_documents, resolve_inputs
+from keel.errors import DataError
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        path.write_text(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def docs_of(f: InputFile, field: str = "text") -> tuple[list[str], list[str]]:
+    malformed: list[str] = []
+    return list(read_documents(f, field, malformed)), malformed
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    write(tmp_path / "corpus/b.md", "# B\n")
+    write(tmp_path / "corpus/a.txt", "a\n")
+    write(tmp_path / "corpus/sub/c.py", "x = 1\n")
+    write(tmp_path / "corpus/sub/d.jsonl", '{"text": "d"}\n')
+    write(tmp_path / "corpus/sub/e.rst", "E\n=\n")
+    write(tmp_path / "corpus/notes.csv", "a,b\n")  # unsupported: skipped inside a directory
+    write(tmp_path / "corpus/.git/config.txt", "hidden\n")  # hidden directories are skipped
+    write(tmp_path / "corpus/sub/__init__.py", "")  # empty files inside a directory hold no document
+    return tmp_path
+
+
+def test_directory_is_walked_recursively_in_sorted_order(tree: Path) -> None:
+    inputs = resolve_inputs({"main": [str(tree / "corpus")]})
+    assert [f.path.relative_to(tree / "corpus").as_posix() for f in inputs] == [
+        "a.txt", "b.md", "sub/c.py", "sub/d.jsonl", "sub/e.rst"]
+    assert [f.kind for f in inputs] == ["text", "text", "text", "jsonl", "text"]
+    assert [f.is_code for f in inputs] == [False, False, True, False, False]
+    assert inputs[0].size == 2 and {f.source for f in inputs} == {"main"}
+
+
+def test_sources_keep_their_order_and_globs_expand(tree: Path) -> None:
+    inputs = resolve_inputs({"code": [str(tree / "corpus/**/*.py")],
+                             "prose": [str(tree / "corpus/*.md"), str(tree / "corpus/a.txt")]})
+    assert [(f.source, f.path.name) for f in inputs] == [("code", "c.py"), ("prose", "b.md"), ("prose", "a.txt")]
+    # A file reached twice within one source is read once.
+    twice = resolve_inputs({"main": [str(tree / "corpus/a.txt"), str(tree / "corpus/[ab].*")]})
+    assert [f.path.name for f in twice] == ["a.txt", "b.md"]
+
+
+def test_stdlib_source() -> None:
+    inputs = resolve_inputs({"std": ["stdlib"]})
+    assert len(inputs) > 500 and all(f.is_code and f.size > 0 for f in inputs)
+    assert any(f.path.name == "os.py" for f in inputs)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("missing.txt", "does not exist"),
+    ("nothing/*.jsonl", "matches no files"),
+    ("corpus/notes.csv", "unsupported type; supported files end in .txt, .md, .rst, .py, .jsonl, .jsonl.gz or "
+                         ".parquet"),
+    ("empty.txt", "is empty"),
+])
+def test_bad_paths_are_one_line_errors_naming_source_and_path(tree: Path, entry: str, message: str) -> None:
+    write(tree / "empty.txt", "")
+    with pytest.raises(DataError, match=message) as e:
+        resolve_inputs({"web": [str(tree / "corpus/a.txt"), str(tree / entry)]})
+    assert "'web'" in str(e.value) and str(tree / entry) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_source_without_supported_files(tree: Path) -> None:
+    write(tree / "tables/x.csv", "1,2\n")
+    with pytest.raises(DataError, match=r"source 'web' \(paths \[.*tables'\]\) holds no non-empty \.txt, .* or "
+                                        r"\.parquet files"):
+        resolve_inputs({"main": [str(tree / "corpus")], "web": [str(tree / "tables")]})
+
+
+def test_file_in_two_sources(tree: Path) -> None:
+    with pytest.raises(DataError, match="is in source 'a' and in source 'b'"):
+        resolve_inputs({"a": [str(tree / "corpus")], "b": [str(tree / "corpus/sub/c.py")]})
+    with pytest.raises(DataError, match="is in source 'std' and in source 'mine'"):
+        resolve_inputs({"std": ["stdlib"], "mine": [os.__file__]})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file whatever its permissions")
+def test_unreadable_file(tree: Path) -> None:
+    locked = tree / "corpus/a.txt"
+    locked.chmod(0)
+    try:
+        with pytest.raises(DataError, match=f"file '{locked}' is not readable"):
+            resolve_inputs({"main": [str(tree / "corpus")]})
+    finally:
+        locked.chmod(0o644)
+
+
+def test_text_file_is_one_document_with_bad_bytes_replaced(tmp_path: Path) -> None:
+    f = resolve_inputs({"m": [str(write(tmp_path / "a.txt", b"caf\xc3\xa9 \xff\xfe end\n"))]})[0]
+    assert docs_of(f) == (["caf\u00e9 \ufffd\ufffd end\n"], [])
+
+
+def test_jsonl_malformed_lines_are_reported_and_reading_goes_on(tmp_path: Path) -> None:
+    lines = [b'{"text": "first"}', b"", b"{not json", b"[1, 2]", b'{"body": "x"}', b'{"text": 7}',
+             b'{"text": "caf\xff"}', b'{"text": "lone \\ud800 surrogate", "id": 3}', b"   ", b'{"text": "last"}']
+    path = write(tmp_path / "d.jsonl", b"\n".join(lines) + b"\n")
+    docs, malformed = docs_of(resolve_inputs({"m": [str(path)]})[0])
+    assert docs == ["first", "lone \ufffd surrogate", "last"]
+    assert malformed == [f"{path}:3: bad JSON (Expecting property name enclosed in double quotes at column 2)",
+                         f"{path}:4: expected a JSON object, got list",
+                         f"{path}:5: no 'text' field",
+                         f"{path}:6: field 'text' is int, not a string",
+                         f"{path}:7: invalid UTF-8 at byte 13"]
+    assert docs_of(resolve_inputs({"m": [str(path)]})[0], field="body")[0] == ["x"]
+
+
+def test_jsonl_gz_is_read_and_a_truncated_stream_reported(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    texts = ["".join(rng.choices("abcdefghij klmnop", k=200)) for _ in range(2000)]
+    payload = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
+    whole = write(tmp_path / "whole.jsonl.gz", payload)
+    f = resolve_inputs({"m": [str(whole)]})[0]
+    assert f.kind == "jsonl" and docs_of(f) == (texts, [])
+
+    cut = write(tmp_path / "cut.jsonl.gz", payload[: len(payload) // 2])
+    docs, malformed = docs_of(resolve_inputs({"m": [str(cut)]})[0])
+    assert 0 < len(docs) < len(texts) and docs == texts[: len(docs)]
+    assert len(malformed) == 1 and malformed[0].startswith(f"{cut}: unreadable after line ")
+    assert "EOFError" in malformed[0]
+
+
+def test_parquet_is_streamed_with_nulls_reported(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [None if i % 1000 == 7 else f"document {i}" for i in range(2500)]  # spans several record batches
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": list(range(2500)), "content": texts}), path, row_group_size=700)
+    f = resolve_inputs({"m": [str(path)]})[0]
+    assert f.kind == "parquet"
+    docs, malformed = docs_of(f, field="content")
+    assert docs == [t for t in texts if t is not None]
+    assert malformed == [f"{path}:row 7: null", f"{path}:row 1007: null", f"{path}:row 2007: null"]
+    with pytest.raises(DataError, match=f"{path}: no column 'text' \\(columns: id, content\\)"):
+        docs_of(f)
+    with pytest.raises(DataError, match="column 'id' holds int64, expected strings"):
+        docs_of(f, field="id")
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path / "p.parquet", b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail as if not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError, match=r"pip install 'keel\[parquet\]'"):
+        docs_of(resolve_inputs({"m": [str(path)]})[0])
+
+
+def test_corrupt_parquet_is_reported_not_raised(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    path = write(tmp_path / "p.parquet", b"this is not parquet at all")
+    docs, malformed = docs_of(resolve_inputs({"m": [str(path)]})[0])
+    assert docs == [] and len(malformed) == 1 and malformed[0].startswith(f"{path}: not a readable Parquet file")
