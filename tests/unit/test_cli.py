@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def test_data_prepare_prints_statistics_with_the_unigram_entropy(tmp_path: Path,
     assert main(["data", "prepare", "--source", SMALL_SOURCES[0], "--out", str(out)]) == 2, \
         "other sources into an existing corpus need --force"
     assert "--force" in capsys.readouterr().err
+
+    assert main(["data", "stats", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("documents in", "removed by filter", "exact duplicates", "near duplicates", "P(candidate | J)",
+                 "decontaminated", "documents out", "source main", "document length in tokens"):
+        assert line in printed, line
+    assert main(["data", "stats", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats == json.loads((out / "stats.json").read_text())
+    assert stats["documents_in"] == stats["documents_out"] + stats["exact_duplicates"] + stats["near_duplicates"] + \
+        stats["decontaminated"] + sum(stats["removed_by_filter"].values())
+    assert main(["data", "stats", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a prepared corpus" in err[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

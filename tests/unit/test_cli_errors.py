@@ -56,14 +56,14 @@ def test_missing_data_path(tmp_path: Path) -> None:
 
 
 def test_truncated_shard(corpus: Path, tmp_path: Path) -> None:
-    shard = corpus / "train-00000.bin"
+    shard = corpus / "main-train-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-100])
     check_bad_input(["--run-dir", str(tmp_path / "run"), f"data.dir={corpus}", *SMALL_RUN], tmp_path,
                     "truncated", corpus)
 
 
 def test_altered_shard_fails_its_checksum(corpus: Path, tmp_path: Path) -> None:
-    shard = corpus / "train-00000.bin"
+    shard = corpus / "main-train-00000.bin"
     data = bytearray(shard.read_bytes())
     data[1000] ^= 0x01
     shard.write_bytes(bytes(data))

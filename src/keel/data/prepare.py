@@ -395,7 +395,7 @@ def _contamination_set(work: Path, inputs: list[InputFile], evals: list[InputFil
             grams.append(ngram_hashes(text, n))
     banned = np.unique(np.concatenate(grams)) if grams else np.empty(0, dtype=np.uint64)
     np.save(work / "contamination.npy", banned)
-    record = {"ngrams": int(len(banned)), "eval_files": len(evals), "eval_documents": eval_documents}
+    record = {"n": n, "ngrams": int(len(banned)), "eval_files": len(evals), "eval_documents": eval_documents}
     _mark(marker, record)
     return record
 

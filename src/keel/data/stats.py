@@ -43,8 +43,9 @@ def format_stats(stats: dict) -> str:
         f"permutations, threshold {lsh['threshold']})",
         f"                  {lsh['formula']}",
         f"decontaminated    {stats['decontaminated']:,}" + (
-            f" (documents sharing an n-gram with the {contamination['ngrams']:,} of the validation split and "
-            f"{contamination['eval_files']} evaluation files)" if contamination else " (off)"),
+            f" (training documents sharing a {contamination['n']}-word n-gram with the validation split or "
+            f"{contamination['eval_files']} evaluation files: {contamination['ngrams']:,} distinct n-grams)"
+            if contamination else " (off)"),
         f"documents out     {stats['documents_out']:,} ({docs['train']:,} train, {docs['val']:,} validation)",
         f"tokenizer         {stats['tokenizer']['name']}, vocabulary {stats['tokenizer']['vocab_size']:,}, "
         f"{stats['tokens_per_byte']:.3f} tokens per byte",
