@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -328,7 +329,7 @@ def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: 
     marker = work / f"{index:06d}.encode"
     if marker.is_file():
         return
-    tokenizer = open_tokenizer(work, json.loads((work / "tokenizer.done").read_text()))
+    tokenizer = _cached_tokenizer(work, (work / "tokenizer.done").read_text())
     banned = np.load(work / "contamination.npy", mmap_mode="r") if data.decontam.enabled else None
     meta = _read_meta(work, index)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -365,6 +366,12 @@ def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: 
 
 
 SPLITS = ("train", "val")
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_tokenizer(work: Path, described: str) -> Tokenizer:
+    """A worker loads the tokenizer once, not once per input file (a BPE file takes tens of milliseconds)."""
+    return open_tokenizer(work, json.loads(described))
 
 
 def _contaminated(text: str, n: int, banned: np.ndarray) -> bool:
