@@ -51,6 +51,7 @@ __all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_fil
 
 SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call cost, bounds memory
 MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
+COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
 LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
 # One record per kept document in an input's .meta file: text offset, text length, exact key, validation flag.
@@ -424,10 +425,11 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
             for i, f in enumerate(inputs):
                 if f.source != source:
                     continue
-                tokens = np.fromfile(work / f"{i:06d}.{split}.tok", dtype=dtype)
                 lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
-                counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
-                writer.write(tokens)
+                with open(work / f"{i:06d}.{split}.tok", "rb") as f:
+                    while len(tokens := np.fromfile(f, dtype=dtype, count=COPY_TOKENS)):
+                        counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+                        writer.write(tokens)
             writer.close()
             doc_lengths = np.concatenate(lengths) if lengths else np.empty(0, dtype="<u8")
             totals[(source, split)] = {"documents": int(len(doc_lengths)), "tokens": writer.written,
