@@ -134,12 +134,11 @@ def main() -> None:
         work = Path(tmp)
         corpus = args.corpus
         if corpus is None:
-            from keel.config import DataConfig, SourceConfig
             from keel.data.prepare import prepare
-            from tests.conftest import SMALL_SOURCES
+            from tests.conftest import SMALL_SOURCES, small_data
 
             corpus = work / "corpus"
-            prepare(DataConfig(sources={"main": SourceConfig(paths=SMALL_SOURCES)}, val_fraction=0.05), corpus)
+            prepare(small_data(SMALL_SOURCES), corpus)
         started = time.perf_counter()
         cells = run_matrix(subprocess_runner, corpus, work)
     table = markdown(cells)

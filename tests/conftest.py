@@ -13,12 +13,22 @@ from typing import Any
 
 import pytest
 
+from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
 from keel.drill import procs
 
 REPO = Path(__file__).resolve().parents[1]
 
 # A small, fixed slice of the standard library: enough text for a few hundred sequences, fast to prepare.
 SMALL_SOURCES = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]
+
+
+def small_data(sources: list[str], val_fraction: float = 0.05) -> DataConfig:
+    """The test corpus's settings: its documents as they are read, without cleaning, dedup or
+    decontamination, so that the corpus, and every run's data order, stays what the multi-process tests'
+    expected steps and losses were measured on."""
+    return DataConfig(sources={"main": SourceConfig(paths=sources)}, val_fraction=val_fraction,
+                      clean=CleanConfig(enabled=False), dedup=DedupConfig(exact=False, near=False),
+                      decontam=DecontamConfig(enabled=False))
 
 # A model small enough that a 40-step, 2-process run takes seconds. The preflight's storage and all-reduce
 # probes are sized to such a model: 4 MiB instead of the default 64 (the checks are the same).
@@ -86,11 +96,10 @@ def run_keel(args: list[str], cwd: Path, timeout: float = 240,
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from keel.config import DataConfig, SourceConfig
     from keel.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("corpus") / "small"
-    prepare(DataConfig(sources={"main": SourceConfig(paths=SMALL_SOURCES)}, val_fraction=0.05), out)
+    prepare(small_data(SMALL_SOURCES), out)
     return out
 
 

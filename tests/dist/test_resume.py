@@ -119,12 +119,11 @@ def test_resume_never_refuses_to_overwrite_checkpoints(reference_run: Path, smal
 def test_resume_on_another_corpus_is_refused_by_the_workers(reference_run: Path, tmp_path: Path) -> None:
     """The corpus fingerprint is checked where the checkpoint is loaded, inside each worker; the
     launcher reports the workers' bad-input exit code."""
-    from keel.config import DataConfig, SourceConfig
     from keel.data.prepare import prepare
-    from tests.conftest import SMALL_SOURCES
+    from tests.conftest import SMALL_SOURCES, small_data
 
     other = tmp_path / "other-corpus"
-    prepare(DataConfig(sources={"main": SourceConfig(paths=SMALL_SOURCES[1:2])}, val_fraction=0.3), other)
+    prepare(small_data(SMALL_SOURCES[1:2], val_fraction=0.3), other)
     run_dir = tmp_path / "F"
     step20 = reference_run / "checkpoints" / f"step-{KILL_AT:06d}"
     result = run_keel(train_cmd(other, run_dir, 2, "--resume", str(step20)), cwd=tmp_path)

@@ -176,7 +176,8 @@ def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
 
         def flush() -> None:
             if batch:
-                sig_out.write(np.ascontiguousarray(hasher.signatures(batch), dtype="<u4").tobytes())
+                if data.dedup.near:  # the signatures are the one costly part of the scan
+                    sig_out.write(np.ascontiguousarray(hasher.signatures(batch), dtype="<u4").tobytes())
                 meta_out.write(np.array(metas, dtype=META).tobytes())
                 batch.clear()
                 metas.clear()

@@ -34,7 +34,7 @@ from keel.errors import DataError
 
 BUILTIN_STDLIB = "stdlib"
 CODE_SUFFIXES = (".py",)
-TEXT_SUFFIXES = (".txt", ".md", ".rst") + CODE_SUFFIXES
+TEXT_SUFFIXES = (".txt", ".md") + CODE_SUFFIXES
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
@@ -96,10 +96,10 @@ def _walk(directory: Path) -> list[Path]:
 
 def _expand(source: str, entry: str) -> list[Path]:
     """The files one configured path entry names. Files met inside directories or through a glob are
-    filtered by type and empty ones skipped (an empty `__init__.py` holds no document); a file named
-    directly must be readable as it is."""
+    filtered by type; an empty one among them (an `__init__.py`) is an empty document, which cleaning
+    removes as too short. A file named directly must be readable as it is, and not empty."""
     if entry == BUILTIN_STDLIB:
-        return [p for p in stdlib_files() if p.stat().st_size > 0]
+        return stdlib_files()
     where = f"source {source!r}: path {entry!r}"
     if _GLOB_CHARS.search(entry) and not Path(entry).exists():
         matches = sorted(glob.glob(entry, recursive=True))
@@ -112,10 +112,10 @@ def _expand(source: str, entry: str) -> list[Path]:
                 found += _walk(match)
             elif file_kind(match):
                 found.append(match)
-        return [p for p in found if p.stat().st_size > 0]
+        return found
     path = Path(entry)
     if path.is_dir():
-        return [p for p in _walk(path) if p.stat().st_size > 0]
+        return _walk(path)
     if not path.exists():
         raise DataError(f"{where} does not exist; give existing files, directories or globs, "
                         f"or '{BUILTIN_STDLIB}'")
@@ -148,7 +148,7 @@ def resolve_inputs(sources: dict[str, list[str]]) -> list[InputFile]:
                                     f"fix its permissions or remove it from the source")
                 owner[key] = source
                 inputs.append(InputFile(source, path, file_kind(path) or "text"))
-                count += 1
+                count += path.stat().st_size > 0
         if not count:
             raise DataError(f"source {source!r} (paths {entries}) holds no non-empty {_supported()} files")
     return inputs
