@@ -29,11 +29,8 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
 from contextlib import ExitStack
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -41,16 +38,18 @@ import numpy as np
 from keel.config import DataConfig
 from keel.data.clean import Cleaner, merge_stats
 from keel.data.dedup import MinHasher, exact_key, lsh_formula, lsh_params, near_duplicate_roots, ngram_hashes
-from keel.data.shards import FORMAT_VERSION, MANIFEST, read_manifest, sha256_file, token_dtype
+from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
 from keel.data.stats import STATS
 from keel.data.tokenizer import Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
+from keel.data.workers import Progress, run_tasks
 from keel.errors import DataError
 
 __all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_files", "unigram_entropy"]
 
 SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call cost, bounds memory
 MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
+SPLITS = ("train", "val")
 COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
 LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
@@ -103,58 +102,6 @@ def _mark(path: Path, record: dict) -> None:
 
 def _marked(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-# ---------------------------------------------------------------- progress
-
-class Progress:
-    """One line of progress: done/total MB, MB/s and ETA; redrawn in place on a terminal, else every 10 s."""
-
-    def __init__(self, label: str, total_bytes: int, enabled: bool) -> None:
-        self.label, self.total, self.enabled = label, total_bytes, enabled
-        self.done, self.files, self.start, self.last = 0, 0, time.monotonic(), 0.0
-        self.tty = enabled and sys.stderr.isatty()
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.files += 1
-        now = time.monotonic()
-        if self.enabled and (self.tty or now - self.last >= 10 or self.done >= self.total):
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else 0.0
-            line = (f"{self.label}: {self.files} files, {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, "
-                    f"{rate / 1e6:,.1f} MB/s, ETA {eta:,.0f} s")
-            print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)
-
-
-def _one_thread() -> None:
-    """A worker process keeps to one core: the workers are the parallelism (Hugging Face's encoder would
-    otherwise start a thread per core in each of them)."""
-    os.environ["RAYON_NUM_THREADS"] = "1"
-
-
-def _run_tasks(task: Callable, items: list[tuple], workers: int, progress: Progress) -> None:
-    """Run `task(*item)` for every item, in worker processes when there are several, advancing the progress
-    by each item's first element's size. Results are files with markers, so the order of completion is free."""
-    if workers <= 1 or len(items) <= 1:
-        for item in items:
-            task(*item)
-            progress.advance(item[0].size)
-        return
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_one_thread) as pool:
-        futures = {pool.submit(task, *item): item for item in items}
-        for future in futures:  # in submission order; the first error is raised, the rest are cancelled
-            try:
-                future.result()
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
-            progress.advance(futures[future][0].size)
 
 
 # ---------------------------------------------------------------- stage 1: scan
@@ -367,9 +314,6 @@ def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: 
     _mark(marker, {"contaminated": contaminated, "samples": samples})
 
 
-SPLITS = ("train", "val")
-
-
 @functools.lru_cache(maxsize=2)
 def _cached_tokenizer(work: Path, described: str) -> Tokenizer:
     """A worker loads the tokenizer once, not once per input file (a BPE file takes tens of milliseconds)."""
@@ -422,7 +366,7 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
         for split in SPLITS:
             counts = np.zeros(vocab_size, dtype=np.int64)
             lengths: list[np.ndarray] = []
-            writer = _ShardWriter(tmp, f"{source}-{split}", source, split, dtype, data.shard_tokens, entries)
+            writer = ShardWriter(tmp, f"{source}-{split}", source, split, dtype, data.shard_tokens, entries)
             for i, f in enumerate(inputs):
                 if f.source != source:
                     continue
@@ -436,41 +380,6 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
             totals[(source, split)] = {"documents": int(len(doc_lengths)), "tokens": writer.written,
                                        "bytes": int(counts @ token_bytes), "counts": counts, "lengths": doc_lengths}
     return entries, totals
-
-
-class _ShardWriter:
-    def __init__(self, directory: Path, prefix: str, source: str, split: str, dtype: np.dtype, size: int,
-                 entries: list[dict]) -> None:
-        self.directory, self.prefix, self.source, self.split = directory, prefix, source, split
-        self.dtype, self.size, self.entries = dtype, size, entries
-        self.file, self.in_file, self.written, self.number = None, 0, 0, 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self.file is None:
-                self.name = f"{self.prefix}-{self.number:05d}.bin"
-                # open across calls: one shard takes the tokens of many inputs
-                self.file = open(self.directory / self.name, "wb")  # noqa: SIM115
-                self.in_file, self.hash = 0, hashlib.sha256()
-            take = tokens[: self.size - self.in_file]
-            data = take.astype(self.dtype).tobytes()
-            self.file.write(data)
-            self.hash.update(data)
-            self.in_file += len(take)
-            self.written += len(take)
-            tokens = tokens[len(take):]
-            if self.in_file == self.size:
-                self._end()
-
-    def _end(self) -> None:
-        self.file.close()
-        self.entries.append({"name": self.name, "source": self.source, "split": self.split, "tokens": self.in_file,
-                             "sha256": self.hash.hexdigest()})
-        self.file, self.number = None, self.number + 1
-
-    def close(self) -> None:
-        if self.file is not None:
-            self._end()
 
 
 # ---------------------------------------------------------------- the whole prepare
@@ -515,7 +424,7 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
 
     bar = Progress("clean and hash", total_bytes, progress)
-    _run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
+    run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
     bar.finish()
     scans = [_marked(work / f"{i:06d}.scan") for i in range(len(inputs))]
     say("deduplicating ...")
@@ -525,7 +434,7 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
         contamination = _contamination_set(work, inputs, evals, data)
     keep = _keep_slices(work, inputs)
     bar = Progress("decontaminate and tokenize", total_bytes, progress)
-    _run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
+    run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
     bar.finish()
     encodes = [_marked(work / f"{i:06d}.encode") for i in range(len(inputs))]
 

@@ -1,4 +1,5 @@
-"""Token shards: flat numpy memmaps of one split each, described and checksummed by manifest.json."""
+"""Token shards: flat token files of one source and split each, described and checksummed by manifest.json;
+written in fixed-size pieces by `ShardWriter`, opened as read-only memmaps by `open_corpus`."""
 
 from __future__ import annotations
 
@@ -89,3 +90,41 @@ def open_corpus(directory: str | Path, verify_checksums: bool = True) -> Corpus:
         if entry["split"] == "train":
             sources.setdefault(entry.get("source", "main"), []).append(shard)
     return Corpus(directory, manifest, splits, sources)
+
+
+class ShardWriter:
+    """Writes one source's split as files of `size` tokens each (the last one shorter), appending an entry
+    (name, source, split, tokens, sha256) per finished file to `entries`."""
+
+    def __init__(self, directory: Path, prefix: str, source: str, split: str, dtype: np.dtype, size: int,
+                 entries: list[dict]) -> None:
+        self.directory, self.prefix, self.source, self.split = directory, prefix, source, split
+        self.dtype, self.size, self.entries = dtype, size, entries
+        self.file, self.in_file, self.written, self.number = None, 0, 0, 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.name = f"{self.prefix}-{self.number:05d}.bin"
+                # open across calls: one shard takes the tokens of many inputs
+                self.file = open(self.directory / self.name, "wb")  # noqa: SIM115
+                self.in_file, self.hash = 0, hashlib.sha256()
+            take = tokens[: self.size - self.in_file]
+            data = take.astype(self.dtype).tobytes()
+            self.file.write(data)
+            self.hash.update(data)
+            self.in_file += len(take)
+            self.written += len(take)
+            tokens = tokens[len(take):]
+            if self.in_file == self.size:
+                self._end()
+
+    def _end(self) -> None:
+        self.file.close()
+        self.entries.append({"name": self.name, "source": self.source, "split": self.split, "tokens": self.in_file,
+                             "sha256": self.hash.hexdigest()})
+        self.file, self.number = None, self.number + 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self._end()
