@@ -256,7 +256,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    import json
     import math
 
     from keel.drill.runner import Drill, DrillError, with_baseline

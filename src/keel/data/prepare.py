@@ -244,7 +244,7 @@ def _keep_slices(work: Path, inputs: list[InputFile]) -> list[np.ndarray]:
 
 # ---------------------------------------------------------------- stage 3: tokenizer
 
-def _tokenizer(work: Path, inputs: list[InputFile], data: DataConfig) -> Tokenizer:
+def _tokenizer(work: Path, keep: list[np.ndarray], data: DataConfig) -> Tokenizer:
     kind, arg = parse_tokenizer_spec(data.tokenizer)
     marker = work / "tokenizer.done"
     if kind == "byte":
@@ -254,8 +254,6 @@ def _tokenizer(work: Path, inputs: list[InputFile], data: DataConfig) -> Tokeniz
     if kind == "file":
         shutil.copyfile(arg, work / "tokenizer.json")
     elif _marked(marker) is None:
-        keep = _keep_slices(work, inputs)
-
         def training_texts() -> Iterator[str]:
             for i, rows in enumerate(keep):
                 meta = _read_meta(work, i)
@@ -328,7 +326,7 @@ def _contaminated(text: str, n: int, banned: np.ndarray) -> bool:
     return bool((banned[at] == grams).any())
 
 
-def _contamination_set(work: Path, inputs: list[InputFile], evals: list[InputFile], data: DataConfig) -> dict:
+def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile], data: DataConfig) -> dict:
     """The sorted n-gram hashes that training documents must not share: those of the kept validation documents
     and of the evaluation files."""
     marker = work / "contamination.done"
@@ -336,7 +334,7 @@ def _contamination_set(work: Path, inputs: list[InputFile], evals: list[InputFil
         return done
     grams: list[np.ndarray] = []
     n = data.decontam.ngram
-    for i, rows in enumerate(_keep_slices(work, inputs)):
+    for i, rows in enumerate(keep):
         meta = _read_meta(work, i)
         for _, text in _texts(work, i, meta, rows[meta["val"][rows] == 1]):
             grams.append(ngram_hashes(text, n))
@@ -429,10 +427,10 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
     scans = [_marked(work / f"{i:06d}.scan") for i in range(len(inputs))]
     say("deduplicating ...")
     dedup = _dedup(work, inputs, data)
-    tokenizer = _tokenizer(work, inputs, data)
-    if data.decontam.enabled:
-        contamination = _contamination_set(work, inputs, evals, data)
     keep = _keep_slices(work, inputs)
+    tokenizer = _tokenizer(work, keep, data)
+    if data.decontam.enabled:
+        contamination = _contamination_set(work, keep, evals, data)
     bar = Progress("decontaminate and tokenize", total_bytes, progress)
     run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
     bar.finish()

@@ -354,13 +354,6 @@ def open_tokenizer(corpus_dir: Path, described: dict[str, Any]) -> Tokenizer:
     return tok
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-    """The byte tokenizer by name (the others need training data or a file: see parse_tokenizer_spec)."""
-    if name == "byte":
-        return ByteTokenizer()
-    raise DataError(f"unknown tokenizer {name!r}; available without a corpus: byte")
-
-
 def bits_per_byte(loss_nats: float, tokens: int, text_bytes: int) -> float:
     """Mean loss in nats per token turned into bits per byte of text, comparable across tokenizers."""
     if text_bytes <= 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_r
 from keel.config import Config, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus, open_corpus
-from keel.data.tokenizer import open_tokenizer
+from keel.data.tokenizer import bits_per_byte, open_tokenizer
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigError, DataError, KeelError
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
@@ -197,7 +196,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
                                      micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.layout.dp)
-    val_nats_to_bpb, train_nats_to_bpb = nats_to_bits_per_byte(corpus, cfg.train.seq_len, cfg.eval.sequences)
+    val_tokens, val_bytes = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
+    train_tokens, train_bytes = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
     manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write,
                                 tokenizer=corpus.manifest["tokenizer"])
     stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
@@ -378,7 +378,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                 registry.add("memory/peak_bytes_max_rank", peak_memory(ctx.device), reduce="max")
                 reduced = registry.reduce()  # the interval's one reduction of every metric
                 report.update_norm = reduced.pop("optim/update_norm_sq") ** 0.5
-                metrics.update({"train/loss": train_loss, "train/bpb": train_loss * train_nats_to_bpb,
+                metrics.update({"train/loss": train_loss,
+                                "train/bpb": bits_per_byte(train_loss, train_tokens, train_bytes),
                                 **{f"data/tokens/{name}": n for name, n in loader.tokens_by_source().items()},
                                 "optim/grad_norm": report.grad_norm,
                                 "optim/update_norm": report.update_norm,
@@ -400,7 +401,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
                     val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
                                          evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
                 watchdog.end()
-                val_bpb = val_loss * val_nats_to_bpb
+                val_bpb = bits_per_byte(val_loss, val_tokens, val_bytes)
                 monitor.publish({"step": state.step, "val/loss": val_loss, "val/bpb": val_bpb})
                 metrics.update({"val/loss": val_loss, "val/bpb": val_bpb})
                 say(f"step {state.step}: validation loss {val_loss:.4f} ({val_bpb:.4f} bits per byte)")
@@ -444,7 +445,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
 
     callbacks.on_end(state)
     summary = {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss,
-               "val_bpb": val_loss * val_nats_to_bpb, "tokenizer": corpus.manifest["tokenizer"]["name"],
+               "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes),
+               "tokenizer": corpus.manifest["tokenizer"]["name"],
                "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"],
                "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
                "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
@@ -498,16 +500,12 @@ def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, che
     return EXIT_PAUSED
 
 
-def nats_to_bits_per_byte(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[float, float]:
-    """Factors from a mean loss in nats per token to bits per byte of text, which compares runs whatever their
-    tokenizer: exact for the fixed validation set (the bytes its target tokens stand for); for training, the
-    training split's average bytes per token."""
+def validation_text(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[int, int]:
+    """Target tokens of the fixed validation set and the UTF-8 bytes they stand for, so that its bits per
+    byte are exact whatever the tokenizer (training's use the training split's average bytes per token)."""
     token_bytes = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"]).token_bytes()
     targets = SequenceIndex(corpus.splits["val"], seq_len).tokens(np.arange(val_sequences))[:, 1:]
-    val_bytes = int(token_bytes[targets].sum())
-    text = corpus.manifest["text_bytes"]["train"]
-    return (targets.size / (max(1, val_bytes) * math.log(2)),
-            corpus.manifest["tokens"]["train"] / (max(1, text) * math.log(2)))
+    return targets.size, int(token_bytes[targets].sum())
 
 
 def _validate(sums: tuple[torch.Tensor, torch.Tensor]) -> float:
