@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                    "node (with --rdzv-endpoint); the job goes on with at least MIN")
     t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (one node's address) for "
                    "--nnodes")
+    t.add_argument("--accept-change", action="append", default=[], metavar="KEY[,KEY]",
+                   help="resume although these identity fields changed (e.g. train.seq_len for a longer context "
+                        "phase); the change is recorded in events.jsonl and every later manifest")
     t.add_argument("--quiet", action="store_true", help="no progress on the console, only warnings, errors and "
                    "alerts (everything still goes to RUN_DIR/logs)")
 
@@ -152,11 +155,21 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
         manifest = prepare(cfg.data, cfg.data.dir, force=True, progress=verbose)
         if verbose:
             print(describe(manifest), flush=True)
-    open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+    return open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+
+
+def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
+    """The identity fields a resume may change on purpose: `--accept-change`, and the corpus when
+    data.allow_corpus_change is set."""
+    from keel.checkpoint.identity import check_accept_keys
+
+    keys = check_accept_keys(k.strip() for flag in flags for k in flag.split(","))
+    return tuple(sorted(set(keys) | ({"data.corpus"} if cfg.data.allow_corpus_change else set())))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from keel.checkpoint.manager import check_resume, checkpoint_root
+    from keel.checkpoint.identity import run_identity
+    from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
     from keel.health.quarantine import node_name
     from keel.launch import launch
@@ -178,13 +191,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not worker and not elastic:
         resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
-    ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
+    accepted = accepted_changes(cfg, args.accept_change)
+    corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     storage = checkpoint_root(cfg, run_dir)
     resume = args.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and committed(storage):
         resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
     if not worker:
         check_resume(storage, resume)  # a bad --resume fails here, before any process starts
+        check_resume_identity(storage, resume, run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
+                              accepted)
         if cfg.model.init_from:
             from keel.checkpoint.export import check_hf_matches
 
@@ -199,7 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           shutdown_grace_s=cfg.health.shutdown_grace_s,
                           no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.train.trainer import train
-        return train(cfg, run_dir, resume)
+        return train(cfg, run_dir, resume, accepted)
 
 
 def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import keel
+from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
 from keel.checkpoint.manifest import (
     CHECKSUM,
     FORMAT,
@@ -94,9 +95,14 @@ def _first_line(e: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: Config, run_dir: Path, layout: str, events: EventLog,
-                 on_write: Callable[[int, str], None] | None = None, tokenizer: dict | None = None) -> None:
-        """`tokenizer`: the corpus tokenizer's description, recorded in every checkpoint's manifest."""
+                 on_write: Callable[[int, str], None] | None = None, tokenizer: dict | None = None,
+                 identity: dict | None = None, accepted: tuple[str, ...] = ()) -> None:
+        """`tokenizer`: the corpus tokenizer's description, recorded in every checkpoint's manifest.
+        `identity`: the run's identity (keel.checkpoint.identity), compared with a checkpoint's before it
+        is loaded; `accepted`: the identity fields that may change on purpose at this resume."""
         self.cfg, self.policy, self.tokenizer = cfg, cfg.checkpoint, tokenizer
+        self.identity, self.accepted = identity or {}, accepted
+        self.identity_history: list[dict] = []  # identity changes accepted over the run's life
         self.storage = checkpoint_root(cfg, run_dir)
         self.layout, self.events, self.on_write = layout, events, on_write
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -197,7 +203,8 @@ class CheckpointManager:
                         "layout": self.layout,
                         "world_size": self.world_size, "config_digest": self.cfg.digest(),
                         "model": asdict(self.cfg.model), "tokenizer": self.tokenizer,
-                        "seed": self.cfg.train.seed,
+                        "seed": self.cfg.train.seed, "identity": self.identity,
+                        "identity_changes": self.identity_history, "config": asdict(self.cfg),
                         "permanent": bool(self.policy.keep_every and outcome.step % self.policy.keep_every == 0),
                         "keel_version": keel.__version__, "torch_version": torch.__version__,
                         "time": time.time(), "blocking_s": round(outcome.blocking_s, 4),
@@ -306,6 +313,10 @@ class CheckpointManager:
         if manifest is None:
             raise CheckpointError(f"{path!r} is not a committed keel checkpoint (no {MANIFEST}); pass a "
                                   f"checkpoints/step-NNNNNN directory")
+        accepted: dict = {}
+        if "unreadable" not in manifest:  # a ConfigError, not a CheckpointError: no fallback to an older one
+            accepted = check_identity(recorded_identity(manifest), self.identity, int(manifest["step"]),
+                                      self.accepted, path)
         checksums = self.policy.verify_on_resume
         with storage.reading(name):
             # DCP trusts .metadata, so it is checked first; each rank then checksums its share of the
@@ -336,7 +347,18 @@ class CheckpointManager:
                                          weights_only=False))
             else:  # another layout: each rank's streams are re-derived from (seed, step, rank)
                 seed_everything(self.cfg.train.seed, self.rank, train_state.step)
+        self._record_changes(manifest, accepted, train_state.step, path)
         return train_state
+
+    def _record_changes(self, manifest: dict, accepted: dict, step: int, path: str) -> None:
+        """What this resume changes: accepted identity changes join the run's history (written into every
+        later manifest); every changed setting is an event."""
+        self.identity_history = list(manifest.get("identity_changes") or []) + [
+            {"step": step, "key": k, "old": old, "new": new} for k, (old, new) in accepted.items()]
+        changed = setting_changes(manifest.get("config"), self.cfg)
+        if self.rank == 0 and (changed or accepted):
+            self.events.emit("resume", step, "config_changed", checkpoint=path, changes=changed,
+                             identity_accepted=sorted(accepted))
 
     def _agree(self, problems: list[str]) -> list[str]:
         everyone: list = [None] * self.world_size
@@ -376,3 +398,20 @@ def check_resume(storage: Storage, resume: str) -> None:
     if read_manifest(*locate(resume)) is None:
         raise CheckpointError(f"--resume {resume!r} is not a committed keel checkpoint (a directory holding "
                               f"{MANIFEST}); pass a checkpoints/step-NNNNNN directory, auto or never")
+
+
+def check_resume_identity(storage: Storage, resume: str, identity: dict, accepted: tuple[str, ...]) -> None:
+    """Refuse, before any worker starts, a resume that would change the run's identity: compared with the
+    checkpoint the workers will load (the newest whose files are all there, for `auto`)."""
+    if resume == "never":
+        return
+    if resume == "auto":
+        names = [n for n in committed(storage)[::-1] if not verify(storage, n, checksums=False)][:1]
+    else:
+        storage, name = locate(resume)
+        names = [name]
+    for name in names:
+        manifest = read_manifest(storage, name)
+        if manifest is not None and "unreadable" not in manifest:
+            check_identity(recorded_identity(manifest), identity, int(manifest["step"]), accepted,
+                           storage.path(name))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import keel
 from keel.callbacks import load_callbacks
+from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
 from keel.config import Config, resolve_layout, to_toml
@@ -48,8 +49,9 @@ from keel.train.state import TrainState, seed_everything
 from keel.train.step import Stepper, evaluate
 
 
-def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
-    """Run (or resume) the training job described by `cfg` in this process. Returns the exit code."""
+def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str, ...] = ()) -> int:
+    """Run (or resume) the training job described by `cfg` in this process. Returns the exit code.
+    `accepted`: identity fields a resume may change on purpose (keel.checkpoint.identity)."""
     device = pick_device(cfg.train.device)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -70,7 +72,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto") -> int:
             monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
                                  checkpoint_root(cfg, run_dir).path())
             try:
-                code = _train(cfg, run_dir, resume, ctx, mesh, log, requests, watchdog, monitor, times)
+                code = _train(cfg, run_dir, resume, accepted, ctx, mesh, log, requests, watchdog, monitor, times)
                 monitor.close(ENDED.get(code, "failed"))
             except Exception as e:
                 if watchdog.cfg.enabled and is_collective_timeout(e):
@@ -153,7 +155,7 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
     return parts, stages
 
 
-def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: RunLog,
+def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], ctx: Dist, mesh: Mesh, log: RunLog,
            requests: StopRequests, watchdog: Watchdog, monitor: RunMonitor, times: dict[str, float]) -> int:
     """`times`: when this process first imported keel, entered `train` and had its process group (for the
     start event, from which recovery times are measured)."""
@@ -199,7 +201,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     val_tokens, val_bytes = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
     train_tokens, train_bytes = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
     manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write,
-                                tokenizer=corpus.manifest["tokenizer"])
+                                tokenizer=corpus.manifest["tokenizer"],
+                                identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
+                                accepted=accepted)
     stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
                       loss_parallel=tp)
     guards = Guards(cfg, mesh, parts, optimizers, stepper.params, loader, manager, callbacks.guards(), events, say,
@@ -224,7 +228,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, ctx: Dist, mesh: Mesh, log: 
     if restored is not None:
         state, resume_from = restored
         state.interruptions += 1
-        loader.load_state_dict(state.loader, cfg.data.allow_corpus_change)
+        loader.load_state_dict(state.loader, "data.corpus" in accepted)
         callbacks.load_state_dict(state.callbacks)
         guards.load_state_dict(state.guards)
         watchdog.load_state_dict(state.health)
