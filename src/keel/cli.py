@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from keel.config import Config, SourceConfig, load_config, reference, resolve_layout, to_toml
-from keel.errors import EXIT_BAD_INPUT, ConfigError, KeelError
+from keel.errors import EXIT_BAD_INPUT, EXIT_PAUSED, ConfigError, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
 
@@ -168,6 +168,14 @@ def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from keel.health.lifeline import die_with_launcher
+    from keel.health.signals import catch_stop_signals, stop_requested_early
+
+    worker = in_torchrun_worker()
+    if worker:
+        die_with_launcher()
+    catch_stop_signals()  # from here on a SIGTERM or SIGUSR1 is a pause, whatever the job is doing (torch's
+    # imports below take seconds)
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
@@ -175,12 +183,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
     from keel.run_lock import RunLock, held_by_launcher
-
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
     if args.quiet:
         os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
-    worker = in_torchrun_worker()
     nproc = 1 if worker or args.nproc is None else args.nproc
     if nproc < 1:
         raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
@@ -205,6 +211,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             from keel.checkpoint.export import check_hf_matches
 
             check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
+    if not worker and (received := stop_requested_early()):
+        print(f"keel: {received} received before the job started; nothing was changed, run the same command to "
+              f"start it", flush=True)
+        return EXIT_PAUSED
     # The launcher holds the run directory for the whole job (each node's launcher its own lock in an
     # elastic job); torchrun's own workers lock it in rank 0.
     lock = RunLock(run_dir, node_name() if elastic else "")

@@ -24,7 +24,10 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
+from keel.health.lifeline import AGENT_PID_ENV
 from keel.health.quarantine import is_quarantined, node_name
+from keel.health.signals import SIGNALS as STOP_SIGNALS
+from keel.health.signals import stop_requested_early
 from keel.health.status import read_status
 from keel.monitor.goodput import account_exit
 from keel.monitor.sinks import EventLog
@@ -121,6 +124,9 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["KEEL_NODE"] = node_name()  # the workers name their node as the launcher does
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this process (keel.health.lifeline)
+    # The agent passes these on to the workers: SIGUSR1 pauses them as SIGTERM does.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     # The goodput ledger counts this command's own start-up (imports, rendezvous) as the run's.
     os.environ["KEEL_LAUNCHED_AT"] = str(keel.STARTED)
     elastic = nnodes != "1"
@@ -149,9 +155,17 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
 
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = make_agent  # launch_agent builds its agent through this name
+    # Until the agent starts the workers (and installs its own handlers), a stop signal ends the
+    # rendezvous the way the agent's would, without closing it for the other nodes.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_signal)
     try:
+        if received := stop_requested_early():  # caught while this command was still validating
+            raise SignalException(f"{received} received", getattr(signal, received))
         return _launch(config, cmd, cmd_args, agents, run_dir, say)
     finally:
+        for sig in STOP_SIGNALS:  # the job's outcome is decided; a late signal changes nothing
+            signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = original
         if not elastic:  # the workers are gone: their exit (or their crash) until now goes to the ledger
             account_exit(run_dir)
@@ -174,8 +188,25 @@ def _launch(config, cmd, cmd_args, agents: list[KeelAgent], run_dir: Path, say) 
         say(f"keel: {e}; this node leaves the job, the others go on without it")
         return EXIT_QUARANTINE
     except SignalException as e:
-        # SIGTERM (preemption): the agent passed it to the workers, which paused at a step boundary.
-        if read_status(run_dir).get("state") == "paused":
-            return EXIT_PAUSED
-        return 128 + int(e.sigval)
+        return _stopped(e, run_dir, say)
     return 0
+
+
+def _stop_signal(signum: int, frame: object) -> None:
+    raise SignalException(f"process {os.getpid()} got signal {signum}", signal.Signals(signum))
+
+
+def _stopped(e: SignalException, run_dir: Path, say) -> int:
+    """The job's code after a signal to the launcher, which the agent passed on to the workers. SIGTERM and
+    SIGUSR1 pause at any moment: the workers paused at a step boundary with a checkpoint, or paused before
+    training, or were stopped before they could; either way the newest verified checkpoint is the one to
+    resume, so the job is requeued (75). A run that had already finished stays finished."""
+    status = read_status(run_dir)
+    if status.get("state") == "finished" and status.get("time", 0) > keel.STARTED:  # by this job, not a past one
+        return 0
+    if e.sigval not in STOP_SIGNALS:
+        return 128 + int(e.sigval)
+    if status.get("state") != "paused":
+        say(f"keel: {signal.Signals(e.sigval).name} received before the workers could pause at a step; the same "
+            f"command resumes from the newest verified checkpoint ({status.get('checkpoint') or 'none yet'})")
+    return EXIT_PAUSED

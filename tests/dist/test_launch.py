@@ -1,17 +1,24 @@
 """`torchrun -m keel train` works as well as `keel train --nproc`: keel runs as a worker of an
-external elastic agent, and the workers prepare the built-in corpus once between them."""
+external elastic agent, and the workers prepare the built-in corpus once between them. The job's life:
+its workers die with their launcher, a second job stays out while any worker of the first lives, and a
+stop signal while the job starts is a pause."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from keel.data.shards import open_corpus
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, keel_env
+from tests.conftest import SMALL_RUN, keel_env, kill_tagged, run_keel, spawn_keel, tagged
 
 pytestmark = pytest.mark.dist
 
@@ -31,3 +38,111 @@ def test_external_torchrun_prepares_the_corpus_once_and_trains(tmp_path: Path) -
     assert all(e["detail"]["world_size"] == 2 for e in starts)
     assert (run_dir / "checkpoints" / "step-000003" / "manifest.json").exists()
     assert result.stdout.count("preparing the built-in corpus") <= 1
+
+
+# ---------------------------------------------------------------- the job's life: start, kill, pause
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the job ended with {proc.returncode} before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def events_of(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [e for e in read_jsonl(path) if e["kind"] == kind] if path.exists() else []
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(240)
+def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_corpus: Path,
+                                                                         tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
+           "train.steps=30", "checkpoint.interval=5"]
+    proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
+                 "the first checkpoint", proc)
+        assert len(tagged(tag)) == 3, "the launcher and its two workers run"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait_for(lambda: not tagged(tag), 10, "the workers to die with their launcher")
+    finally:
+        kill_tagged(tag)
+    rerun = run_keel(cmd, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [e["step"] for e in events_of(run_dir, "resume")][-1] >= 5
+
+
+def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus: Path, tmp_path: Path) -> None:
+    """A worker left by an earlier job (here a process holding the workers' share of the run directory, as
+    every worker does for its whole life) keeps a new job out, which names it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hold = ("import sys, time; from pathlib import Path; from keel.run_lock import hold_as_worker; "
+            "hold_as_worker(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
+    orphan = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], env=keel_env(), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert orphan.stdout is not None and orphan.stdout.readline().strip() == "held"
+        result = run_keel(["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN,
+                           f"data.dir={small_corpus}", "train.steps=3"], cwd=tmp_path, timeout=120)
+    finally:
+        orphan.kill()
+        orphan.wait()
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"keel: error: run directory {str(run_dir)!r} is still in use by workers of an "
+                                     f"earlier keel job (pids {orphan.pid}); wait for them to end or stop them, or "
+                                     f"pass another --run-dir")
+    assert not (run_dir / "events.jsonl").exists(), "nothing started"
+
+
+def _launcher_validating(run_dir: Path, tag: str) -> bool:
+    return True
+
+
+def _workers_started(run_dir: Path, tag: str) -> bool:
+    return len(tagged(tag)) >= 3
+
+
+def _workers_loading(run_dir: Path, tag: str) -> bool:
+    return len(events_of(run_dir, "start")) >= 2
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("moment, sig", [
+    (_launcher_validating, signal.SIGTERM),
+    (_workers_started, signal.SIGUSR1),
+    (_workers_loading, signal.SIGTERM),
+])
+def test_a_stop_signal_while_the_job_starts_is_a_pause(reference_run: Path, small_corpus: Path, tmp_path: Path,
+                                                       moment, sig: signal.Signals) -> None:
+    """SIGTERM or SIGUSR1 to the launcher before any step: exit 75, every checkpoint file as it was."""
+    run_dir = tmp_path / "A"
+    shutil.copytree(reference_run, run_dir)
+    before = tree_digest(run_dir / "checkpoints")
+    cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
+           "checkpoint.interval=10", "checkpoint.keep_last=10", "train.steps=60"]
+    proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)  # the launcher's first statements catch the signal
+        wait_for(lambda: moment(run_dir, tag), 120, moment.__name__, proc)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=180)
+        wait_for(lambda: not tagged(tag), 10, "every process of the job to end")
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err
+    after = tree_digest(run_dir / "checkpoints")
+    assert {k: v for k, v in after.items() if k in before} == before, "every checkpoint file is kept, byte for byte"
+    assert not events_of(run_dir, "resume") or max(int(e["step"]) for e in events_of(run_dir, "resume")) == 40

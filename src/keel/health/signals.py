@@ -18,6 +18,25 @@ from types import FrameType
 
 PAUSE_FILE = "PAUSE"  # `keel pause` writes it; the run consumes it when it pauses
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_early: list[str] = []  # stop signals received before the training loop listened
+
+
+def catch_stop_signals() -> None:
+    """Called first thing by `keel train`: a stop signal that arrives while the process is still starting
+    (imports, validation, rendezvous, loading) is kept for the loop instead of killing the process, so a
+    pause asked for at any moment ends in a pause."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _keep)
+
+
+def _keep(signum: int, frame: FrameType | None) -> None:
+    _early.append(signal.Signals(signum).name)
+
+
+def stop_requested_early() -> str:
+    """The first stop signal caught by `catch_stop_signals` (empty: none)."""
+    return _early[0] if _early else ""
 
 
 def request_pause(run_dir: Path, reason: str = "keel pause") -> Path:
@@ -33,7 +52,7 @@ class StopRequests:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.control = run_dir / PAUSE_FILE if rank == 0 else None
-        self.received: str = ""
+        self.received: str = stop_requested_early()
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for sig in SIGNALS:

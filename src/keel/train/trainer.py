@@ -43,7 +43,7 @@ from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
 from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
-from keel.run_lock import RunLock, held_by_launcher
+from keel.run_lock import RunLock, held_by_launcher, hold_as_worker
 from keel.train.optim import build_optimizer, lr_at, update_norm_sq
 from keel.train.state import TrainState, seed_everything
 from keel.train.step import Stepper, evaluate
@@ -65,6 +65,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
     try:
         if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
             lock = _lock_in_rank0(run_dir, ctx.rank)
+        hold_as_worker(run_dir)
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
             watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
@@ -161,6 +162,8 @@ def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], c
     start event, from which recovery times are measured)."""
     rank0, events, say = ctx.rank == 0, log.events, log.say
     ledger, registry = monitor.ledger, monitor.registry
+    if _stop_agreed(requests, ctx.device):  # asked to stop while starting: nothing to save yet
+        return _paused_before_training(requests, run_dir, events, say, rank0)
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
     if cfg.model.vocab_size < corpus.vocab_size:
@@ -241,6 +244,9 @@ def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], c
         if rank0:
             write_status(run_dir, "finished", state.step, checkpoint=manager.latest())
         return _already_finished(cfg, run_dir, state, events, say, rank0)
+
+    if _stop_agreed(requests, ctx.device):  # asked while loading: the checkpoint just loaded is the newest
+        return _paused_before_training(requests, run_dir, events, say, rank0, state.step, manager.latest())
 
     def status(kind: str, **detail: object) -> None:
         if rank0:
@@ -501,6 +507,29 @@ def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, che
         events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=saved)
     status("paused", reason=reason)
     say(f"paused at step {step} ({reason}): {where}; run the same command to resume")
+    return EXIT_PAUSED
+
+
+def _stop_agreed(requests: StopRequests, device: torch.device) -> bool:
+    """Whether any rank was asked to stop, agreed by all (every rank takes the same branch)."""
+    flag = torch.tensor([float(requests.pending())], device=device)
+    dist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def _paused_before_training(requests: StopRequests, run_dir: Path, events: EventLog, say: Progress, rank0: bool,
+                            step: int = 0, checkpoint: str | None = None) -> int:
+    """A pause asked for before the first step: the run is where its newest checkpoint left it."""
+    reason = requests.reason() or "asked on another rank"
+    dist.barrier()
+    requests.consume()
+    if rank0:
+        last = read_status(run_dir)
+        checkpoint = checkpoint or last.get("checkpoint")
+        write_status(run_dir, "paused", step or last.get("step", 0), checkpoint=checkpoint, reason=reason)
+        events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=False, before_training=True)
+    say(f"paused before training ({reason}); the newest checkpoint is {checkpoint or 'none yet'}; run the same "
+        f"command to resume")
     return EXIT_PAUSED
 
 

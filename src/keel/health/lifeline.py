@@ -1,0 +1,27 @@
+"""Workers die with their launcher. torchrun's agent starts each worker in a session of its own, so a
+SIGKILL of the launcher (or of its process group) would leave the workers training on, writing into a run
+directory that the next job then enters. Each worker asks the kernel for a SIGKILL when the process that
+started it ends (Linux's parent-death signal), and checks that it did not already end before it asked."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+AGENT_PID_ENV = "KEEL_AGENT_PID"  # the launcher that starts the workers sets it to its own pid
+
+
+def die_with_launcher() -> None:
+    """Called first thing by a torchrun worker. The parent-death signal fires when the thread that
+    started this process ends: torchrun's agent starts its workers from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not allowed here (a sandbox): the run lock still keeps a second job out
+    expected = os.environ.get(AGENT_PID_ENV)
+    if expected and os.getppid() != int(expected):  # the launcher died before the request was made
+        os._exit(128 + signal.SIGKILL)
