@@ -127,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face Llama safetensors")
     exp.add_argument("--out", type=Path, required=True, help="output directory (must not exist or be empty)")
     exp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported weights")
+    exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer.json or prepared corpus directory (default: "
+                     "the corpus recorded in the checkpoint; its sha256 must match)")
 
     c = sub.add_parser("config", help="print the resolved config, or the reference of every option")
     _add_config_args(c)
@@ -368,15 +370,15 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         import torch
 
         from keel.checkpoint.export import export_hf
+        from keel.checkpoint.hf_tokenizer import checkpoint_tokenizer
         from keel.config import ModelConfig
 
         storage, name = latest_verified(args.path)
         manifest = read_manifest(storage, name)
-        described = manifest.get("tokenizer") or {}
-        tokens = {k: described[k] for k in ("bos", "eos", "pad") if k in described}
+        tokenizer = checkpoint_tokenizer(manifest.get("tokenizer"), storage.path(name), args.tokenizer)
         with storage.reading(name):
             files = export_hf(storage.path(name), ModelConfig(**manifest["model"]), args.out,
-                              dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, special_tokens=tokens)
+                              dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, tokenizer=tokenizer)
         print(f"exported {storage.path(name)} (step {manifest['step']}) to {args.out}: "
               f"{', '.join(f.name for f in files)}")
         return 0

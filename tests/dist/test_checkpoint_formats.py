@@ -3,6 +3,7 @@ loopback), and Hugging Face safetensors out of a run and back into a new one."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -98,7 +99,11 @@ def test_hf_export_starts_a_new_run_from_the_same_weights(local_run: Path, small
     exported = run_keel(["ckpt", "export", str(source), "--format", "hf", "--out", str(hf)], cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert "(step 30)" in exported.stdout, "the run's newest checkpoint"
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
+                                                    "tokenizer.json", "tokenizer_config.json"]
+    manifest = json.loads((source / "checkpoints" / "step-000030" / "manifest.json").read_text())
+    assert manifest["tokenizer"] == {"name": "byte", "vocab_size": 259, "bos": 256, "eos": 257, "pad": 258,
+                                     "corpus": str(small_corpus.resolve())}, "where export finds a tokenizer file"
 
     # A learning rate far below fp32 resolution: one step leaves every weight bitwise where it started.
     started = run_keel(train_cmd(small_corpus, target, 1, f"model.init_from=hf:{hf}", "optim.lr=1e-30",

@@ -1,12 +1,17 @@
 """Hugging Face Llama interchange: keel checkpoint -> HF directory -> keel model round trips, logits
-agreeing with transformers' LlamaForCausalLM, and refusals of what keel cannot represent."""
+agreeing with transformers' LlamaForCausalLM, an exported tokenizer giving keel's ids through
+AutoTokenizer, and refusals of what keel cannot represent or cannot find."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import shutil
+import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +31,9 @@ from keel.checkpoint.export import (
     model_config_from_hf,
     read_hf_config,
 )
+from keel.checkpoint.hf_tokenizer import TOKENIZER_FILES, checkpoint_tokenizer
 from keel.config import ModelConfig
-from keel.errors import CheckpointError
+from keel.errors import CheckpointError, KeelError
 from keel.model.init import init_weights
 from keel.model.llama import Llama, ffn_hidden_dim
 
@@ -318,3 +324,158 @@ def test_load_names_a_wrong_shape_and_a_missing_tensor(tmp_path: Path) -> None:
     save_file(tensors, out / SINGLE, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_hf_weights(build(TINY), out)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+# Text that looks special to one tokenizer or another, keel's own special tokens, whitespace runs and
+# characters from every plane: keel encodes all of it as text, and so must the export.
+LOOKALIKES = ["<|bos|>", "<|eos|>", "<|pad|>", "<|endoftext|>", "</s>", "<s>", "<|begin_of_text|>", "<unk>",
+              "[PAD]", "<pad>", "<|", "|>", "<", ">"]
+PIECES = [*LOOKALIKES, " ", "  ", "   \t", "\n", "\n\n\n", "\r\n", "\u00a0", "\u3000", "\u200b", "\ufeff", "\x00",
+          "\x7f", "naïve", "e\u0301", "日本語", "😀", "👩‍👩‍👧", "\U0010ffff", "def", " return", "x = 1", "ü"]
+
+
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    """`n` texts of up to 12 pieces, each a lookalike, a word, whitespace or any character but a lone
+    surrogate (which no Python str reaching transformers may hold), with the plain cases first."""
+    rng = random.Random(seed)
+
+    def char() -> str:
+        while 0xD800 <= (c := rng.randrange(0x110000)) <= 0xDFFF:
+            pass
+        return chr(c)
+
+    texts = ["", " ", "  \n\t ", *LOOKALIKES, "".join(LOOKALIKES), "say <|eos|> and go on"]
+    while len(texts) < n:
+        texts.append("".join(rng.choice(PIECES) if rng.random() < 0.6 else char() for _ in range(rng.randrange(13))))
+    return texts
+
+
+def committed_checkpoint(run_dir: Path, cfg: ModelConfig, tokenizer: dict) -> None:
+    """A checkpoint as training commits it, manifest and all, from keel's CheckpointManager in one process,
+    recording `tokenizer` as the trainer does, in a run directory with the trainer's config.toml."""
+    from keel.checkpoint.manager import CheckpointManager
+    from keel.config import Config, to_toml
+    from keel.monitor.sinks import EventLog
+    from keel.train.state import TrainState
+
+    run_config = Config()
+    run_config.model = cfg
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(run_config))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build(cfg)
+        manager = CheckpointManager(run_config, run_dir, "dp1", EventLog(run_dir / "events.jsonl", 0),
+                                    tokenizer=tokenizer)
+        [outcome] = manager.save([model], [torch.optim.AdamW(model.parameters())], TrainState(step=1), wait=True)
+        assert outcome.committed, outcome.error
+    finally:
+        dist.destroy_process_group()
+
+
+def export_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """`keel ckpt export ARGS` in this process: its exit code and its error output."""
+    from keel.cli import main
+
+    code = main(["ckpt", "export", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tokenizer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """A committed checkpoint for each kind of tokenizer keel trains with, the BPE and given ones in a
+    corpus directory as `keel data prepare` leaves them: run directory and keel's tokenizer."""
+    pytest.importorskip("tokenizers")
+    from keel.data.tokenizer import ByteTokenizer, load_tokenizer_file, train_bpe
+    from tests.unit.data.test_tokenizer import TRAIN_FILES, gpt2_like, read
+
+    root = tmp_path_factory.mktemp("tokenizer_runs")
+    given = gpt2_like(root / "gpt2.json")
+    tokenizers = {"byte": ByteTokenizer(), "bpe": train_bpe(read(TRAIN_FILES[:5]), 400),
+                  "given": load_tokenizer_file(given)}
+    runs = {}
+    for kind, tok in tokenizers.items():
+        corpus = root / f"corpus-{kind}"
+        corpus.mkdir()
+        tok.save(corpus)
+        committed_checkpoint(root / kind, dataclasses.replace(TINY, vocab_size=max(tok.vocab_size, 259)),
+                             {**tok.describe(), "corpus": str(corpus)})
+        runs[kind] = root / kind, tok
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "given"])
+def test_exported_tokenizer_gives_keel_ids_on_any_text(tmp_path: Path, transformers, capsys, tokenizer_runs,
+                                                       kind: str) -> None:
+    run_dir, tok = tokenizer_runs[kind]
+    out = tmp_path / "hf"
+    assert export_cli(capsys, str(run_dir), "--out", str(out)) == (0, "")
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG, SINGLE, *TOKENIZER_FILES])
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert isinstance(hf, transformers.PreTrainedTokenizerFast)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (tok.bos, tok.eos, tok.pad)
+    config = json.loads((out / CONFIG).read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (tok.bos, tok.eos, tok.pad)
+
+    texts = random_texts(1000)
+    documents = [ids.tolist() for ids in tok.encode_documents(texts)]
+    assert hf(texts)["input_ids"] == documents, "add_special_tokens (the default): BOS text EOS, as keel trains"
+    assert hf(texts, add_special_tokens=False)["input_ids"] == [ids[1:-1] for ids in documents]
+    assert hf("<|eos|>", "</s>")["input_ids"] == documents[texts.index("<|eos|>")] + documents[texts.index("</s>")]
+    decoded = [hf.decode(ids, skip_special_tokens=True) for ids in documents]
+    assert decoded == [tok.decode(ids) for ids in documents] == texts, "byte-level: every text comes back"
+    padded = hf(["a", "a longer text"], padding=True)
+    assert padded["input_ids"][0][-1] == tok.pad and padded["attention_mask"][0][-1] == 0
+
+
+def test_export_finds_the_tokenizer_or_says_what_to_pass(tmp_path: Path, capsys, tokenizer_runs) -> None:
+    run_dir, tok = tokenizer_runs["bpe"]
+    checkpoint = run_dir / "checkpoints" / "step-000001"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    corpus = Path(manifest["tokenizer"]["corpus"])
+    copy = tmp_path / "tokenizer.json"
+    copy.write_bytes((corpus / "tokenizer.json").read_bytes())
+    out = tmp_path / "hf"
+
+    def refused(*args: str) -> str:
+        code, err = export_cli(capsys, str(run_dir), "--out", str(out), *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+        return err
+
+    original = (corpus / "tokenizer.json").read_bytes()
+    try:
+        (corpus / "tokenizer.json").write_bytes(original + b"\n")  # the corpus prepared again, or edited
+        err = refused()
+        assert f"{corpus / 'tokenizer.json'} is not the bpe tokenizer" in err and "--tokenizer PATH" in err, err
+        (corpus / "tokenizer.json").unlink()
+        assert "cannot read" in refused() and "--tokenizer PATH" in refused()
+        assert "is not the bpe tokenizer" in refused("--tokenizer", str(run_dir / "events.jsonl"))
+        # A copy of the very file, as a file or as the directory that holds it, is what the run used.
+        for given in (copy, tmp_path):
+            assert export_cli(capsys, str(run_dir), "--out", str(out), "--tokenizer", str(given)) == (0, "")
+            assert json.loads((out / "tokenizer.json").read_text())["model"] == json.loads(original)["model"]
+            shutil.rmtree(out)
+    finally:
+        (corpus / "tokenizer.json").write_bytes(original)
+
+    byte_run, _ = tokenizer_runs["byte"]
+    err = export_cli(capsys, str(byte_run), "--out", str(out), "--tokenizer", str(copy))[1]
+    assert "trained with the byte tokenizer" in err and not out.exists(), err
+    old = {k: v for k, v in manifest["tokenizer"].items() if k != "corpus"}
+    with pytest.raises(CheckpointError, match="records its bpe tokenizer's sha256 but not its corpus.*--tokenizer"):
+        checkpoint_tokenizer(old, str(checkpoint))
+    with pytest.raises(CheckpointError, match="records no tokenizer"):
+        checkpoint_tokenizer(None, str(checkpoint))
+
+
+def test_export_without_the_tokenizers_package_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+    from keel.data.tokenizer import ByteTokenizer
+
+    save_checkpoint(build(TINY), tmp_path / "ckpt")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # what an environment without the package looks like
+    with pytest.raises(KeelError, match=r"pip install 'keel\[bpe\]'"):
+        export_hf(tmp_path / "ckpt", TINY, tmp_path / "hf", tokenizer=ByteTokenizer())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "nothing written"

@@ -1,5 +1,6 @@
 """Hugging Face Llama interchange: export a keel checkpoint's weights as a `LlamaForCausalLM` directory
-(config.json + safetensors) and load such a directory into a keel model.
+(config.json + safetensors, and the run's tokenizer: `keel.checkpoint.hf_tokenizer`) and load such a
+directory into a keel model.
 
 keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
 rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk are
@@ -29,8 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from keel.checkpoint.hf_tokenizer import write_hf_tokenizer
 from keel.checkpoint.storage import fsync_path, locate
 from keel.config import ModelConfig
+from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
 from keel.model.init import canonical_name
 from keel.model.llama import Llama, ffn_hidden_dim
@@ -272,8 +275,9 @@ def _check_out(out: Path) -> None:
 
 
 def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = 5 * 2**30, special_tokens: dict[str, int] | None = None) -> list[Path]:
-    """Write the model weights of a keel checkpoint as a Hugging Face Llama directory `out`. Reads only
+              max_shard_bytes: int = 5 * 2**30, tokenizer: Tokenizer | None = None) -> list[Path]:
+    """Write the model weights of a keel checkpoint as a Hugging Face Llama directory `out`, with
+    `tokenizer` as its Hugging Face tokenizer (and its BOS, EOS and PAD ids in config.json). Reads only
     the model tensors, one output shard at a time, so memory stays near one shard. The directory is built
     beside `out` and renamed into place: it appears complete or not at all. Returns the files written."""
     out = Path(out)
@@ -303,6 +307,8 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        # The tokenizer first: what it lacks (the tokenizers package) shows before the weights are read.
+        tokenizer_files = [] if tokenizer is None else write_hf_tokenizer(tokenizer, tmp, cfg.max_seq_len)
         weight_map: dict[str, str] = {}
         for group, file in zip(groups, files, strict=True):
             part = {names[i]: torch.empty(shapes[names[i]], dtype=stored[names[i]]) for i in group}
@@ -328,6 +334,9 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
             index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             written.append(INDEX)
+        written += tokenizer_files
+        special_tokens = None if tokenizer is None else {"bos": tokenizer.bos, "eos": tokenizer.eos,
+                                                         "pad": tokenizer.pad}
         (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, special_tokens), indent=2) + "\n")
         written.append(CONFIG)
         for file in written:

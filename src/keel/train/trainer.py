@@ -203,8 +203,10 @@ def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], c
                                      dp_size=mesh.layout.dp)
     val_tokens, val_bytes = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
     train_tokens, train_bytes = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
+    # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same one).
+    described = {**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())}
     manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write,
-                                tokenizer=corpus.manifest["tokenizer"],
+                                tokenizer=described,
                                 identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
                                 accepted=accepted)
     stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
