@@ -3,6 +3,7 @@ the webhook against a real HTTP server, TensorBoard files, and the console."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -244,14 +245,23 @@ class Receiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A real HTTP server on a free loopback port, answering with `handler`; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def receiver():
     Receiver.received = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", Receiver.received
-    server.shutdown()
-    server.server_close()
+    with serving(Receiver) as base:
+        yield f"{base}/hook", Receiver.received
 
 
 def test_webhook_posts_each_alert_once_as_json(tmp_path: Path, receiver) -> None:
@@ -266,6 +276,67 @@ def test_webhook_posts_each_alert_once_as_json(tmp_path: Path, receiver) -> None
     assert (post["alert"], post["severity"], post["step"], post["run"], post["node"]) == \
         ("loss_spike", "error", 12, "t", "n")
     assert "loss spiked" in post["message"]
+
+
+class ChatService(http.server.BaseHTTPRequestHandler):
+    """Answers a POST the way Slack's incoming webhooks (/slack: a `text` string, or `blocks`) and Discord's
+    webhooks (/discord: a non-empty `content` of at most 2,000 characters, or `embeds`) do: 400 for a body
+    they would not post."""
+    posted: list[tuple[str, dict]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/slack":
+            ok = isinstance(body.get("text"), str) and body["text"].strip() or bool(body.get("blocks"))
+            status, reply = (200, b"ok") if ok else (400, b"no_text")
+        else:
+            content = body.get("content")
+            ok = isinstance(content, str) and content.strip() != "" and len(content) <= 2000 or \
+                bool(body.get("embeds"))
+            status, reply = (204, b"") if ok else (400, b'{"message": "Cannot send an empty message", "code": 50006}')
+        if ok:
+            type(self).posted.append((self.path, body))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def chat_service():
+    ChatService.posted = []
+    with serving(ChatService) as base:
+        yield base, ChatService.posted
+
+
+@pytest.mark.parametrize("service", ["slack", "discord"])
+def test_chat_services_post_each_alert_as_one_line(tmp_path: Path, chat_service, service: str) -> None:
+    base, posted = chat_service
+    alerts, events, said = alerts_in(tmp_path, webhook=f"{base}/{service}", webhook_retries=0)
+    events.emit("guard", 12, "rollback", guard="spike", reason="loss 9.1 > 3 × median")
+    events.emit("hang", 30, "detected", reason="rank 1 stuck\nin forward_backward " + "x" * 3000)
+    alerts.close()
+    assert (alerts.webhook.sent, alerts.webhook.failed) == (2, 0) and not [m for m in said if "webhook" in m]
+    (_, spike), (_, hang) = posted
+    line = "[error] loss_spike in run t at step 12: guard rollback: loss 9.1 > 3 × median"
+    assert spike["text"] == spike["content"] == line
+    assert (spike["alert"], spike["severity"], spike["step"], spike["run"]) == ("loss_spike", "error", 12, "t")
+    assert len(hang["content"]) == 2000 and "\n" not in hang["content"] and hang["content"].endswith("x…")
+    assert hang["content"].startswith("[critical] hang in run t at step 30: hang detected: rank 1 stuck in forward")
+
+
+@pytest.mark.parametrize("service", ["slack", "discord"])
+def test_chat_services_refuse_an_alert_without_its_line(chat_service, service: str) -> None:
+    base, posted = chat_service
+    said = Said()
+    hook = Webhook(f"{base}/{service}", timeout_s=5.0, retries=0, warn=said)
+    hook.post({"run": "t", "alert": "loss_spike", "severity": "error", "step": 12, "message": "loss spiked"})
+    hook.close()
+    assert (hook.sent, hook.failed, posted) == (0, 1, [])
+    assert "400" in said[0]
 
 
 def test_a_refused_webhook_never_blocks_and_is_reported_once() -> None:

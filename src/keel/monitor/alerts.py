@@ -34,6 +34,17 @@ EVENT_RULES = (
     ("hang", "*", "*", "hang", "critical"),
     ("leave", "*", "*", "quarantine", "error"),
 )
+CHAT_LIMIT = 2000  # characters of a chat message: Discord refuses a longer `content`
+
+
+def chat_line(alert: dict) -> str:
+    """The alert as the one line a chat channel shows: Slack's incoming webhooks post `text`, Discord's
+    `content`, and refuse a body without it."""
+    line = " ".join(f"[{alert['severity']}] {alert['alert']} in run {alert.get('run', '?')} at step "
+                    f"{alert['step']}: {alert['message']}".split())
+    return line if len(line) <= CHAT_LIMIT else line[:CHAT_LIMIT - 1] + "…"
+
+
 class Webhook:
     """POSTs alerts as JSON from a background thread, retrying with exponential backoff. The queue is
     bounded and never waited on: a slow or dead endpoint costs training nothing, alerts beyond the
@@ -131,9 +142,11 @@ class Alerts:
         self.fired[rule] += 1
         self.say(f"ALERT [{severity}] {rule} at step {record['step']}: {detail.get('message', '')}")
         if self.webhook is not None:
-            self.webhook.post({**self.labels, "alert": rule, "severity": severity, "step": record["step"],
-                               "time": record["time"], "rank": record["rank"], "message": detail.get("message", ""),
-                               "detail": {k: v for k, v in detail.items() if k not in ("severity", "message")}})
+            alert = {**self.labels, "alert": rule, "severity": severity, "step": record["step"],
+                     "time": record["time"], "rank": record["rank"], "message": detail.get("message", ""),
+                     "detail": {k: v for k, v in detail.items() if k not in ("severity", "message")}}
+            line = chat_line(alert)
+            self.webhook.post({"text": line, "content": line, **alert})
 
     # ------------------------------------------------------------------ rules over metrics (rank 0)
     def observe(self, step: int, record: dict, steps: int, skipped: int, wall_s: float,
