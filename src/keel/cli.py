@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from keel.config import Config, SourceConfig, load_config, reference, resolve_layout, to_toml
+from keel.config import Config, SourceConfig, check_vocab_size, load_config, reference, resolve_layout, to_toml
 from keel.errors import EXIT_BAD_INPUT, ConfigError, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
@@ -136,7 +136,8 @@ def in_torchrun_worker() -> bool:
 
 
 def ensure_corpus(cfg: Config, verbose: bool) -> None:
-    """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist."""
+    """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist, and
+    the model's vocabulary must hold its tokenizer's."""
     from keel.data.prepare import BUILTIN_STDLIB, describe, prepare
     from keel.data.shards import FORMAT_VERSION, MANIFEST, open_corpus
 
@@ -152,7 +153,7 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
         manifest = prepare(cfg.data, cfg.data.dir, force=True, progress=verbose)
         if verbose:
             print(describe(manifest), flush=True)
-    open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+    check_vocab_size(cfg, open_corpus(cfg.data.dir, cfg.data.verify_checksums).vocab_size)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -165,12 +166,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
+    check_train_args(args, cfg, run_dir)
     if args.quiet:
         os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
     worker = in_torchrun_worker()
     nproc = 1 if worker or args.nproc is None else args.nproc
-    if nproc < 1:
-        raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
     elastic = not worker and args.nnodes != "1"
     if elastic:
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
@@ -200,6 +200,25 @@ def cmd_train(args: argparse.Namespace) -> int:
                           no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.train.trainer import train
         return train(cfg, run_dir, resume)
+
+
+def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
+    """What a start can check from its arguments and config alone, before it creates anything."""
+    from keel.callbacks import check_callbacks
+    from keel.paths import check_writable_dir
+
+    if args.nproc is not None and args.nproc < 1:
+        raise KeelError(f"--nproc {args.nproc}: expected a positive number of processes")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise KeelError(f"--max-restarts {args.max_restarts}: expected 0 or more restarts")
+    check_writable_dir(run_dir, "--run-dir" if args.run_dir else "the run directory")
+    storage = cfg.checkpoint.dir
+    if storage and ("://" not in storage or storage.startswith("file://")):
+        check_writable_dir(Path(storage.removeprefix("file://")), "checkpoint.dir")
+    resume = args.resume
+    if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
+        raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
+    check_callbacks(cfg.callbacks)
 
 
 def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
@@ -341,9 +360,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "export":
         import torch
 
-        from keel.checkpoint.export import export_hf
+        from keel.checkpoint.export import check_export_target, export_hf
         from keel.config import ModelConfig
 
+        check_export_target(args.out)  # before the checkpoint's read lock is taken: a bad --out creates nothing
         storage, name = latest_verified(args.path)
         manifest = read_manifest(storage, name)
         described = manifest.get("tokenizer") or {}
