@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from keel.config import Config, SourceConfig, check_vocab_size, load_config, reference, resolve_layout, to_toml
 from keel.errors import EXIT_BAD_INPUT, ConfigError, KeelError
@@ -26,8 +27,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=50")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line, like every other bad input: the usage block would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"keel: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keel", description="LLM pre-training, from one CPU to thousands of GPUs.")
+    p = OneLineParser(prog="keel", description="LLM pre-training, from one CPU to thousands of GPUs.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (or resume) a model")
@@ -441,10 +449,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except KeelError as e:
-        rank = os.environ.get("RANK", "0")
-        where = "" if rank == "0" else f" (rank {rank})"
-        print(f"keel: error{where}: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        return _bad_input(str(e))
+    except USER_PATH_ERRORS as e:
+        if e.filename is None:  # not about a path the user gave: a fault to see in full
+            raise
+        return _bad_input(f"{str(e.filename)!r}: {e.strerror}")
+
+
+# A path the user named that is missing, of the wrong kind or forbidden; any other exception is a fault of keel
+# or of the machine and keeps its traceback.
+USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _bad_input(message: str) -> int:
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    print(f"keel: error{where}: {' '.join(message.split(chr(10)))}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -704,7 +704,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
+            problem = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {problem}; pass a TOML file such as configs/tiny.toml")
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
