@@ -9,8 +9,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from keel.config import Config, SourceConfig, load_config, reference, resolve_layout, to_toml
+from keel.config import Config, SourceConfig, check_vocab_size, load_config, reference, resolve_layout, to_toml
 from keel.errors import EXIT_BAD_INPUT, EXIT_PAUSED, ConfigError, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
@@ -26,8 +27,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=50")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line, like every other bad input: the usage block would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"keel: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keel", description="LLM pre-training, from one CPU to thousands of GPUs.")
+    p = OneLineParser(prog="keel", description="LLM pre-training, from one CPU to thousands of GPUs.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (or resume) a model")
@@ -141,7 +149,8 @@ def in_torchrun_worker() -> bool:
 
 
 def ensure_corpus(cfg: Config, verbose: bool) -> None:
-    """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist."""
+    """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist, and
+    the model's vocabulary must hold its tokenizer's."""
     from keel.data.prepare import BUILTIN_STDLIB, describe, prepare
     from keel.data.shards import FORMAT_VERSION, MANIFEST, open_corpus
 
@@ -157,7 +166,9 @@ def ensure_corpus(cfg: Config, verbose: bool) -> None:
         manifest = prepare(cfg.data, cfg.data.dir, force=True, progress=verbose)
         if verbose:
             print(describe(manifest), flush=True)
-    return open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+    corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+    check_vocab_size(cfg, corpus.vocab_size)
+    return corpus
 
 
 def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
@@ -185,13 +196,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
     from keel.run_lock import RunLock, held_by_launcher
+
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
+    check_train_args(args, cfg, run_dir)
     if args.quiet:
         os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
     nproc = 1 if worker or args.nproc is None else args.nproc
-    if nproc < 1:
-        raise KeelError(f"--nproc {nproc}: expected a positive number of processes")
     elastic = not worker and args.nnodes != "1"
     if elastic:
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
@@ -228,6 +239,25 @@ def cmd_train(args: argparse.Namespace) -> int:
                           no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.train.trainer import train
         return train(cfg, run_dir, resume, accepted)
+
+
+def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
+    """What a start can check from its arguments and config alone, before it creates anything."""
+    from keel.callbacks import check_callbacks
+    from keel.paths import check_writable_dir
+
+    if args.nproc is not None and args.nproc < 1:
+        raise KeelError(f"--nproc {args.nproc}: expected a positive number of processes")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise KeelError(f"--max-restarts {args.max_restarts}: expected 0 or more restarts")
+    check_writable_dir(run_dir, "--run-dir" if args.run_dir else "the run directory")
+    storage = cfg.checkpoint.dir
+    if storage and ("://" not in storage or storage.startswith("file://")):
+        check_writable_dir(Path(storage.removeprefix("file://")), "checkpoint.dir")
+    resume = args.resume
+    if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
+        raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
+    check_callbacks(cfg.callbacks)
 
 
 def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
@@ -369,10 +399,11 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "export":
         import torch
 
-        from keel.checkpoint.export import export_hf
+        from keel.checkpoint.export import check_export_target, export_hf
         from keel.checkpoint.hf_tokenizer import checkpoint_tokenizer
         from keel.config import ModelConfig
 
+        check_export_target(args.out)  # before the checkpoint's read lock is taken: a bad --out creates nothing
         storage, name = latest_verified(args.path)
         manifest = read_manifest(storage, name)
         tokenizer = checkpoint_tokenizer(manifest.get("tokenizer"), storage.path(name), args.tokenizer)
@@ -449,10 +480,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except KeelError as e:
-        rank = os.environ.get("RANK", "0")
-        where = "" if rank == "0" else f" (rank {rank})"
-        print(f"keel: error{where}: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        return _bad_input(str(e))
+    except USER_PATH_ERRORS as e:
+        if e.filename is None:  # not about a path the user gave: a fault to see in full
+            raise
+        return _bad_input(f"{str(e.filename)!r}: {e.strerror}")
+
+
+# A path the user named that is missing, of the wrong kind or forbidden; any other exception is a fault of keel
+# or of the machine and keeps its traceback.
+USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _bad_input(message: str) -> int:
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    print(f"keel: error{where}: {' '.join(message.split(chr(10)))}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

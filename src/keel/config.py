@@ -19,6 +19,9 @@ from typing import Any
 
 from keel.errors import ConfigError
 
+INT_MAX = 2**63 - 1  # an integer field's bound unless it has its own: what torch and numpy hold as int64
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 64 bits
+YEAR_S = 365 * 24 * 3600  # bound of every duration: longer ones overflow the timers that wait on them
 
 def option(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
            le: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -96,7 +99,7 @@ class DedupConfig:
     ngram: int = option(5, "shingle length in words or characters", ge=1)
     bands: int = option(0, "LSH bands; 0: chosen with rows from the threshold (see `keel data stats`)", ge=0)
     rows: int = option(0, "LSH rows per band; 0: chosen with bands from the threshold", ge=0)
-    seed: int = option(1, "seed of the MinHash permutations", ge=0)
+    seed: int = option(1, "seed of the MinHash permutations", ge=0, le=SEED_MAX)
 
 
 @dataclass
@@ -137,7 +140,7 @@ class TrainConfig:
     seq_len: int = option(256, "tokens per training sequence", ge=1)
     global_batch: int = option(32, "sequences per optimizer step, whatever the number of processes", ge=1)
     micro_batch: int = option(16, "sequences per forward/backward on one rank", ge=1)
-    seed: int = option(0, "seed for initialisation and data order", ge=0)
+    seed: int = option(0, "seed for initialisation and data order", ge=0, le=SEED_MAX)
     device: str = option("auto", "where to train (auto: CUDA when present)", choices=("auto", "cpu", "cuda"))
     precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA)",
                             choices=("auto", "fp32", "bf16"))
@@ -192,16 +195,16 @@ class ParallelConfig:
 class AlertsConfig:
     webhook: str = option("", "URL that receives each alert as an HTTP POST of JSON (empty: none); retried with "
                           "backoff from a background thread, never blocking training")
-    webhook_timeout_s: float = option(5.0, "seconds one webhook POST may take", gt=0)
+    webhook_timeout_s: float = option(5.0, "seconds one webhook POST may take", gt=0, le=YEAR_S)
     webhook_retries: int = option(3, "further attempts after a failed POST (backoff 1, 2, 4 ... s)", ge=0)
     cooldown_s: float = option(600.0, "an alert rule that fired stays quiet this long (one notice per incident)",
-                               ge=0)
+                               ge=0, le=YEAR_S)
     stall_s: float = option(120.0, "a step not finished after this many seconds is stalled (also exported for "
-                            "Prometheus' KeelStepStalled rule)", gt=0)
+                            "Prometheus' KeelStepStalled rule)", gt=0, le=YEAR_S)
     throughput_drop: float = option(0.7, "alert when tokens/s falls below this fraction of its trailing median",
                                     gt=0, le=1)
     throughput_window: int = option(20, "logged intervals in the trailing median of tokens/s", ge=3)
-    throughput_for_s: float = option(300.0, "... for this many seconds in a row", ge=0)
+    throughput_for_s: float = option(300.0, "... for this many seconds in a row", ge=0, le=YEAR_S)
     nan_skip_rate: float = option(0.05, "alert when more than this share of an interval's steps were skipped "
                                   "(non-finite or spiking)", gt=0, le=1)
     checkpoint_overdue: float = option(2.0, "alert when no checkpoint committed for this many expected intervals",
@@ -209,7 +212,8 @@ class AlertsConfig:
     storage_free: float = option(0.05, "alert when the checkpoint volume's free share falls below this", ge=0, le=1)
     gpu_temp_c: float = option(87.0, "alert when a GPU is hotter than this (°C)", gt=0)
     goodput_target: float = option(0.8, "alert when the run's goodput ratio is below this ...", ge=0, le=1)
-    goodput_after_s: float = option(1800.0, "... once the run is older than this many seconds of wall time", ge=0)
+    goodput_after_s: float = option(1800.0, "... once the run is older than this many seconds of wall time", ge=0,
+                                    le=YEAR_S)
 
 
 @dataclass
@@ -222,7 +226,7 @@ class MonitorConfig:
     profile_interval: int = option(50, "profile one step in this many to measure time in collectives "
                                    "(0: never)", ge=0)
     telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
-                                         "node (0: no telemetry)", ge=0)
+                                         "node (0: no telemetry)", ge=0, le=YEAR_S)
     prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "
                                   "r of a node serves port + r", ge=0, le=65535)
     prometheus_host: str = option("127.0.0.1", "address the exporter binds (0.0.0.0 to let other hosts scrape)")
@@ -242,9 +246,10 @@ class CheckpointConfig:
                          choices=("steps", "seconds", "auto"))
     interval: int = option(100, "steps between checkpoints with policy = steps (the last step is always saved)",
                            ge=1)
-    every_seconds: float = option(1800.0, "seconds of training between checkpoints with policy = seconds", gt=0)
+    every_seconds: float = option(1800.0, "seconds of training between checkpoints with policy = seconds", gt=0,
+                                  le=YEAR_S)
     mtbf_hours: float = option(24.0, "mean time between failures of the whole job, for policy = auto (replaced "
-                               "by the observed one once the run has been interrupted)", gt=0)
+                               "by the observed one once the run has been interrupted)", gt=0, le=YEAR_S / 3600)
     async_save: bool = option(True, "write checkpoints in the background; training blocks only while the "
                               "state is copied to host memory")
     keep_last: int = option(3, "checkpoints kept, newest first (older ones are pruned in the background)", ge=1)
@@ -312,11 +317,13 @@ class WatchdogConfig:
                            "elastic agent restarts the workers")
     warmup_steps: int = option(20, "steps observed before the step timeout is learned", ge=1)
     factor: float = option(5.0, "a learned timeout is this many times the longest duration observed", gt=1)
-    min_timeout_s: float = option(60.0, "floor of every learned timeout (seconds)", gt=0)
-    initial_timeout_s: float = option(900.0, "step, eval and checkpoint timeout until learned (seconds)", gt=0)
-    setup_timeout_s: float = option(1800.0, "timeout of setup: process group to the first step (seconds)", gt=0)
+    min_timeout_s: float = option(60.0, "floor of every learned timeout (seconds)", gt=0, le=YEAR_S)
+    initial_timeout_s: float = option(900.0, "step, eval and checkpoint timeout until learned (seconds)", gt=0,
+                                      le=YEAR_S)
+    setup_timeout_s: float = option(1800.0, "timeout of setup: process group to the first step (seconds)", gt=0,
+                                    le=YEAR_S)
     poll_s: float = option(1.0, "how often the watchdog thread looks at its rank and at the others' hang reports",
-                           gt=0)
+                           gt=0, le=YEAR_S)
 
 
 @dataclass
@@ -335,9 +342,9 @@ class HealthConfig:
     no_progress_restarts: int = option(2, "stop (exit 3, do not requeue) after this many restarts in a row that "
                                        "did not get past the step the run had reached", ge=1)
     rendezvous_timeout_s: int = option(900, "elastic jobs (--nnodes): how long a (re)starting node waits for the "
-                                       "others to join; longer than a step's watchdog timeout", ge=1)
+                                       "others to join; longer than a step's watchdog timeout", ge=1, le=YEAR_S)
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
-                                   "SIGKILL", ge=1)
+                                   "SIGKILL", ge=1, le=YEAR_S)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "
                             "on), fail (end the run naming the node and rank: exit 2 for the checkpoint storage, "
                             "76 with the node quarantined for a node's own fault) or off",
@@ -410,16 +417,31 @@ def _check_value(path: str, value: Any, tp: Any, meta: typing.Mapping[str, Any])
         value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"{path} = {value!r}: expected a finite number")
+    if tp is str:
+        _check_text(path, value)
+    upper = meta.get("le") if meta.get("le") is not None else INT_MAX if tp is int else None
     bounds = [(meta.get("ge"), ">=", lambda v, b: v >= b), (meta.get("gt"), ">", lambda v, b: v > b),
-              (meta.get("le"), "<=", lambda v, b: v <= b)]
+              (upper, "<=", lambda v, b: v <= b)]
     for bound, _, holds in bounds:
         if bound is not None and not holds(value, bound):
-            allowed = " and ".join(f"{s} {b:g}" for b, s, _ in bounds if b is not None)
+            allowed = " and ".join(f"{s} {b if isinstance(b, int) else f'{b:g}'}" for b, s, _ in bounds
+                                   if b is not None)
             raise ConfigError(f"{path} = {value!r} is out of range: must be {allowed}")
     choices = meta.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{path} = {value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def _check_text(path: str, value: str) -> None:
+    """A string must be writable as UTF-8 (not so a command line's undecodable bytes) and free of NUL, which no
+    path, URL or name may hold."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(f"{path} = {value!r}: not valid UTF-8 text; write it in UTF-8") from None
+    if "\0" in value:
+        raise ConfigError(f"{path} = {value!r}: a NUL character is not allowed in a string")
 
 
 def _unknown_key(path: str, key: str, known: list[str]) -> ConfigError:
@@ -597,6 +619,13 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     return layout
 
 
+def check_vocab_size(cfg: Config, corpus_vocab: int) -> None:
+    """The embedding must have a row for every token id the corpus holds."""
+    if cfg.model.vocab_size < corpus_vocab:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
+                          f"vocabulary ({corpus_vocab}); set model.vocab_size >= {corpus_vocab}")
+
+
 def _check_pipeline(cfg: Config, layout: Layout, per_rank: int) -> None:
     p, m = cfg.parallel, cfg.model
     stages = p.pp * p.pp_stages_per_rank
@@ -632,7 +661,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=50")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # not TOML (TOMLDecodeError), or an integer of more digits than Python converts
         value = raw
     return key.strip().split("."), value
 
@@ -675,11 +704,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
+            problem = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {problem}; pass a TOML file such as configs/tiny.toml")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files "
+                              f"are UTF-8") from None
+        except ValueError as e:  # TOMLDecodeError, or an integer of more digits than Python converts
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
     for text in overrides:
         keys, value = parse_override(text)
         _apply_override(data, keys, value, text)

@@ -25,7 +25,17 @@ def test_unknown_option_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["config", "--bogus"])
     assert exit_info.value.code == 2
-    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        "keel: error: unrecognized arguments: --bogus (`keel --help` lists the arguments)"]
+
+
+def test_a_path_the_user_named_that_cannot_be_written_is_one_line(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "afile").write_text("")
+    html = tmp_path / "afile" / "plan.html"
+    assert main(["plan", "--gpus", "8", "--tokens", "1e9", "--trials", "10", "--html", str(html)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"keel: error: {str(html)!r}: Not a directory"], err
 
 
 def test_bad_override_exits_2_with_one_line(capsys: pytest.CaptureFixture) -> None:

@@ -37,6 +37,7 @@ from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
 from keel.model.init import canonical_name
 from keel.model.llama import Llama, ffn_hidden_dim
+from keel.paths import check_writable_dir
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -236,6 +237,21 @@ def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     if diffs:
         raise CheckpointError(f"the model config does not match the Hugging Face model {str(path)!r}: "
                               f"{'; '.join(diffs)}; set the model.* fields to match")
+    _check_hf_weights(path, cfg)
+
+
+def _check_hf_weights(path: Path, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is listed, and every weight file exists and is whole: opening one parses
+    its header and checks that the file covers every tensor's bytes."""
+    where = _hf_files(path)
+    with torch.device("meta"):
+        needed = [hf_name(canonical_name(name)) for name, _ in Llama(cfg).named_parameters()]
+    if missing := [name for name in needed if name not in where]:
+        raise CheckpointError(f"{str(path)!r} has no tensor {missing[0]!r} ({len(missing)} of the model's "
+                              f"{len(needed)} missing); pass a complete Hugging Face Llama directory")
+    for file in sorted(set(where.values())):
+        with _open(file):
+            pass
 
 
 # ---------------------------------------------------------------- export
@@ -268,10 +284,12 @@ def _shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return groups
 
 
-def _check_out(out: Path) -> None:
+def check_export_target(out: Path) -> None:
+    """`out` must be missing or an empty directory, and creatable: checked before anything is read or written."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{str(out)!r} already exists and is not an empty directory; export into a new "
                               f"directory (nothing is overwritten)")
+    check_writable_dir(out, "--out")
 
 
 def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
@@ -281,7 +299,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     the model tensors, one output shard at a time, so memory stays near one shard. The directory is built
     beside `out` and renamed into place: it appears complete or not at all. Returns the files written."""
     out = Path(out)
-    _check_out(out)
+    check_export_target(out)
     metadata = _read_metadata(checkpoint)
     with torch.device("meta"):
         model = Llama(cfg)
@@ -343,7 +361,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
             (tmp / file).chmod(0o644)  # safetensors creates its files private
             fsync_path(tmp / file)
         tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
-        _check_out(out)  # again: something may have appeared while we wrote
+        check_export_target(out)  # again: something may have appeared while we wrote
         try:
             os.rename(tmp, out)  # replaces only a missing or empty directory
         except OSError as e:

@@ -22,6 +22,8 @@ from typing import Any
 
 import psutil
 
+from keel.paths import nearest_existing
+
 PROBE_BYTES = 4096
 MAX_XID_EVENTS_PER_SAMPLE = 256  # drains a burst without letting a storm of events stall the sample
 
@@ -123,20 +125,6 @@ class NetworkSource(Source):
 def is_url(location: str) -> bool:
     # pathlib folds "s3://b" into "s3:/b": a scheme of two or more letters followed by ":/" is a URL too.
     return "://" in location or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", location) is not None
-
-
-def nearest_existing(path: Path) -> Path:
-    """`path` or, when it is not created yet, the closest parent that exists: the volume it will be on.
-    Only "does not exist" walks up: EACCES, ESTALE or EIO there are faults of the volume itself, and the
-    parent may be another volume."""
-    while True:
-        try:
-            os.stat(path)
-            return path
-        except (FileNotFoundError, NotADirectoryError):
-            if path == path.parent:
-                raise
-            path = path.parent
 
 
 class StorageSource(Source):

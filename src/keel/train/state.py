@@ -48,7 +48,7 @@ def set_rng_state(state: dict) -> None:
 def seed_everything(seed: int, rank: int, step: int = 0) -> None:
     """Distinct, reproducible streams per rank (for dropout-like randomness; init does not use them).
     A run resumed in another layout re-derives them from (seed, step, rank)."""
-    mixed = (seed * 100_003 + rank) + step * 1_000_003
+    mixed = ((seed * 100_003 + rank) + step * 1_000_003) % 2**64  # torch.manual_seed's range
     torch.manual_seed(mixed)
     np.random.seed(mixed % 2**32)
     random.seed(mixed)

@@ -18,11 +18,11 @@ from keel.callbacks import load_callbacks
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
-from keel.config import Config, resolve_layout, to_toml
+from keel.config import Config, check_vocab_size, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus, open_corpus
 from keel.data.tokenizer import bits_per_byte, open_tokenizer
-from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, ConfigError, DataError, KeelError
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
@@ -166,9 +166,7 @@ def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], c
         return _paused_before_training(requests, run_dir, events, say, rank0)
 
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
-    if cfg.model.vocab_size < corpus.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
-                          f"vocabulary ({corpus.vocab_size}); set model.vocab_size >= {corpus.vocab_size}")
+    check_vocab_size(cfg, corpus.vocab_size)
     callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
     if cfg.drill.inject:
         from keel.drill.faults import attach_injectors
