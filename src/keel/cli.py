@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from keel.config import Config, SourceConfig, load_config, reference, resolve_layout, to_toml
-from keel.errors import EXIT_BAD_INPUT, ConfigError, KeelError
+from keel.errors import ConfigError, KeelError
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
 
@@ -335,7 +335,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from keel.checkpoint.inspect import find_checkpoints, format_rows, latest_verified, list_rows
+    from keel.checkpoint.inspect import find_checkpoints, format_rows, latest_verified, list_rows, verdict
     from keel.checkpoint.manifest import read_manifest, verify
 
     if args.ckpt_command == "export":
@@ -360,14 +360,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return 0
     bad = 0
     for name in names:
-        if read_manifest(storage, name) is None:  # being written, or left by a crash: not a checkpoint
-            print(f"{storage.path(name)}: unfinished save, not a checkpoint (ignored on resume)")
+        if verdict(name):  # being written, left by a crash, or set aside: not resumed
+            print(f"{storage.path(name)}: {verdict(name)}")
             continue
         problems = verify(storage, name)
         print(f"{storage.path(name)}: {'verified' if not problems else 'FAILED: ' + '; '.join(problems)}")
         bad += bool(problems)
     if bad:
-        raise KeelError(f"{bad} of {len(names)} checkpoints under {args.path} failed verification")
+        total = sum(not verdict(n) for n in names)
+        raise KeelError(f"{bad} of {total} checkpoints under {args.path} failed verification; `keel train` resumes "
+                        f"the newest that verifies and sets the others aside")
     return 0
 
 
@@ -423,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeelError as e:
         rank = os.environ.get("RANK", "0")
         where = "" if rank == "0" else f" (rank {rank})"
-        print(f"keel: error{where}: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        if rank == "0" or not e.every_rank:
+            print(f"keel: error{where}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
 
 
 if __name__ == "__main__":
