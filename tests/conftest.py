@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import sysconfig
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,20 @@ def run_keel(args: list[str], cwd: Path, timeout: float = 240,
     if leftovers:
         pytest.fail(f"keel {' '.join(args)} left processes behind: {leftovers}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of `size` (tmpfs) mounted at `mount`, to fill up or remount read-only; skips
+    the test where mounting is not allowed (it is for root, as in CI)."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture(scope="session")

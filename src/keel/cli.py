@@ -182,17 +182,21 @@ def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.health.lifeline import die_with_launcher
-    from keel.health.signals import catch_stop_signals, stop_requested_early
+    from keel.health.signals import stop_signals_kept
 
     worker = in_torchrun_worker()
     if worker:
         die_with_launcher()
-    catch_stop_signals()  # from here on a SIGTERM or SIGUSR1 is a pause, whatever the job is doing (torch's
-    # imports below take seconds)
+    with stop_signals_kept():  # from here on a SIGTERM or SIGUSR1 is a pause, whatever the job is doing
+        return _train_command(args, worker)
+
+
+def _train_command(args: argparse.Namespace, worker: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
     from keel.health.quarantine import node_name
+    from keel.health.signals import stop_requested_early
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
     from keel.run_lock import RunLock, held_by_launcher
@@ -393,7 +397,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from keel.checkpoint.inspect import find_checkpoints, format_rows, latest_verified, list_rows
+    from keel.checkpoint.inspect import find_checkpoints, format_rows, latest_verified, list_rows, verdict
     from keel.checkpoint.manifest import read_manifest, verify
 
     if args.ckpt_command == "export":
@@ -419,14 +423,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return 0
     bad = 0
     for name in names:
-        if read_manifest(storage, name) is None:  # being written, or left by a crash: not a checkpoint
-            print(f"{storage.path(name)}: unfinished save, not a checkpoint (ignored on resume)")
+        if verdict(name):  # being written, left by a crash, or set aside: not resumed
+            print(f"{storage.path(name)}: {verdict(name)}")
             continue
         problems = verify(storage, name)
         print(f"{storage.path(name)}: {'verified' if not problems else 'FAILED: ' + '; '.join(problems)}")
         bad += bool(problems)
     if bad:
-        raise KeelError(f"{bad} of {len(names)} checkpoints under {args.path} failed verification")
+        total = sum(not verdict(n) for n in names)
+        raise KeelError(f"{bad} of {total} checkpoints under {args.path} failed verification; `keel train` resumes "
+                        f"the newest that verifies and sets the others aside")
     return 0
 
 
@@ -480,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except KeelError as e:
-        return _bad_input(str(e))
+        return _bad_input(str(e), e.exit_code, e.every_rank)
     except USER_PATH_ERRORS as e:
         if e.filename is None:  # not about a path the user gave: a fault to see in full
             raise
@@ -492,11 +498,13 @@ def main(argv: list[str] | None = None) -> int:
 USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
-def _bad_input(message: str) -> int:
+def _bad_input(message: str, code: int = EXIT_BAD_INPUT, every_rank: bool = False) -> int:
+    """One line on stderr; `every_rank`: every rank met the same error, so rank 0 alone says it."""
     rank = os.environ.get("RANK", "0")
     where = "" if rank == "0" else f" (rank {rank})"
-    print(f"keel: error{where}: {' '.join(message.split(chr(10)))}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
+    if rank == "0" or not every_rank:
+        print(f"keel: error{where}: {' '.join(message.split(chr(10)))}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -257,6 +257,9 @@ class CheckpointConfig:
                              "(0: none)", ge=0)
     verify_on_resume: bool = option(True, "check every file's checksum before resuming; a checkpoint that fails "
                                     "is skipped for the previous one")
+    on_storage_error: str = option("continue", "a save the volume refuses (full, quota, read-only, permission, "
+                                   "vanished mount): continue with the previous checkpoint kept, or stop with "
+                                   "exit 73", choices=("continue", "stop"))
 
 
 @dataclass

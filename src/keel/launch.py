@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
-from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE
+from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.lifeline import AGENT_PID_ENV
 from keel.health.quarantine import is_quarantined, node_name
 from keel.health.signals import SIGNALS as STOP_SIGNALS
@@ -33,7 +33,7 @@ from keel.monitor.goodput import account_exit
 from keel.monitor.sinks import EventLog
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
-FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED)  # a restart would meet the same end
+FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end
 # A node that stops sending keep-alives is dropped from the rendezvous after interval × attempts seconds.
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
 QUARANTINE_POLL_S = 5.0

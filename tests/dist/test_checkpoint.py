@@ -17,7 +17,7 @@ from keel.checkpoint.inspect import state_sha256
 from keel.checkpoint.manifest import verify
 from keel.checkpoint.storage import Storage
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel, tagged
+from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel, tagged, tmpfs
 
 pytestmark = pytest.mark.dist
 
@@ -126,30 +126,31 @@ def test_no_valid_checkpoint_refuses_to_start_fresh(reference: Path, small_corpu
     shutil.copytree(reference, run_dir)
     for step in (10, 20, 30, 40):
         flip_byte(ckpt(run_dir, step) / "__0_0.distcp")
-    before = {p: p.read_bytes() for p in (run_dir / "checkpoints").glob("step-*/*")}
+    (ckpt(run_dir, 30) / "manifest.json").unlink()
+    root = run_dir / "checkpoints"
+    before = {p.relative_to(root): p.read_bytes() for p in root.glob("step-*/*")}
     result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert "no checkpoint in" in result.stderr and "--resume never" in result.stderr
-    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").glob("step-*/*")} == before
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("keel")]
+    assert error.startswith(f"keel: error: no checkpoint in {root} can be resumed, nothing was changed: ")
+    assert "step-000030: no manifest.json" in error and "step-000040: __0_0.distcp does not match" in error
+    assert {p.relative_to(root): p.read_bytes() for p in root.glob("step-*/*")} == before
     assert losses(run_dir) == losses(reference), "nothing was trained"
 
     fresh = run_keel(train_cmd(small_corpus, run_dir, 2, "--resume", "never"), cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr
     assert state_sha256(ckpt(run_dir, STEPS)) == state_sha256(ckpt(reference, STEPS))
+    aside = {"step-000030": "step-000030.corrupt-no-manifest", **{f"step-{s:06d}": f"step-{s:06d}.corrupt-checksum"
+                                                                  for s in (10, 20, 40)}}
+    assert {Path(aside[p.parts[0]], *p.parts[1:]): data for p, data in before.items()} == {
+        p.relative_to(root): p.read_bytes() for p in root.glob("step-*.corrupt-*/*")}, "set aside, byte for byte"
 
 
 @pytest.fixture
 def small_volume(tmp_path: Path):
     """A real 8 MiB filesystem (tmpfs) to fill up; needs the right to mount (root, as in CI)."""
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "volume", "8m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_disk_full_during_a_save_loses_nothing_and_the_next_save_succeeds(

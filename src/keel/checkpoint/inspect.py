@@ -13,8 +13,16 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from keel.checkpoint.manifest import MANIFEST, check_files, committed, read_manifest, step_of, uncommitted, verify
-from keel.checkpoint.storage import Storage, locate
+from keel.checkpoint.manifest import (
+    MANIFEST,
+    checkpoints,
+    is_set_aside,
+    read_manifest,
+    step_of,
+    uncommitted,
+    verify,
+)
+from keel.checkpoint.storage import Storage, locate, size_text
 from keel.errors import CheckpointError
 
 
@@ -31,28 +39,28 @@ def find_checkpoints(path: str | Path) -> tuple[Storage, list[str]]:
         configured = tomllib.loads(run_config.read_text()).get("checkpoint", {}).get("dir", "")
         root = configured or Path(text) / "checkpoints"
     storage = Storage(root)
-    names = sorted(set(committed(storage)) | set(uncommitted(storage)), key=lambda n: step_of(n.split(".")[0]))
+    found = set(checkpoints(storage)) | set(uncommitted(storage)) | {n for n in storage.names() if is_set_aside(n)}
+    names = sorted(found, key=lambda n: (step_of(n.split(".")[0]), n))
     if not names and not storage.names():
         raise CheckpointError(f"{text!r} holds no keel checkpoints; pass a run directory, its checkpoints "
                               f"directory or a checkpoints/step-NNNNNN directory")
     return storage, names
 
 
+def verdict(name: str) -> str:
+    """What a name that is not a checkpoint is ("" for a checkpoint)."""
+    if is_set_aside(name):
+        return "set aside (did not verify; never resumed or removed)"
+    return "" if step_of(name) is not None else "unfinished save, not a checkpoint (ignored on resume)"
+
+
 def latest_verified(path: str | Path) -> tuple[Storage, str]:
     """The newest checkpoint under PATH that verifies."""
     storage, names = find_checkpoints(path)
     for name in reversed(names):
-        if not verify(storage, name):
+        if step_of(name) is not None and not verify(storage, name):
             return storage, name
     raise CheckpointError(f"no checkpoint under {str(path)!r} verifies; see `keel ckpt verify {path}`")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def _age(seconds: float) -> str:
@@ -68,9 +76,9 @@ def list_rows(storage: Storage, names: list[str], checksums: bool = False) -> li
     rows = []
     for name in names:
         manifest = read_manifest(storage, name)
-        problems = check_files(storage, name, manifest, checksums=checksums) if manifest else []
-        state = "unfinished" if manifest is None else (
-            ("verified" if checksums else "complete") if not problems else "CORRUPT: " + problems[0])
+        problems = [] if verdict(name) else verify(storage, name, checksums=checksums)
+        state = verdict(name) or (("verified" if checksums else "complete") if not problems else
+                                           "CORRUPT: " + problems[0])
         step = step_of(name.split(".")[0])
         rows.append({"name": name, "step": step,
                      "size": sum(storage.files(name).values()),
@@ -85,7 +93,7 @@ def format_rows(rows: list[dict]) -> list[str]:
     for r in rows:
         marks = "".join([" (latest)" if r["latest"] else "", " (permanent)" if r["permanent"] else ""])
         age = _age(r["age_s"]) if r["age_s"] is not None else "-"
-        lines.append(f"{r['name']:<22} {r['step']:>8} {_size(r['size']):>10} {age:>9}  {r['state']}{marks}")
+        lines.append(f"{r['name']:<22} {r['step']:>8} {size_text(r['size']):>10} {age:>9}  {r['state']}{marks}")
     return lines
 
 

@@ -16,6 +16,7 @@ ones. At most one save is in flight: the next one first waits for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 import keel
 from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
@@ -46,7 +48,9 @@ from keel.checkpoint.manifest import (
     CHECKSUM,
     FORMAT,
     MANIFEST,
+    aside_name,
     check_files,
+    checkpoints,
     committed,
     manifest_json,
     read_manifest,
@@ -56,7 +60,7 @@ from keel.checkpoint.manifest import (
     verify,
 )
 from keel.checkpoint.staging import HostStager
-from keel.checkpoint.storage import LATEST, Storage, locate
+from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
 from keel.errors import CheckpointError
 from keel.monitor.sinks import EventLog
@@ -84,6 +88,25 @@ class SaveOutcome:
     pruned: list[str] = field(default_factory=list)
     waited_s: float = 0.0  # how long the loop waited for this save before starting the next
     train_s: float = 0.0  # rank 0's training time at the save, so that every rank derives the same interval
+    volume_error: str = ""  # ENOSPC, EROFS, ...: the volume refused the save (checkpoint.on_storage_error applies)
+
+
+# A rank's failed save: what it said, the volume's errno behind it (if any), the path and the free bytes then.
+Failure = tuple[str, int | None, str, int | None]
+
+
+def _failure(e: BaseException, storage: Storage, share: int) -> Failure:
+    err = volume_error(e)
+    free = storage.free_bytes()
+    if err is None and free is not None and free < share:  # torch's zip writer hides the ENOSPC of a full volume
+        return _first_line(e), errno.ENOSPC, storage.path(), free
+    return _first_line(e), err.errno if err else None, (err.filename or "") if err else "", free
+
+
+def _nbytes(value: object) -> int:
+    """Bytes this rank writes for one staged entry (a DTensor: its local shard)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.numel() * local.element_size() if isinstance(local, torch.Tensor) else 0
 
 
 def _first_line(e: BaseException) -> str:
@@ -110,6 +133,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo")
         self.stager = HostStager(pin_memory=torch.cuda.is_available())
         self.pending: Future[SaveOutcome] | None = None
+        self.last_bytes = 0  # the size of the last save, what the next one needs free
+        self.verdicts: dict[str, list[str]] = {}  # checkpoints verified by this process: name -> problems
         if self.rank == 0:
             self._clean_leftovers()
         dist.barrier()
@@ -162,30 +187,43 @@ class CheckpointManager:
         started = time.perf_counter()
         name = step_name(step)
         staging = self.storage.staging_name(name)
+        share = len(rng) + len(train_state) + sum(_nbytes(t) for group in staged.values() for t in group.values())
+        ready: Failure | None = None
         if self.rank == 0:
-            self.storage.remove(staging)  # left by a crashed save of the same step
-            self.storage.makedirs(staging)
-        dist.barrier(group=self.group)
-        error, files = "", {}
-        try:
-            dcp.save(staged, storage_writer=self.storage.writer(staging), process_group=self.group)
-            self.storage.write_durably(f"{staging}/rng-rank-{self.rank:05d}.pt", rng)
-            if self.rank == 0:
-                self.storage.write_durably(f"{staging}/{TRAIN_STATE}", train_state)
-            if self.on_write is not None:
-                self.on_write(step, self.storage.path(staging))
-            files = {f: {"size": size, CHECKSUM: self.storage.digest(f"{staging}/{f}")}
-                     for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
-        except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
-            error = _first_line(e)
+            try:
+                self.storage.remove(staging)  # left by a crashed save of the same step
+                self.storage.makedirs(staging)
+            except OSError as e:
+                ready = _failure(e, self.storage, 0)
+        plans: list = [None] * self.world_size
+        dist.all_gather_object(plans, (share, ready, self.storage.free_bytes()), group=self.group)
+        need = self.last_bytes or sum(p[0] for p in plans)
+        failure, free = plans[0][1], plans[0][2]
+        if failure is None and free is not None and free < need:  # it cannot fit: write nothing
+            failure = (f"{size_text(free)} free", errno.ENOSPC, self.storage.path(staging), free)
+        files = {}
+        if failure is None:
+            try:
+                dcp.save(staged, storage_writer=self.storage.writer(staging), process_group=self.group)
+                self.storage.write_durably(f"{staging}/rng-rank-{self.rank:05d}.pt", rng)
+                if self.rank == 0:
+                    self.storage.write_durably(f"{staging}/{TRAIN_STATE}", train_state)
+                if self.on_write is not None:
+                    self.on_write(step, self.storage.path(staging))
+                files = {f: {"size": size, CHECKSUM: self.storage.digest(f"{staging}/{f}")}
+                         for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
+            except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
+                failure = _failure(e, self.storage, share)
         reports: list = [None] * self.world_size
-        dist.all_gather_object(reports, (error, files, blocking_s), group=self.group)
+        dist.all_gather_object(reports, (failure, files, blocking_s), group=self.group)
         outcome = SaveOutcome(step, self.storage.path(name), False, blocking_s=max(r[2] for r in reports),
                               train_s=train_s)
         if self.rank == 0:
-            self._commit(outcome, staging, reports, tokens_seen, started)
+            self._commit(outcome, staging, reports, tokens_seen, started, need)
         shared = [outcome]
         dist.broadcast_object_list(shared, src=0, group=self.group)
+        if shared[0].committed:
+            self.last_bytes = shared[0].bytes
         return shared[0]
 
     def _owner(self, fname: str) -> int:
@@ -193,8 +231,10 @@ class CheckpointManager:
         m = _RANK_FILE.fullmatch(fname)
         return int(m.group(1) or m.group(2)) if m else 0
 
-    def _commit(self, outcome: SaveOutcome, staging: str, reports: list, tokens_seen: int, started: float) -> None:
-        errors = sorted({e for e, _, _ in reports if e})
+    def _commit(self, outcome: SaveOutcome, staging: str, reports: list, tokens_seen: int, started: float,
+                need: int) -> None:
+        failures = [f for f, _, _ in reports if f is not None]
+        errors = [self._explain(failures, need)] if failures else []
         name = step_name(outcome.step)
         if not errors:
             files = {f: entry for _, mine, _ in reports for f, entry in mine.items()}
@@ -214,8 +254,9 @@ class CheckpointManager:
                 self.storage.write_durably(f"{staging}/{MANIFEST}", manifest_json(manifest))
                 self.storage.publish(staging, name)
                 outcome.committed = True
+                self.verdicts[name] = []  # its checksums were just taken from the files written
             except Exception as e:
-                errors = [_first_line(e)]
+                errors = [self._explain([_failure(e, self.storage, need)], need)]
         if not errors:
             try:
                 self.storage.set_latest(name)
@@ -227,48 +268,104 @@ class CheckpointManager:
             self.events.emit("checkpoint", outcome.step, "committed", path=outcome.path, bytes=outcome.bytes,
                              blocking_s=round(outcome.blocking_s, 4), write_s=outcome.write_s, pruned=outcome.pruned)
             return
-        outcome.error = "; ".join(errors)
+        outcome.error, outcome.volume_error = errors[0]
         try:
             self.storage.remove(staging)
         except Exception as e:
             outcome.error += f"; the unfinished {staging} could not be removed ({_first_line(e)})"
-        self.events.emit("checkpoint", outcome.step, "failed", path=outcome.path, error=outcome.error)
+        stops = outcome.volume_error and self.policy.on_storage_error == "stop"
+        then = ('the run stops (checkpoint.on_storage_error = "stop")' if stops else
+                "training continues, the next save retries")
+        self.events.emit("checkpoint", outcome.step, "failed", path=outcome.path, error=outcome.error,
+                         volume_error=outcome.volume_error)
         self.events.emit("alert", outcome.step, "checkpoint_failed", severity="error",
-                         message=f"checkpoint of step {outcome.step} failed: {outcome.error}; training continues, "
-                                 f"the next save retries")
+                         message=f"checkpoint of step {outcome.step} failed: {outcome.error}; {then}")
+
+    def _explain(self, failures: list[Failure], need: int) -> tuple[str, str]:
+        """One line for the failed save, and the volume's errno name when the volume refused it."""
+        volume = next((f for f in failures if f[1] is not None), None)
+        if volume is None:
+            return "; ".join(sorted({text for text, *_ in failures})), ""
+        _, code, path, free = volume
+        have = f", {size_text(free)} ({free} bytes) free" if free is not None else ""
+        return (f"{os.strerror(code)} ({errno.errorcode[code]}) on {path or self.storage.path()}: the checkpoint "
+                f"needs {size_text(need)} ({need} bytes){have}"), errno.errorcode[code]
 
     # ------------------------------------------------------------------ retention
 
     def _prune(self, newest: str) -> list[str]:
-        """Keep the newest `keep_last`, every `keep_every`-th step, and the one just committed; skip any
-        that a process is reading. Checkpoints being written are never in the list (no manifest yet)."""
-        names = committed(self.storage)
-        keep = set(names[-self.policy.keep_last:]) | {newest}
-        if self.policy.keep_every:
-            keep |= {n for n in names if step_of(n) % self.policy.keep_every == 0}
-        return [n for n in names if n not in keep and self.storage.remove_unless_read(n)]
+        """Keep the newest `keep_last` checkpoints that verify, every `keep_every`-th step, and the one
+        just committed; skip any that a process is reading. Only a checkpoint that verifies is removed:
+        one that does not is set aside. Checkpoints being written are never in the list (`.tmp`)."""
+        kept, pruned = 0, []
+        for name in checkpoints(self.storage)[::-1]:
+            if name == newest or (self.policy.keep_every and step_of(name) % self.policy.keep_every == 0):
+                kept += name == newest
+            elif self._verify(name):
+                self._set_aside(name, self._verify(name)[0], step_of(newest))
+            elif kept < self.policy.keep_last:
+                kept += 1
+            elif self.storage.remove_unless_read(name):
+                pruned.append(name)
+        return pruned
+
+    def _verify(self, name: str) -> list[str]:
+        """What is wrong with a checkpoint of this root: its manifest and file sizes every time (cheap),
+        its checksums once per process (a save's own are taken as it is written)."""
+        if problems := verify(self.storage, name, checksums=False):
+            return problems
+        if name not in self.verdicts:
+            self.verdicts[name] = verify(self.storage, name)
+        return self.verdicts[name]
+
+    def _set_aside(self, name: str, problem: str, now: int) -> None:
+        """Keep a checkpoint that does not verify where nothing resumes from it or removes it."""
+        aside = aside_name(name, problem)
+        taken = set(self.storage.names())
+        aside = next(a for a in (aside, *(f"{aside}-{i}" for i in range(2, 1000))) if a not in taken)
+        self.storage.rename(name, aside)
+        self.verdicts.pop(name, None)
+        self.events.emit("checkpoint", now, "set_aside", path=self.storage.path(name),
+                         moved_to=self.storage.path(aside), reason=problem)
+        self.events.emit("alert", now, "checkpoint_set_aside", severity="warning",
+                         message=f"{name} does not verify ({problem}); kept as {aside}, never resumed or removed")
 
     def retire_after(self, step: int, events: EventLog, now: int) -> list[str]:
-        """Remove the committed checkpoints of steps after `step`: a rollback abandoned them (after a
-        spike they lead back into the bad data, after silent corruption they may hold it). The save in
-        flight must have been finished. Every rank calls this; rank 0 removes."""
+        """Remove the checkpoints of steps after `step`: a rollback abandoned them (after a spike they
+        lead back into the bad data, after silent corruption they may hold it). Those that do not
+        verify are set aside instead, and the checkpoints up to `step` are left alone, so the newest
+        verified one the run went back to stays. The save in flight must have been finished. Every
+        rank calls this; rank 0 removes."""
         retired: list[str] = []
         if self.rank == 0:
-            for name in committed(self.storage):
-                if step_of(name) > step and self.storage.remove_unless_read(name):
+            for name in checkpoints(self.storage):
+                if step_of(name) <= step:
+                    continue
+                if self._verify(name):
+                    self._set_aside(name, self._verify(name)[0], now)
+                elif self.storage.remove_unless_read(name):
                     retired.append(name)
-            remaining = committed(self.storage)
-            if retired and remaining:
-                self.storage.set_latest(remaining[-1])
-            elif retired:
-                self.storage.remove(LATEST)
             if retired:
+                newest = next((n for n in checkpoints(self.storage)[::-1] if not self._verify(n)), None)
+                if newest:
+                    self.storage.set_latest(newest)
+                else:
+                    self.storage.remove(LATEST)
                 events.emit("checkpoint", now, "retired", names=retired,
                             reason=f"newer than step {step}, the state the run went back to")
         dist.barrier()
         return retired
 
     def _clean_leftovers(self) -> None:
+        """Remove what interrupted saves left: their `.tmp` directories, and the old copy of a step
+        that was saved again (put back when the interruption came before the new copy was in place)."""
+        for name in self.storage.names():
+            final = name.removesuffix(".replaced")
+            if name.endswith(".replaced") and step_of(final) is not None:
+                if self.storage.exists(final):
+                    self.storage.remove(name)
+                else:
+                    self.storage.rename(name, final)
         for name in uncommitted(self.storage):
             self.storage.remove(name)
             self.events.emit("checkpoint", step_of(name.split(".")[0]) or 0, "cleaned",
@@ -278,32 +375,42 @@ class CheckpointManager:
 
     def restore(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], resume: str,
                 say: Callable[[str], None]) -> tuple[TrainState, str] | None:
-        """Load what `resume` asks for: `auto` the newest checkpoint that verifies and loads (older ones
-        are tried in turn, each skip reported), `never` nothing, or the checkpoint at a path."""
+        """Load what `resume` asks for: `auto` the newest checkpoint that verifies and loads, `never`
+        nothing, or the checkpoint at a path. With `auto`, newer checkpoints that fail are set aside
+        (each reported) once an older one has loaded; when none loads, nothing is changed and the
+        error lists them all. `never` sets aside those that do not verify, so the new run's saves
+        never replace them."""
         if resume == "never":
+            if self.rank == 0:
+                for name in checkpoints(self.storage):
+                    if self._verify(name):
+                        self._set_aside(name, self._verify(name)[0], 0)
+            dist.barrier()
             return None
-        if resume == "auto":
-            storage, candidates = self.storage, committed(self.storage)[::-1]
-        else:
+        if resume != "auto":
             storage, name = locate(resume)
-            candidates = [name]
-        skipped = []
-        for name in candidates:
+            return self._load(storage, name, parts, optimizers), storage.path(name)
+        failed: list[tuple[str, str]] = []
+        for name in checkpoints(self.storage)[::-1]:
             try:
-                return self._load(storage, name, parts, optimizers), storage.path(name)
+                state = self._load(self.storage, name, parts, optimizers)
             except CheckpointError as e:
-                if resume != "auto":
-                    raise
-                skipped.append(f"{name}: {e}")
+                failed.append((name, str(e)))
+                continue
+            self.verdicts[name] = []
+            for bad, why in failed:
+                say(f"warning: skipping checkpoint {self.storage.path(bad)}: {why}")
                 if self.rank == 0:
-                    self.events.emit("checkpoint", step_of(name) or 0, "skipped", path=storage.path(name),
-                                     reason=str(e))
-                    self.events.emit("alert", step_of(name) or 0, "checkpoint_skipped", severity="warning",
-                                     message=f"{name} cannot be resumed ({e}); trying the previous checkpoint")
-                say(f"warning: skipping checkpoint {storage.path(name)}: {e}")
-        if skipped:
-            raise CheckpointError(f"no checkpoint in {storage} can be resumed ({'; '.join(skipped)}); resume one "
-                                  f"explicitly with --resume PATH, or start over with --resume never")
+                    self.events.emit("checkpoint", step_of(bad), "skipped", path=self.storage.path(bad), reason=why)
+                    self._set_aside(bad, why, step_of(bad))
+            if failed and self.rank == 0:
+                self.storage.set_latest(name)
+            return state, self.storage.path(name)
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self.storage} can be resumed, nothing was changed: "
+                                  f"{'; '.join(f'{n}: {why}' for n, why in failed)}; resume one explicitly with "
+                                  f"--resume PATH, or start over with --resume never (which sets them aside)",
+                                  every_rank=True)
         return None
 
     def _load(self, storage: Storage, name: str, parts: list[nn.Module],
@@ -311,7 +418,8 @@ class CheckpointManager:
         path = storage.path(name)
         manifest = read_manifest(storage, name)
         if manifest is None:
-            raise CheckpointError(f"{path!r} is not a committed keel checkpoint (no {MANIFEST}); pass a "
+            raise CheckpointError(verify(storage, name)[0] if storage is self.storage else
+                                  f"{path!r} is not a committed keel checkpoint (no {MANIFEST}); pass a "
                                   f"checkpoints/step-NNNNNN directory")
         accepted: dict = {}
         if "unreadable" not in manifest:  # a ConfigError, not a CheckpointError: no fallback to an older one

@@ -44,16 +44,42 @@ def read_manifest(storage: Storage, name: str) -> dict | None:
     return manifest
 
 
+def checkpoints(storage: Storage) -> list[str]:
+    """Every checkpoint directory, oldest first, whether it verifies or not. In a directory a save
+    is written as `step-NNNNNN.tmp/` and renamed: a `step-NNNNNN/` is a finished save even when its
+    manifest has gone missing. On an object store a save is written in place and the manifest is
+    its last object: there a step without a manifest is still being written (or was abandoned)."""
+    steps = sorted((step_of(n), n) for n in storage.names() if step_of(n) is not None)
+    return [n for _, n in steps if not storage.remote or storage.exists(f"{n}/{MANIFEST}")]
+
+
 def committed(storage: Storage) -> list[str]:
     """Names of the checkpoints that have a manifest, oldest first."""
-    steps = sorted((step_of(n), n) for n in storage.names() if step_of(n) is not None)
-    return [n for _, n in steps if storage.exists(f"{n}/{MANIFEST}")]
+    return [n for n in checkpoints(storage) if storage.exists(f"{n}/{MANIFEST}")]
 
 
 def uncommitted(storage: Storage) -> list[str]:
-    """What a crashed save leaves behind: staging directories, and steps without a manifest."""
-    left = [n for n in storage.names() if n.endswith((".tmp", ".replaced")) and step_of(n.rsplit(".", 1)[0])]
-    return left + [n for n in storage.names() if step_of(n) is not None and not storage.exists(f"{n}/{MANIFEST}")]
+    """What a crashed save leaves behind: staging directories (on an object store, steps without a
+    manifest). Nothing else is ever removed as unfinished."""
+    staging = [n for n in storage.names() if n.endswith(".tmp") and step_of(n.removesuffix(".tmp"))]
+    if storage.remote:
+        staging += [n for n in storage.names() if step_of(n) is not None and not storage.exists(f"{n}/{MANIFEST}")]
+    return staging
+
+
+def aside_name(name: str, problem: str) -> str:
+    """`step-NNNNNN.corrupt-<why>`: where a checkpoint that does not verify is kept, out of the way."""
+    return f"{name}.corrupt-{next((slug for words, slug in _SLUGS if words in problem), 'unloadable')}"
+
+
+# What each problem found by `verify` says, and the word its set-aside directory is named with.
+_SLUGS = ((f"no {MANIFEST}", "no-manifest"), ("unreadable", "unreadable-manifest"), ("is missing", "missing-file"),
+          ("bytes, the manifest says", "truncated"), ("checksum", "checksum"))
+
+
+def is_set_aside(name: str) -> bool:
+    """Whether `name` is one that `aside_name` made."""
+    return ".corrupt-" in name and step_of(name.split(".", 1)[0]) is not None
 
 
 def check_files(storage: Storage, name: str, manifest: dict, which: Iterable[str] | None = None,
@@ -79,7 +105,7 @@ def verify(storage: Storage, name: str, checksums: bool = True) -> list[str]:
     """Everything wrong with checkpoint `name` (empty: verified)."""
     manifest = read_manifest(storage, name)
     if manifest is None:
-        return [f"no {MANIFEST}: the save did not finish"]
+        return [f"no {MANIFEST}" + (": the save did not finish" if storage.remote else " (it was removed or lost)")]
     return check_files(storage, name, manifest, checksums=checksums)
 
 

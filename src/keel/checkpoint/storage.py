@@ -9,20 +9,26 @@ writes the files in place and the manifest object last (a single PUT is atomic).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from keel.errors import CheckpointError
 
 LATEST = "latest"
 _CHUNK = 8 << 20
+# Faults of the volume rather than of keel: a full disk or quota, a read-only or vanished mount, no permission.
+VOLUME_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+                           errno.ESTALE, errno.ENOTCONN, errno.ENODEV, errno.EIO})
 
 
 class Storage:
@@ -117,6 +123,27 @@ class Storage:
             f.flush()
             os.fsync(f.fileno())
 
+    def rename(self, name: str, new: str) -> None:
+        """Move a checkpoint to another name under the root (an object store copies it)."""
+        if self.remote:
+            self.fs.mv(self.path(name), self.path(new), recursive=True)
+            return
+        Path(self.path(name)).rename(self.path(new))
+        self.sync_dir("")
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the volume of the root (of the nearest directory above it that exists); None
+        on an object store."""
+        if self.remote:
+            return None
+        path = Path(self.root)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
+
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(name), recursive=True)
@@ -203,6 +230,31 @@ class Storage:
         locks = Path(self.root) / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
         return str(locks / name)
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def volume_error(e: BaseException) -> OSError | None:
+    """The volume's error behind `e`, however it is wrapped: DCP gathers each rank's exception into a
+    CheckpointException, and torch's zip writer raises a RuntimeError from the failed write."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in VOLUME_ERRNOS:
+            return x
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [err for err, _ in x.failures.values()]
+    return None
 
 
 def fsync_path(path: str | Path) -> None:

@@ -1,6 +1,7 @@
 """Preflight: what must hold before a run spends the cluster's time, checked at every start and restart.
 
-- checkpoint storage: writable, free space for two checkpoints, write and read-back throughput
+- checkpoint storage: writable, free space for `keep_last + 1` checkpoints (of the newest one's size),
+  write and read-back throughput
   (one rank per node writes a probe file, reads it back and compares);
 - collectives: an all-reduce and an all-gather of known per-rank values; a rank whose result is wrong,
   or whose part arrives wrong at the others, is named; the all-reduce bus bandwidth is reported;
@@ -66,7 +67,9 @@ def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: Event
     probe_bytes = cfg.health.preflight_probe_mib << 20
     mine: list[Check] = []
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: the node's view of the storage
-        mine += storage_checks(checkpoint_dir, 2 * checkpoint_bytes(n_params), probe_bytes)
+        keep = cfg.checkpoint.keep_last + 1  # what retention holds, and the save being written beside them
+        mine += storage_checks(checkpoint_dir, keep * last_checkpoint_bytes(checkpoint_dir, n_params), probe_bytes,
+                               f"{keep} checkpoints (checkpoint.keep_last + 1)")
         mine.append(host_memory_check(cfg.health.min_host_memory_gib))
     if device.type == "cuda":
         mine += gpu_checks(device)
@@ -107,7 +110,20 @@ def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | N
     return EXIT_QUARANTINE
 
 
-def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Check]:
+def last_checkpoint_bytes(directory: str, n_params: int) -> int:
+    """The size of the newest checkpoint in `directory`, or the estimate when it holds none."""
+    from keel.checkpoint.manifest import committed, read_manifest
+    from keel.checkpoint.storage import Storage
+
+    if "://" in directory:  # listing an object store is left to the first save
+        return checkpoint_bytes(n_params)
+    storage = Storage(directory)
+    names = committed(storage)
+    manifest = read_manifest(storage, names[-1]) if names else None
+    return int(manifest.get("bytes", 0)) if manifest and manifest.get("bytes") else checkpoint_bytes(n_params)
+
+
+def storage_checks(directory: str, need_bytes: int, probe_bytes: int, need: str = "two checkpoints") -> list[Check]:
     """Probe where the checkpoints will go: the directory, or the nearest existing one above it that
     the run will create it in (the probe creates nothing and leaves nothing behind)."""
     if "://" in directory:
@@ -145,8 +161,8 @@ def storage_checks(directory: str, need_bytes: int, probe_bytes: int) -> list[Ch
     checks.append(Check("storage_throughput", True, f"checkpoint storage writes {mib / write_s:.0f} MiB/s and reads "
                         f"{mib / read_s:.0f} MiB/s", values={"write_mib_s": mib / write_s,
                                                              "read_mib_s": mib / read_s}))
-    checks.append(Check("storage_free", free >= need_bytes, f"{free / 2**30:.1f} GiB free in {directory}, two "
-                        f"checkpoints need {need_bytes / 2**30:.2f} GiB",
+    checks.append(Check("storage_free", free >= need_bytes, f"{free / 2**30:.2f} GiB free in {directory}, {need} "
+                        f"need {need_bytes / 2**30:.2f} GiB",
                         values={"free_bytes": free, "need_bytes": need_bytes}))
     return checks
 

@@ -7,12 +7,14 @@ learns of it at the same step, writes the same synchronous checkpoint and exits 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -21,13 +23,19 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _early: list[str] = []  # stop signals received before the training loop listened
 
 
-def catch_stop_signals() -> None:
-    """Called first thing by `keel train`: a stop signal that arrives while the process is still starting
-    (imports, validation, rendezvous, loading) is kept for the loop instead of killing the process, so a
-    pause asked for at any moment ends in a pause."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
-            signal.signal(sig, _keep)
+@contextlib.contextmanager
+def stop_signals_kept() -> Iterator[None]:
+    """Around `keel train`, from its first statements: a stop signal that arrives while the process is still
+    starting (imports, validation, rendezvous, loading) is kept for the loop instead of killing the process,
+    so a pause asked for at any moment ends in a pause. The handlers are put back afterwards."""
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+    previous = {sig: signal.signal(sig, _keep) for sig in SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _early.clear()
 
 
 def _keep(signum: int, frame: FrameType | None) -> None:
@@ -35,7 +43,7 @@ def _keep(signum: int, frame: FrameType | None) -> None:
 
 
 def stop_requested_early() -> str:
-    """The first stop signal caught by `catch_stop_signals` (empty: none)."""
+    """The first stop signal kept by `stop_signals_kept` (empty: none)."""
     return _early[0] if _early else ""
 
 

@@ -22,7 +22,7 @@ from keel.config import Config, check_vocab_size, resolve_layout, to_toml
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus, open_corpus
 from keel.data.tokenizer import bits_per_byte, open_tokenizer
-from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError, StorageError
 from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
 from keel.guard.report import reduce_report
@@ -282,6 +282,11 @@ def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], c
                 f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
             callbacks.on_checkpoint_saved(state, outcome.path)
             status("running")
+        elif outcome.volume_error and cfg.checkpoint.on_storage_error == "stop":
+            status("stopped", reason=outcome.error)
+            raise StorageError(f"the checkpoint of step {outcome.step} failed: {outcome.error}; stopped "
+                               f"(checkpoint.on_storage_error = \"stop\"), the newest checkpoint is {manager.latest()}",
+                               every_rank=True)
         else:
             say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}); training continues, "
                 f"the next save retries")

@@ -1,0 +1,179 @@
+"""The checkpoint manager in one process under real storage faults: checkpoints that do not verify
+are set aside, never deleted, and a volume that refuses a save (full, read-only) says so in one line
+while the previous checkpoint stays as it was, byte for byte."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from keel.checkpoint.manager import CheckpointManager, _failure
+from keel.checkpoint.storage import Storage
+from keel.config import load_config
+from keel.errors import CheckpointError
+from keel.monitor.sinks import EventLog, read_jsonl
+from keel.train.state import TrainState
+from tests.conftest import tmpfs
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem (tmpfs); needs the right to mount (root, as in CI)."""
+    with tmpfs(tmp_path / "volume", "2m") as mount:
+        yield mount
+
+
+class Run:
+    """A model, its optimizer and a manager saving to `root`, as the trainer drives them."""
+
+    def __init__(self, run_dir: Path, root: Path, *overrides: str) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(64, 64)  # about 50 KiB of checkpoint with its Adam moments
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.model(torch.randn(2, 64)).sum().backward()
+        self.optimizer.step()
+        cfg = load_config(None, [f"checkpoint.dir={root}", *overrides])
+        self.events_path = run_dir / "events.jsonl"
+        self.manager = CheckpointManager(cfg, run_dir, "dp=1", EventLog(self.events_path, rank=0))
+
+    def save(self, step: int):
+        (outcome,) = self.manager.save([self.model], [self.optimizer], TrainState(step=step), wait=True)
+        return outcome
+
+    def restore(self, resume: str = "auto"):
+        return self.manager.restore([self.model], [self.optimizer], resume, lambda line: None)
+
+    def events(self, action: str) -> list[dict]:
+        return [e for e in read_jsonl(self.events_path) if e["action"] == action]
+
+
+def hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".locks" not in p.parts}
+
+
+def saved(tmp_path: Path, steps: tuple[int, ...] = (10, 20, 30), *overrides: str) -> Run:
+    run = Run(tmp_path, tmp_path / "ckpt", *overrides)
+    assert all(run.save(s).committed for s in steps)
+    return run
+
+
+def test_a_checkpoint_without_manifest_or_truncated_is_set_aside_and_the_run_resumes_the_newest_that_verifies(
+        tmp_path: Path, group: None) -> None:
+    run = saved(tmp_path)
+    root = tmp_path / "ckpt"
+    (root / "step-000030" / "manifest.json").unlink()
+    with open(root / "step-000020" / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    before = hashes(root)
+    state, path = Run(tmp_path, root).restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")
+    moved = {"step-000030": "step-000030.corrupt-no-manifest", "step-000020": "step-000020.corrupt-truncated"}
+    after = hashes(root)
+    assert after == {next((moved[k] + rest for k in moved if name.startswith(k + "/") and (rest := name[len(k):])),
+                          name): h for name, h in before.items()}, "every file kept, byte for byte"
+    assert [e["detail"]["moved_to"] for e in run.events("set_aside")] == [str(root / n) for n in moved.values()]
+    reasons = [e["detail"]["reason"] for e in run.events("set_aside")]
+    assert reasons[0] == "no manifest.json (it was removed or lost)" and "__0_0.distcp has 100 bytes" in reasons[1]
+    assert (root / "latest").readlink() == Path("step-000010")
+
+
+def test_when_no_checkpoint_verifies_the_error_is_one_line_and_nothing_changes(tmp_path: Path, group: None) -> None:
+    saved(tmp_path)
+    root = tmp_path / "ckpt"
+    (root / "step-000030" / "manifest.json").unlink()
+    (root / "step-000020" / "rng-rank-00000.pt").unlink()
+    path = root / "step-000010" / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    before = hashes(root)
+    with pytest.raises(CheckpointError) as e:
+        Run(tmp_path, root).restore()
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and e.value.every_rank
+    assert "step-000030: no manifest.json" in message and "step-000020: rng-rank-00000.pt is missing" in message
+    assert "step-000010: __0_0.distcp does not match its checksum" in message and "nothing was changed" in message
+    assert hashes(root) == before
+
+
+def test_retention_removes_only_verified_checkpoints_and_keeps_the_newest_verified(tmp_path: Path,
+                                                                                    group: None) -> None:
+    run = saved(tmp_path, (10, 20), "checkpoint.keep_last=2")
+    root = tmp_path / "ckpt"
+    (root / "step-000020" / "manifest.json").unlink()  # the newest but one is lost before step 30 is saved
+    kept = hashes(root)
+    assert run.save(30).pruned == [] and run.save(40).pruned == ["step-000010"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000020.corrupt-no-manifest", "step-000030",
+                                                           "step-000040"]
+    assert {k.replace("step-000020", "step-000020.corrupt-no-manifest"): v for k, v in kept.items()
+            if k.startswith("step-000020/")}.items() <= hashes(root).items()
+    run.manager.retire_after(35, run.manager.events, 41)  # a rollback to step 35 abandons step 40 only
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000020.corrupt-no-manifest", "step-000030"]
+    assert (root / "latest").readlink() == Path("step-000030")
+
+
+def test_a_full_volume_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, group: None, volume: Path) -> None:
+    run = Run(tmp_path, volume / "ckpt")
+    assert run.save(10).committed
+    before = hashes(volume / "ckpt")
+    with open(volume / "filler", "wb") as f, pytest.raises(OSError) as full:  # a real ENOSPC: the volume fills up
+        while True:
+            f.write(b"\0" * (1 << 16))
+            f.flush()
+    assert full.value.errno == errno.ENOSPC
+    outcome = run.save(20)
+    assert not outcome.committed and outcome.volume_error == "ENOSPC"
+    assert outcome.error.startswith(f"No space left on device (ENOSPC) on {volume / 'ckpt' / 'step-000020.tmp'}: "
+                                    f"the checkpoint needs ")
+    assert f"({run.manager.last_bytes} bytes)" in outcome.error and "free" in outcome.error
+    assert [e["detail"]["error"] for e in run.events("failed")] == [outcome.error]
+    assert [e["step"] for e in run.events("checkpoint_failed")] == [20]
+    assert hashes(volume / "ckpt") == before and not (volume / "ckpt" / "step-000020.tmp").exists()
+    (volume / "filler").unlink()
+    assert run.save(30).committed, "the next save succeeds once there is room"
+
+
+def test_the_enospc_hidden_by_torchs_writer_is_found_from_the_free_space(
+        tmp_path: Path, group: None, volume: Path) -> None:
+    big = {"w": torch.zeros(1 << 20)}  # 4 MiB: twice the volume
+    with pytest.raises(CheckpointException, match="unexpected pos") as hidden:  # no errno in sight
+        dcp.save(big, storage_writer=Storage(volume).writer("x"))
+    storage = Storage(volume)
+    text, code, path, free = _failure(hidden.value, storage, share=4 << 20)
+    assert code == errno.ENOSPC and path == str(volume) and free < 4 << 20, text
+
+
+def test_a_volume_remounted_read_only_fails_the_save_cleanly(tmp_path: Path, group: None, volume: Path) -> None:
+    run = Run(tmp_path, volume / "ckpt", 'checkpoint.on_storage_error="stop"')
+    assert run.save(10).committed
+    before = hashes(volume / "ckpt")
+    subprocess.run(["mount", "-o", "remount,ro", str(volume)], check=True)
+    try:
+        outcome = run.save(20)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(volume)], check=True)
+    assert not outcome.committed and outcome.volume_error == "EROFS"
+    assert outcome.error.startswith("Read-only file system (EROFS) on ") and len(outcome.error.splitlines()) == 1
+    assert 'the run stops (checkpoint.on_storage_error = "stop")' in run.events("checkpoint_failed")[0]["detail"][
+        "message"]
+    assert hashes(volume / "ckpt") == before
