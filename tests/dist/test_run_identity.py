@@ -61,8 +61,8 @@ def test_other_settings_change_and_an_accepted_identity_change_is_recorded(finis
     result = run_keel(resume_cmd(finished_copy, small_corpus, *allowed, "model.max_seq_len=128",
                                  "--accept-change", "model.max_seq_len"), cwd=finished_copy.parent)
     assert result.returncode == 0, result.stderr
-    changed = [e for e in read_jsonl(finished_copy / "events.jsonl") if e["kind"] == "resume"
-               and e["action"] == "config_changed"]
+    changed = [e for e in read_jsonl(finished_copy / "events.jsonl") if e["kind"] == "config"
+               and e["action"] == "changed"]
     assert len(changed) == 1 and changed[0]["step"] == 40
     changes = changed[0]["detail"]["changes"]
     assert changes["optim.lr"] == [0.003, 0.001] and changes["train.steps"] == [40, 44]
@@ -84,6 +84,7 @@ def test_plain_torchrun_workers_refuse_an_identity_change(finished_copy: Path, s
                             timeout=180)
     assert result.returncode != 0
     refusals = [line for line in result.stderr.splitlines() if "would change what defines the run" in line]
-    assert len(refusals) == 2 and all("model.n_layers 2 → 1" in line for line in refusals), result.stderr
+    # Every rank refuses; torchrun stops the others once the first has exited, so one or both say it.
+    assert refusals and all("model.n_layers 2 → 1" in line for line in refusals), result.stderr
     assert "/keel/" not in result.stderr, "no traceback from keel (torchrun prints its own for a failed worker)"
     assert tree_digest(finished_copy / "checkpoints") == before

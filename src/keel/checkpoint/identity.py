@@ -7,7 +7,7 @@ mixture weights and the mixture phases already begun). Changing one on resume ei
 data order), so such a resume is refused before any worker starts, unless the change is accepted on purpose
 with `keel train --accept-change KEY`, which records it as an event and in every later manifest.
 
-Everything else may change on resume and is recorded as a `config_changed` event: the number of steps,
+Everything else may change on resume and is recorded as a `config/changed` event: the number of steps,
 intervals, the optimizer's settings and the tail of its schedule, monitoring, health, guards, the
 parallel layout and the micro-batch (the same global batch, split otherwise).
 """

@@ -404,7 +404,11 @@ class CheckpointManager:
                     self.events.emit("checkpoint", step_of(bad), "skipped", path=self.storage.path(bad), reason=why)
                     self._set_aside(bad, why, step_of(bad))
             if failed and self.rank == 0:
-                self.storage.set_latest(name)
+                try:
+                    self.storage.set_latest(name)
+                except OSError as e:  # `latest` is a convenience: resuming needs only the checkpoint
+                    self.events.emit("checkpoint", step_of(name), "warning", path=self.storage.path(name),
+                                     error=f"latest could not be moved to it: {_first_line(e)}")
             return state, self.storage.path(name)
         if failed:
             raise CheckpointError(f"no checkpoint in {self.storage} can be resumed, nothing was changed: "
@@ -465,7 +469,7 @@ class CheckpointManager:
             {"step": step, "key": k, "old": old, "new": new} for k, (old, new) in accepted.items()]
         changed = setting_changes(manifest.get("config"), self.cfg)
         if self.rank == 0 and (changed or accepted):
-            self.events.emit("resume", step, "config_changed", checkpoint=path, changes=changed,
+            self.events.emit("config", step, "changed", checkpoint=path, changes=changed,
                              identity_accepted=sorted(accepted))
 
     def _agree(self, problems: list[str]) -> list[str]:
