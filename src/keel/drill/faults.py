@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import time
 import tomllib
 from pathlib import Path
@@ -116,6 +117,23 @@ class FillDiskBeforeCheckpoint(Injector):
     def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
         if step == self.step and dist.get_rank() == 0:
             self.filler.unlink(missing_ok=True)
+
+
+class ReadOnlyBeforeCheckpoint(Injector):
+    """Remount the volume at `path` read-only before the save of `step`, as a storage fault or a fenced
+    NFS export does, and read-write again once that save has failed. Needs root."""
+
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_step_end(self, state: Any, report: dict) -> None:
+        if state.step == self.step - 1 and dist.get_rank() == 0:
+            self.fire(self.step)
+            subprocess.run(["mount", "-o", "remount,ro", self.path], check=True, capture_output=True)
+
+    def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
+        if step == self.step and dist.get_rank() == 0:
+            subprocess.run(["mount", "-o", "remount,rw", self.path], check=True, capture_output=True)
 
 
 # ---------------------------------------------------------------- faults of processes and machines
@@ -353,7 +371,8 @@ class SkipUpdateAt(Callback):
 INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitflip": BitFlip,
              "skip_update": SkipUpdateAt, "sigkill_after_checkpoint": SigkillAfterCheckpoint,
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
-             "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint, "kill": KillInStep, "hang": HangInStep,
+             "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint,
+             "read_only_before_checkpoint": ReadOnlyBeforeCheckpoint, "kill": KillInStep, "hang": HangInStep,
              "signal": SignalInStep, "slow": SlowRank, "slow_collective": SlowCollective,
              "wrong_allreduce": WrongAllReduce}
 

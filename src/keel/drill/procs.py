@@ -75,5 +75,9 @@ class Launch:
             kill_tagged(self.tag)
             return None
 
-    def leftovers(self) -> list[int]:
-        return tagged(self.tag)
+    def leftovers(self, grace_s: float = 2.0) -> list[int]:
+        """What still lives `grace_s` after the launcher ended (a dying process takes a moment to go)."""
+        deadline = time.monotonic() + grace_s
+        while (pids := tagged(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pids

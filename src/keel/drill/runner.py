@@ -20,7 +20,7 @@ from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.drill.procs import Launch, kill_tagged
-from keel.drill.scenarios import BITWISE, CLOSE, CLOSE_RTOL, CORRUPT_LATEST, Outside, Scenario
+from keel.drill.scenarios import BITWISE, CLOSE, CLOSE_RTOL, CORRUPT_LATEST, LOSE_MANIFEST, Outside, Scenario
 from keel.errors import KeelError
 from keel.monitor.goodput import ratio
 from keel.monitor.sinks import read_jsonl
@@ -90,7 +90,8 @@ class Drill:
             if outside is not None:
                 while job.proc.poll() is None and time.time() - job.started < self.timeout:
                     step = _status(run_dir).get("step", 0)
-                    if step >= outside.at_step:
+                    if _workers_started(run_dir, job.started, self.nproc) if outside.while_starting else \
+                            step >= outside.at_step:
                         job.proc.send_signal(getattr(signal, outside.signal))
                         sent = {"time": time.time(), "step": step}
                         break
@@ -153,6 +154,8 @@ class Drill:
                 launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside)]
             if scenario.between == CORRUPT_LATEST:
                 launches[0]["outside"] = corrupt_latest(run_dir / "checkpoints")
+            elif scenario.between == LOSE_MANIFEST:
+                launches[0]["outside"] = lose_latest_manifest(run_dir / "checkpoints")
             if scenario.rerun:
                 launches.append(self.launch(run_dir, overrides, scenario.max_restarts))
         finally:
@@ -249,13 +252,17 @@ def not_run(scenario: Scenario, why: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- actions from outside
 
 
+def _newest_committed(checkpoints: Path) -> tuple[int, Path]:
+    steps = sorted((step_of(d.name), d) for d in checkpoints.iterdir() if step_of(d.name) and (d / MANIFEST).exists())
+    if not steps:
+        raise DrillError(f"no committed checkpoint in {checkpoints} to damage")
+    return steps[-1]
+
+
 def corrupt_latest(checkpoints: Path) -> dict[str, Any]:
     """Flip one byte in the middle of the largest data file of the newest committed checkpoint, as a bad
     disk or a torn copy would; returns when and at which step."""
-    steps = sorted((step_of(d.name), d) for d in checkpoints.iterdir() if step_of(d.name) and (d / MANIFEST).exists())
-    if not steps:
-        raise DrillError(f"no committed checkpoint in {checkpoints} to corrupt")
-    step, newest = steps[-1]
+    step, newest = _newest_committed(checkpoints)
     victim = max((f for f in newest.iterdir() if f.is_file() and f.name != MANIFEST), key=lambda f: f.stat().st_size)
     with open(victim, "r+b") as f:
         f.seek(victim.stat().st_size // 2)
@@ -263,6 +270,21 @@ def corrupt_latest(checkpoints: Path) -> dict[str, Any]:
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     return {"time": time.time(), "step": step, "corrupted": str(victim)}
+
+
+def lose_latest_manifest(checkpoints: Path) -> dict[str, Any]:
+    """Delete the manifest of the newest committed checkpoint, as a careless copy or a cleanup script would;
+    its other files stay, and must stay."""
+    step, newest = _newest_committed(checkpoints)
+    (newest / MANIFEST).unlink()
+    return {"time": time.time(), "step": step, "lost": str(newest / MANIFEST)}
+
+
+def _workers_started(run_dir: Path, since: float, nproc: int) -> bool:
+    """Every worker of the launch started at `since` has written its start event (before its first step)."""
+    path = run_dir / "events.jsonl"
+    starts = [e for e in read_jsonl(path) if e["kind"] == "start" and e["time"] >= since] if path.exists() else []
+    return len(starts) >= nproc
 
 
 def _mount_small_volume(volume: Path, ref_dir: Path, steps: int, interval: int) -> str | None:

@@ -15,14 +15,17 @@ CLOSE_RTOL = 2e-3
 
 # What the drill does from outside between the first launch and the rerun.
 CORRUPT_LATEST = "corrupt_latest_checkpoint"
+LOSE_MANIFEST = "lose_latest_manifest"
 
 
 @dataclass(frozen=True)
 class Outside:
-    """An action taken from outside the job: `signal` sent to the launcher once the run reached `at_step`."""
+    """An action taken from outside the job: `signal` sent to the launcher once the run reached `at_step`,
+    or, with `while_starting`, once every worker has started but before the first step."""
 
     signal: str = "SIGTERM"
     at_step: int = 0
+    while_starting: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,22 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  "from the previous one and ends bitwise equal",
                  inject=(f"sigkill_after_checkpoint:step={save},rank={r}",), fault_step=save, rerun=True,
                  between=CORRUPT_LATEST, detect=("checkpoint", "skipped"), recovered_by=("resume", "")),
+        Scenario("launcher_killed", "a SIGKILLed launcher takes its workers with it; the rerun resumes from the last "
+                 "checkpoint and ends bitwise equal",
+                 inject=("slow:rank=-1,seconds=0.1",), outside=Outside("SIGKILL", at_step=mid), fault_step=mid,
+                 rerun=True, first_exit=-9, detect=("resume", "")),
+        Scenario("stop_while_starting", "SIGTERM to the launcher while the workers start is a pause (exit 75) with "
+                 "nothing trained or lost; the rerun ends bitwise equal",
+                 outside=Outside("SIGTERM", while_starting=True), fault_step=1, rerun=True, first_exit=75,
+                 detect=("pause", "")),
+        Scenario("manifest_lost", "a checkpoint whose manifest is lost is set aside, never deleted; the run resumes "
+                 "from the previous one and ends bitwise equal",
+                 inject=(f"sigkill_after_checkpoint:step={save},rank={r}",), fault_step=save, rerun=True,
+                 between=LOSE_MANIFEST, detect=("checkpoint", "set_aside"), recovered_by=("resume", "")),
+        Scenario("volume_read_only", "a checkpoint volume remounted read-only fails that save with a plain event; "
+                 "training goes on, the next save succeeds, the run ends bitwise equal",
+                 inject=(f"read_only_before_checkpoint:step={save},path={{volume}}",), fault_step=save, volume=True,
+                 detect=("checkpoint", "failed"), recovered_by=("checkpoint", "committed")),
         Scenario("disk_full", "ENOSPC during a save loses nothing, the next save succeeds, the run ends bitwise equal",
                  inject=(f"fill_disk_before_checkpoint:step={save},path={{volume}}",), fault_step=save, volume=True,
                  detect=("checkpoint", "failed"), recovered_by=("checkpoint", "committed")),
