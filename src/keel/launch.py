@@ -1,11 +1,12 @@
 """`keel train --nproc N [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT]`: hand the command to torchrun's
 elastic agent, one agent per node.
 
-The agent is torchrun's own (`LocalElasticAgent`), taught three things about keel's exit codes:
+The agent is torchrun's own (`LocalElasticAgent`), taught four things:
 a worker's "do not retry" (bad input, a guard's stop, a pause) ends the job instead of using up the
 restarts; a node listed in the run's quarantine.json leaves the job the way a preempted node does
-(so the rendezvous stays open and the other nodes go on without it); and a run that keeps failing
-without getting past the same step stops before its restart budget is spent.
+(so the rendezvous stays open and the other nodes go on without it); a run that keeps failing
+without getting past the same step stops before its restart budget is spent; and a worker whose
+heartbeat has stopped is a hang it reports and restarts (keel.health.heartbeat).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
+from keel.health.heartbeat import HeartbeatWatch
 from keel.health.lifeline import AGENT_PID_ENV
 from keel.health.quarantine import is_quarantined, node_name
 from keel.health.signals import SIGNALS as STOP_SIGNALS
@@ -66,8 +68,18 @@ class KeelAgent(LocalElasticAgent):
     elastic: bool
     no_progress_limit: int
     outcome: tuple[int, str, bool] | None  # the job's exit code, why, and whether the launcher must say so
+    heartbeats: HeartbeatWatch
+
+    def run(self, *args, **kwargs) -> RunResult:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self.heartbeats.close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        # A frozen worker is killed here with the others, so that the result below is their failure.
+        self.heartbeats.end_frozen({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
+                                   restarting=self._remaining_restarts > 0)
         result = super()._monitor_workers(worker_group)
         now = time.monotonic()
         # Only an elastic job can go on without a node; a one-node job ends with the workers' 76.
@@ -109,6 +121,7 @@ class KeelAgent(LocalElasticAgent):
     def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int) -> None:
         self.run_dir, self.elastic, self.no_progress_limit = run_dir, elastic, no_progress_limit
         self.outcome = None
+        self.heartbeats = HeartbeatWatch(run_dir)
         self._quarantine_checked = time.monotonic()
         self._stalled, self._last_step = 0, int(read_status(run_dir).get("step", 0))
 

@@ -92,24 +92,50 @@ def test_pause_checkpoints_exits_75_and_rerun_is_bitwise_equal(how: str, referen
     assert status(run_dir)["state"] == "finished"
 
 
-def test_hang_is_detected_with_stacks_and_the_run_resumes_bitwise(reference_run: Path, small_corpus: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_hung_rank_1_then_a_stopped_rank_0_are_named_with_stacks_and_the_run_resumes_bitwise(
+        reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """Rank 1 sleeps in step 25: its watchdog still runs, and rank 0 names it. Rank 0 is stopped (SIGSTOP)
+    in step 35: every thread of it, its watchdog and the process group's store it hosts, freezes with
+    it, and the launcher finds it by its silent heartbeat."""
     run_dir = tmp_path / "H"
-    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["hang:step=30,rank=1"]', "health.watchdog.warmup_steps=5",
-                    "health.watchdog.min_timeout_s=4", "health.watchdog.poll_s=0.5", "--max-restarts", "1")
-    result = run_keel(cmd, cwd=tmp_path, timeout=180)
+    cmd = train_cmd(small_corpus, run_dir, 'drill.inject=["hang:step=25,rank=1", '
+                    '"signal:step=35,rank=0,signal=SIGSTOP"]', "checkpoint.interval=10",
+                    "checkpoint.async_save=false",  # step 30's save is committed before rank 0 stops
+                    "health.watchdog.warmup_steps=5", "health.watchdog.min_timeout_s=4", "health.watchdog.poll_s=0.5",
+                    "--max-restarts", "2")
+    result = run_keel(cmd, cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    (hang,) = events(run_dir, "hang")
-    detail = hang["detail"]
-    assert hang["step"] == 30 and detail["stuck_ranks"] == [1] and detail["section"] == "step", detail
+    hung, stopped = events(run_dir, "hang")
+    stacks = {r: (run_dir / "logs" / f"stacks-rank-{r}.txt").read_text() for r in (0, 1)}
+
+    detail = hung["detail"]
+    assert hung["step"] == 25 and detail["stuck_ranks"] == [1] and detail["section"] == "step", detail
+    assert detail["detected_by"] == 0 and detail["hosts"] == [socket.gethostname()]
     # Found within the learned timeouts (4 s floor: collective 2 s < step 4 s), not the 900 s default.
-    assert detail["timeouts"]["step"] == 4.0
+    assert 4.0 <= detail["timeouts"]["step"] < 10
     assert detail["where"]["1"]["elapsed_s"] <= detail["timeouts"]["step"] + 2, detail["where"]
     assert detail["where"]["0"]["phase"] == "reduce" and detail["where"]["1"]["phase"] == "forward_backward"
-    stacks = {r: (run_dir / "logs" / f"stacks-rank-{r}.txt").read_text() for r in (0, 1)}
     assert "drill/faults.py" in stacks[1] and "in deliver" in stacks[1] and "in after_backward" in stacks[1]
     assert "_train" in stacks[0]  # rank 0's main thread, waiting in a collective
-    assert [e["step"] for e in events(run_dir, "resume")] == [20]
+
+    detail = stopped["detail"]
+    assert stopped["step"] == 35 and detail["stuck_ranks"] == [0] and detail["section"] == "step", detail
+    assert detail["detected_by"] == "launcher" and detail["hosts"] == [socket.gethostname()], detail
+    assert detail["process_states"] == {"0": "stopped", "1": "sleeping"}, detail
+    # Found at its learned step timeout after its last heartbeat (every 0.5 s), with a margin for the load.
+    (sigstop,) = [e for e in events(run_dir, "drill") if "SIGSTOP" in e["detail"]["fault"]]
+    step_timeout = detail["timeouts"]["step"]
+    assert 4.0 <= step_timeout < 10 and step_timeout - 1 <= stopped["time"] - sigstop["time"] <= step_timeout + 5
+    # Rank 1, blocked on rank 0, still wrote its stacks when the launcher asked.
+    asked = stacks[1].split("=== rank 1: stacks asked by the launcher")
+    assert len(asked) == 2 and "keel/train/trainer.py" in asked[1], stacks[1][-3000:]
+    # The workers are ended at once (a stopped one takes no SIGTERM) and started again.
+    ended = next(e for e in events(run_dir, "failure") if e["time"] >= stopped["time"])
+    again = next(e for e in events(run_dir, "start") if e["time"] > stopped["time"] and e["rank"] == 0)
+    assert ended["detail"]["exit_codes"] == [-9] and ended["time"] - stopped["time"] < 5, ended
+    assert again["detail"]["process_started"] - stopped["time"] < 10, again
+
+    assert [e["step"] for e in events(run_dir, "resume")] == [20, 30]
     assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
 
 
@@ -153,9 +179,11 @@ def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run:
 def test_repeated_failures_stop_with_do_not_requeue(attempts: int, no_progress: int, max_restarts: int, message: str,
                                                     small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "K"
+    # A synchronous save: step 20's checkpoint is committed before the kill in step 25 (a background one
+    # on shared cores may not be, and the next start would begin from step 0 instead of resuming).
     result = run_keel(train_cmd(small_corpus, run_dir, f'drill.inject=["kill:step=25,rank=1,times={attempts}"]',
-                                f"health.no_progress_restarts={no_progress}", "--max-restarts", str(max_restarts)),
-                      cwd=tmp_path)
+                                f"health.no_progress_restarts={no_progress}", "checkpoint.async_save=false",
+                                "--max-restarts", str(max_restarts)), cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-3000:]
     assert message in result.stdout
     assert len(events(run_dir, "resume")) == 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 from keel.config import StragglerConfig, WatchdogConfig
 from keel.errors import EXIT_HANG
+from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, read_beat
 from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
 from keel.health.quarantine import add_to_quarantine, is_quarantined, node_name, quarantined_nodes, release
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
@@ -20,7 +23,7 @@ from keel.health.status import job_alive, read_status, run_status, write_status
 from keel.health.watchdog import Watchdog, stuck_ranks
 from keel.monitor.sinks import EventLog, read_jsonl
 from keel.run_lock import RunLock
-from tests.conftest import run_keel
+from tests.conftest import keel_env, run_keel
 
 
 def where(step: int, phase: int) -> dict:
@@ -72,7 +75,7 @@ def test_watchdog_finds_a_stuck_step_dumps_stacks_and_exits(tmp_path: Path) -> N
         while not exits and time.monotonic() < deadline:
             time.sleep(0.05)  # this thread is "stuck" in step 7
     finally:
-        dog._stop.set()
+        dog.stop()
     assert exits == [EXIT_HANG]
     (hang,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "hang"]
     assert hang["step"] == 7 and hang["detail"]["stuck_ranks"] == [0] and hang["detail"]["section"] == "step"
@@ -80,6 +83,83 @@ def test_watchdog_finds_a_stuck_step_dumps_stacks_and_exits(tmp_path: Path) -> N
     stacks = (tmp_path / "logs" / "stacks-rank-0.txt").read_text()
     assert "test_watchdog_finds_a_stuck_step_dumps_stacks_and_exits" in stacks  # the main thread's stack
     assert any("hang: rank(s) 0 stuck" in line for line in said)
+
+
+def test_watchdog_beats_where_its_rank_is_and_dumps_its_stacks_on_sigusr2(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    monkeypatch.setenv(ENV, str(beats))
+    dog, _ = make_watchdog(tmp_path, poll_s=0.05)
+    dog.timeouts["step"] = 7.0
+    dog.start()
+    try:
+        dog.begin("step", 3)
+        deadline = time.monotonic() + 10
+        while ((last := read_beat(beats, 0)) is None or last["where"]["step"] != 3) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert last is not None and last["where"]["section"] == "step" and last["where"]["step"] == 3, last
+        assert last["pid"] == os.getpid() and last["valid_s"] == 7.0 and last["host"] == node_name()
+        os.kill(os.getpid(), STACKS_SIGNAL)  # answered by faulthandler, whatever Python is doing
+        stacks = (tmp_path / "logs" / "stacks-rank-0.txt").read_text()
+        assert "test_watchdog_beats_where_its_rank_is_and_dumps_its_stacks_on_sigusr2" in stacks
+    finally:
+        dog.stop()
+    assert read_beat(beats, 0) is None  # an ending worker leaves no beat to be taken for a frozen one
+
+
+WORKER = """
+import sys, time
+from pathlib import Path
+from keel.config import WatchdogConfig
+from keel.health.watchdog import Watchdog
+from keel.monitor.sinks import EventLog
+rank, run_dir = int(sys.argv[1]), Path(sys.argv[2])
+dog = Watchdog(WatchdogConfig(initial_timeout_s=1.0, min_timeout_s=1.0, poll_s=0.1), run_dir, rank, 2,
+               EventLog(run_dir / f"worker-{rank}.jsonl", rank), print)
+dog.start()
+for step in range(1, 1000):
+    dog.begin("step", step)
+    time.sleep(0.1)
+    dog.end()
+"""
+
+
+def test_launcher_names_a_stopped_worker_dumps_the_others_stacks_and_ends_both(tmp_path: Path) -> None:
+    watch = HeartbeatWatch(tmp_path)  # the workers inherit where to beat
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(tmp_path)], env=keel_env())
+               for r in (0, 1)]
+    try:
+        pids = {r: w.pid for r, w in enumerate(workers)}
+        deadline = time.monotonic() + 60
+        while any((b := read_beat(watch.directory, r)) is None or b["pid"] != pid or b["where"]["section"] != "step"
+                  for r, pid in pids.items()):  # past setup (whose timeout is 30 minutes), in their steps
+            assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "the workers did not beat"
+            time.sleep(0.05)
+        assert not watch.end_frozen(pids, restarting=True)  # both beat: nothing to do
+        os.kill(pids[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not watch.end_frozen(pids, restarting=True):
+            assert time.monotonic() - stopped < 10, "the stopped worker was not found"
+            time.sleep(0.05)
+        found = time.monotonic() - stopped
+        assert [w.wait(timeout=5) for w in workers] == [-signal.SIGKILL] * 2
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        watch.close()
+    assert 0.8 <= found <= 1.0 + 3, found  # its beat held for its step timeout, 1 s
+    (hang,) = read_jsonl(tmp_path / "events.jsonl")
+    detail = hang["detail"]
+    assert hang["kind"] == "hang" and hang["rank"] == -1 and detail["stuck_ranks"] == [0], hang
+    assert detail["hosts"] == [node_name()] and detail["section"] == "step" and detail["detected_by"] == "launcher"
+    assert detail["process_states"]["0"] == "stopped" and detail["process_states"]["1"] != "stopped"
+    assert "rank 0 (pid" in detail["reason"] and "past its 1 s step timeout" in detail["reason"]
+    stacks = (tmp_path / "logs" / "stacks-rank-1.txt").read_text()
+    assert "stacks asked by the launcher" in stacks and "in <module>" in stacks.split("asked by the launcher")[1]
+    assert not (tmp_path / "logs" / "stacks-rank-0.txt").read_text()  # a stopped process dumps nothing
+    assert ENV not in os.environ and not watch.directory.exists()
 
 
 def test_stop_requests_come_from_real_signals_and_the_pause_file(tmp_path: Path) -> None:

@@ -8,12 +8,17 @@ launcher's, for a restart). Within a step the loop marks its progress (`phase`),
 sleeps and the others wait for it in a collective, the sleeper can be told from the waiters.
 
 On a hang, found by this thread (a section past its timeout) or by the main thread (a collective
-that timed out), the rank raises the alarm in the process group's store. Every rank's watchdog sees
-it, writes every thread's Python stack to `logs/stacks-rank-R.txt` (faulthandler) and publishes where
-it is; the rank that raised the alarm names the stuck ranks in a `hang` event; then all abort the
-process group and exit with EXIT_HANG, so that the elastic agent restarts the workers, which resume
-from the latest verified checkpoint. A rank that cannot run Python at all (stuck holding the GIL) is
-caught by faulthandler's own timer, which dumps its stacks and ends the process.
+that timed out), the rank writes every thread's Python stack to `logs/stacks-rank-R.txt`
+(faulthandler) and raises the alarm in the process group's store. Every rank's watchdog sees it,
+writes its stacks and publishes where it is; the rank that raised the alarm names the stuck ranks in
+a `hang` event; then all abort the process group and exit with EXIT_HANG, so that the elastic agent
+restarts the workers, which resume from the latest verified checkpoint.
+
+A rank that cannot run Python at all (stopped, or stuck holding the GIL) cannot answer, and if it is
+rank 0 neither can the store. Under `keel train` this thread also beats (keel.health.heartbeat): the
+node's launcher names such a rank from its silent heartbeat, so the rank that raised the alarm leaves
+ranks that did not answer to it. Without a launcher, it names them itself, and faulthandler's own
+timer ends a rank stuck holding the GIL.
 """
 
 from __future__ import annotations
@@ -33,12 +38,20 @@ import torch.distributed as dist
 
 from keel.config import WatchdogConfig
 from keel.errors import EXIT_HANG
+from keel.health.heartbeat import STACKS_SIGNAL, beat, beat_path, heartbeat_dir
+from keel.health.quarantine import node_name
 from keel.monitor.sinks import EventLog
 
 SECTIONS = ("setup", "step", "checkpoint", "eval")
 PHASES = ("data", "forward_backward", "reduce", "update")  # progress marks within a step, in order
 COLLECTIVE_SHARE = 0.5  # a collective's timeout is this share of its step's
 BACKSTOP_GRACE_S = 60.0
+ABORT_S = 5.0  # the longest abort_process_groups waits
+
+
+def verdict_wait_s(poll_s: float) -> float:
+    """How long a rank waits for the reporter's verdict (the reporter collects for less)."""
+    return 4 * poll_s + 5
 
 
 class Watchdog:
@@ -60,6 +73,7 @@ class Watchdog:
         self._exit: Callable[[int], None] = os._exit
         self._handling = threading.Lock()  # the thread and the main thread may both meet the hang
         self.reporter, self.alarm = False, {}
+        self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
 
     # ------------------------------------------------------------ what the loop calls
 
@@ -69,6 +83,8 @@ class Watchdog:
         self.logs.mkdir(parents=True, exist_ok=True)
         self._stacks = open(self.logs / f"stacks-rank-{self.rank}.txt", "a")  # noqa: SIM115 (open for the run)
         self._arm_backstop(self.timeouts["setup"])
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True)  # `kill -USR2` for stacks
+        self._beat()
         self._thread = threading.Thread(target=self._watch, name="keel-watchdog", daemon=True)
         self._thread.start()
 
@@ -87,8 +103,7 @@ class Watchdog:
 
     def collective_timed_out(self, error: BaseException) -> None:
         """The main thread's collective gave up waiting: a peer is stuck. Never returns."""
-        self._raise_alarm(f"a collective timed out in {self.section_name} ({str(error).splitlines()[0][:200]})")
-        self._await_verdict()
+        self._on_hang(f"a collective timed out in {self.section_name} ({str(error).splitlines()[0][:200]})")
 
     def stop(self) -> None:
         self._stop.set()
@@ -96,6 +111,9 @@ class Watchdog:
             self._thread.join(timeout=5)
         if self.cfg.enabled:
             faulthandler.cancel_dump_traceback_later()
+            faulthandler.unregister(STACKS_SIGNAL)
+        if self.heartbeats is not None:  # the worker ends: no beat is missing from here on
+            beat_path(self.heartbeats, self.rank).unlink(missing_ok=True)
         if self._stacks is not None:
             self._stacks.close()
             self._stacks = None
@@ -154,16 +172,29 @@ class Watchdog:
     def _watch(self) -> None:
         store = _store()
         while not self._stop.wait(self.cfg.poll_s):
+            self._beat()
             name = self.section_name
             if name in self.timeouts and time.monotonic() - self.section_start > self.timeouts[name]:
-                self._raise_alarm(f"{name} of step {self.section_step} ran past its {self.timeouts[name]:.0f} s "
-                                  f"timeout on rank {self.rank}")
-                self._await_verdict()
+                self._on_hang(f"{name} of step {self.section_step} ran past its {self.timeouts[name]:.0f} s "
+                              f"timeout on rank {self.rank}")
             try:
                 if store is not None and store.check([self.prefix + "alarm"]):
-                    self._await_verdict()
+                    self._on_hang(None)
             except Exception:  # noqa: BLE001 - the store lives in rank 0: if it is gone, so is the job
                 store = None
+
+    def _beat(self, valid_s: float | None = None) -> None:
+        """Tell the launcher where this rank is, and until when to expect the next beat: within the
+        section's timeout (a rank further from its last beat than that cannot run Python)."""
+        if self.heartbeats is None:
+            return
+        host = self.hosts[self.rank] if self.rank < len(self.hosts) else node_name()
+        with contextlib.suppress(OSError):
+            beat(self.heartbeats, self.rank, {"where": self._where(), "host": host, "timeouts": self._rounded()},
+                 valid_s or self.timeouts.get(self.section_name, self.timeouts["step"]))
+
+    def _rounded(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in self.timeouts.items()}
 
     def _where(self) -> dict:
         return {"rank": self.rank, "section": self.section_name, "step": self.section_step,
@@ -184,18 +215,23 @@ class Watchdog:
         if self.reporter:
             self.alarm = {"by": self.rank, "reason": reason}
 
-    def _await_verdict(self) -> None:
-        """Dump this rank's stacks, say where it is, let the reporter name the stuck ranks, then exit."""
+    def _on_hang(self, reason: str | None) -> None:
+        """Dump this rank's stacks, raise the alarm if this rank found the hang (`reason`), say where it
+        is, let the reporter name the stuck ranks, then exit. Never returns. The stacks come first: they
+        need no peer, and the store may live in a stuck rank 0."""
         if not self._handling.acquire(blocking=False):
             while True:  # the other thread is on it and will end the process
                 time.sleep(1)
         faulthandler.cancel_dump_traceback_later()  # handled here: the backstop must not cut it short
+        self._beat(valid_s=verdict_wait_s(self.cfg.poll_s) + ABORT_S + 5)  # beats stop while it is handled
         if self._stacks is not None:
             self._stacks.write(f"\n=== rank {self.rank}: hang at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                                f"{json.dumps(self._where())}\n")
             self._stacks.flush()
             faulthandler.dump_traceback(file=self._stacks, all_threads=True)
             self._stacks.flush()
+        if reason is not None:
+            self._raise_alarm(reason)
         store = _store()
         with contextlib.suppress(Exception):
             if store is not None:
@@ -203,7 +239,7 @@ class Watchdog:
         if self.reporter:
             self._report(store)
         else:
-            _wait_for(store, self.prefix + "verdict", 4 * self.cfg.poll_s + 5)
+            _wait_for(store, self.prefix + "verdict", verdict_wait_s(self.cfg.poll_s))
         abort_process_groups()
         self._exit(EXIT_HANG)
 
@@ -220,14 +256,18 @@ class Watchdog:
                             where[r] = json.loads(store.get(f"{self.prefix}where/{r}"))
             time.sleep(0.2)
         stuck = stuck_ranks(where, self.world)
-        self.events.emit("hang", self.section_step, "restart", stuck_ranks=stuck,
-                         hosts=[self.hosts[r] for r in stuck if r < len(self.hosts)],
-                         section=where.get(stuck[0], {}).get("section", "unknown") if stuck else "unknown",
-                         reason=self.alarm["reason"], detected_by=self.rank, where=where,
-                         timeouts={k: round(v, 1) for k, v in self.timeouts.items()},
-                         stacks=str(self.logs / "stacks-rank-*.txt"))
-        self.say(f"error: hang: rank(s) {', '.join(map(str, stuck))} stuck ({self.alarm['reason']}); stacks in "
-                 f"{self.logs}; exiting so that the agent restarts the workers from the latest checkpoint")
+        if self.heartbeats is not None and len(where) < self.world:
+            # Ranks that cannot answer cannot run Python: the launchers watching their heartbeats name them.
+            self.say(f"error: hang: rank(s) {', '.join(map(str, stuck))} did not answer ({self.alarm['reason']}); "
+                     f"their launcher names them; exiting so that the workers restart from the latest checkpoint")
+        else:
+            self.events.emit("hang", self.section_step, "restart", stuck_ranks=stuck,
+                             hosts=[self.hosts[r] for r in stuck if r < len(self.hosts)],
+                             section=where.get(stuck[0], {}).get("section", "unknown") if stuck else "unknown",
+                             reason=self.alarm["reason"], detected_by=self.rank, where=where,
+                             timeouts=self._rounded(), stacks=str(self.logs / "stacks-rank-*.txt"))
+            self.say(f"error: hang: rank(s) {', '.join(map(str, stuck))} stuck ({self.alarm['reason']}); stacks "
+                     f"in {self.logs}; exiting so that the agent restarts the workers from the latest checkpoint")
         with contextlib.suppress(Exception):
             if store is not None:
                 store.set(self.prefix + "verdict", json.dumps({"stuck": stuck}))
