@@ -177,3 +177,41 @@ def test_a_volume_remounted_read_only_fails_the_save_cleanly(tmp_path: Path, gro
     assert 'the run stops (checkpoint.on_storage_error = "stop")' in run.events("checkpoint_failed")[0]["detail"][
         "message"]
     assert hashes(volume / "ckpt") == before
+
+
+
+@pytest.fixture
+def open_root() -> Iterator[Path]:
+    """A directory of root's (0755) that every user may enter, but only root may write in."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="keel-eacces-", dir="/tmp"))  # pytest's own directories are 0700
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root)
+
+
+def test_a_directory_this_user_may_not_write_fails_the_save_with_eacces_in_one_line(tmp_path: Path, group: None,
+                                                                                     open_root: Path) -> None:
+    """Root passes every permission check, so the process drops to an unprivileged effective user for the
+    save, as a job running as a service account meets a volume owned by another."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the test becomes another user for the save, which needs root")
+    run = Run(tmp_path, open_root / "ckpt")
+    assert run.save(10).committed
+    before = hashes(open_root / "ckpt")
+    os.seteuid(65534)  # nobody
+    try:
+        outcome = run.save(20)
+    finally:
+        os.seteuid(0)
+    assert not outcome.committed and outcome.volume_error == "EACCES"
+    assert outcome.error.startswith("Permission denied (EACCES) on ") and len(outcome.error.splitlines()) == 1
+    assert [e["step"] for e in run.events("checkpoint_failed")] == [20]
+    assert hashes(open_root / "ckpt") == before
+    assert run.save(30).committed, "the next save, with the right to write, succeeds"

@@ -137,9 +137,9 @@ class Storage:
         if self.remote:
             return None
         path = Path(self.root)
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        try:
+        try:  # a path this user may not even look at is no volume it can measure
+            while not path.exists() and path != path.parent:
+                path = path.parent
             return shutil.disk_usage(path).free
         except OSError:
             return None
