@@ -63,5 +63,6 @@ def check_writable_dir(path: Path, what: str) -> None:
         raise KeelError(f"{shown} is on the kernel's {kind} file system, which holds no files; pass a directory "
                         f"on a disk")
     if not os.access(base, os.W_OK | os.X_OK):
-        verb = "is not writable" if base == absolute else f"cannot be created: {str(base)!r} is not writable"
+        why = "is on a read-only file system" if os.statvfs(base).f_flag & os.ST_RDONLY else "is not writable"
+        verb = why if base == absolute else f"cannot be created: {str(base)!r} {why}"
         raise KeelError(f"{shown} {verb}; pass a directory this user may write in")

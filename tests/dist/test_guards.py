@@ -166,7 +166,10 @@ def test_bit_flip_in_replicated_parameters_is_caught_by_fingerprints(clean, smal
     [named] = [e for e in decided if e["action"] == "quarantine"]
     assert named["step"] == 30 and "rank(s) 1 named" in named["detail"]["reason"]
     [record] = json.loads((run_dir / "quarantine.json").read_text())
-    assert record["ranks"] == [1] and record["hosts"] and record["evidence"]["departed_at"] == {"0": 27, "1": 26}
+    # Rank 1's loss departs in the step after its flip; the healthy replica's only later, through the averaged
+    # gradients (in step 27 or 28: whether one step's drift shows in its loss's bits depends on the CPU's kernels).
+    departed = record["evidence"]["departed_at"]
+    assert record["ranks"] == [1] and record["hosts"] and departed["1"] == 26 and departed["0"] in (27, 28)
     assert [e["action"] for e in events(run_dir, "alert")] == ["sdc_suspect"]
     assert final_state(run_dir) == final_state(clean("dp2_replicated")), "the flip left no trace"
 

@@ -189,7 +189,8 @@ def test_repeated_failures_stop_with_do_not_requeue(attempts: int, no_progress: 
     assert len(events(run_dir, "resume")) == 2
 
 
-def test_preflight_names_a_read_only_checkpoint_directory(small_corpus: Path, tmp_path: Path) -> None:
+def test_a_read_only_checkpoint_directory_is_refused_before_any_worker_starts(small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
     read_only = tmp_path / "ro"
     read_only.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
@@ -203,8 +204,10 @@ def test_preflight_names_a_read_only_checkpoint_directory(small_corpus: Path, tm
     finally:
         subprocess.run(["umount", str(read_only)], check=True)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert (f"preflight check storage_writable failed on node {socket.gethostname()} rank 0: cannot write to the "
-            f"checkpoint directory {read_only}/checkpoints: Read-only file system") in result.stderr
+    assert result.stderr.strip() == (f"keel: error: checkpoint.dir '{read_only}/checkpoints' cannot be created: "
+                                     f"'{read_only}' is on a read-only file system; pass a directory this user may "
+                                     f"write in")
+    assert not run_dir.exists(), "nothing is created"
 
 
 def test_preflight_names_the_rank_whose_collective_is_wrong(small_corpus: Path, tmp_path: Path) -> None:

@@ -12,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from keel.data.shards import open_corpus
 from keel.monitor.sinks import read_jsonl
-from tests.conftest import SMALL_RUN, keel_env, kill_tagged, run_keel, spawn_keel, tagged
+from tests.conftest import SMALL_RUN, TAG, keel_env, kill_tagged, run_keel, spawn_keel, tagged
 
 pytestmark = pytest.mark.dist
 
@@ -81,6 +82,26 @@ def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_c
     rerun = run_keel(cmd, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     assert [e["step"] for e in events_of(run_dir, "resume")][-1] >= 5
+
+
+@pytest.mark.timeout(240)
+def test_workers_of_a_plain_torchrun_die_with_it(small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "keel",
+           "train", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}", "train.steps=30",
+           "checkpoint.interval=5"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**keel_env(), TAG: tag}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
+                 "the first checkpoint", proc)
+        assert len(tagged(tag)) == 3, "torchrun and its two workers run"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait_for(lambda: not tagged(tag), 10, "the workers to die with torchrun")
+    finally:
+        kill_tagged(tag)
 
 
 def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus: Path, tmp_path: Path) -> None:

@@ -116,9 +116,8 @@ def test_resume_never_refuses_to_overwrite_checkpoints(reference_run: Path, smal
     assert state_sha256(final_checkpoint(run_dir)) == before
 
 
-def test_resume_on_another_corpus_is_refused_by_the_workers(reference_run: Path, tmp_path: Path) -> None:
-    """The corpus fingerprint is checked where the checkpoint is loaded, inside each worker; the
-    launcher reports the workers' bad-input exit code."""
+def test_resume_on_another_corpus_is_refused(reference_run: Path, tmp_path: Path) -> None:
+    """The corpus fingerprint is part of the run's identity, compared before any worker starts."""
     from keel.data.prepare import prepare
     from tests.conftest import SMALL_SOURCES, small_data
 
@@ -128,7 +127,8 @@ def test_resume_on_another_corpus_is_refused_by_the_workers(reference_run: Path,
     step20 = reference_run / "checkpoints" / f"step-{KILL_AT:06d}"
     result = run_keel(train_cmd(other, run_dir, 2, "--resume", str(step20)), cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert "data.allow_corpus_change" in result.stderr
+    assert "data.corpus" in result.stderr and "data.allow_corpus_change=true" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert not (run_dir / "checkpoints").exists()
 
 
@@ -154,6 +154,9 @@ def test_checkpoint_of_another_model_shape_is_refused(reference_run: Path, small
     run_dir = tmp_path / "H"
     result = run_keel(train_cmd(small_corpus, run_dir, 2, "--resume", str(step20), "model.dim=32"), cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert "does not fit this model and optimizer" in result.stderr and "Size mismatch" in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"keel: error: resuming {step20} would change what defines the run: model.dim 64 → 32; start a new run "
+        f"with --run-dir, or accept the change on purpose with --accept-change model.dim (recorded in events.jsonl "
+        f"and the manifest)"]
     assert state_sha256(step20) == before
     assert not (run_dir / "checkpoints").exists()

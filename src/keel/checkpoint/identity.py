@@ -88,9 +88,10 @@ def check_identity(old: dict[str, Any], new: dict[str, Any], step: int, accepted
     refused = {k: v for k, v in changes.items() if k not in accepted}
     if refused:
         listed = ", ".join(f"{k} {_short(a)} → {_short(b)}" for k, (a, b) in refused.items())
+        corpus = " or data.allow_corpus_change=true" if "data.corpus" in refused else ""
         raise ConfigError(f"resuming {checkpoint} would change what defines the run: {listed}; start a new run "
                           f"with --run-dir, or accept the change on purpose with --accept-change "
-                          f"{','.join(refused)} (recorded in events.jsonl and the manifest)")
+                          f"{','.join(refused)}{corpus} (recorded in events.jsonl and the manifest)")
     return changes
 
 

@@ -113,6 +113,10 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
         Scenario("hang", "a hung rank is found within the learned timeout, restarted, and the run ends bitwise equal",
                  inject=(f"hang:step={mid},rank={r}",), fault_step=mid, tuning=FAST_WATCHDOG, max_restarts=1,
                  detect=("hang", "")),
+        Scenario("stopped_rank0", "a stopped (SIGSTOP) rank 0, which hosts the store, is named by its launcher "
+                 "within the learned timeout, restarted, and the run ends bitwise equal",
+                 inject=(f"signal:step={mid},rank=0,signal=SIGSTOP",), fault_step=mid, tuning=FAST_WATCHDOG,
+                 max_restarts=1, detect=("hang", "")),
         Scenario("straggler", "a rank 3x slower is named and the math is untouched",
                  inject=(f"slow:rank={r},factor=3",), fault_step=1,
                  tuning=(f"health.straggler.interval={max(plan.interval // 2, 5)}",),
