@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ def beat_path(directory: Path, rank: int) -> Path:
 
 def beat(directory: Path, rank: int, record: dict, valid_s: float) -> None:
     """Atomically: the launcher never reads half a beat."""
-    tmp = directory / f".rank-{rank}.json.tmp"
+    tmp = directory / f".rank-{rank}.{threading.get_native_id()}.json.tmp"  # the loop and the watchdog both beat
     tmp.write_text(json.dumps({**record, "pid": os.getpid(), "time": time.time(), "valid_s": valid_s}))
     os.replace(tmp, beat_path(directory, rank))
 

@@ -93,6 +93,7 @@ class Watchdog:
         self.section_name, self.section_step, self.phase_index = name, step, 0
         self.section_start = time.monotonic()
         self._arm_backstop(self.timeouts[name])
+        self._beat()  # at once: a beat left from the section before would promise that section's timeout
 
     def end(self) -> None:
         self._observed(self.section_name, time.monotonic() - self.section_start)
