@@ -63,13 +63,9 @@ def tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.timeout(240)
-def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_corpus: Path,
-                                                                         tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
-           "train.steps=30", "checkpoint.interval=5"]
-    proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def sigkill_once_saved_and_see_all_gone(proc: subprocess.Popen, tag: str, run_dir: Path) -> None:
+    """SIGKILL the launcher (keel's or torchrun's) of a running 2-process job once its first checkpoint is
+    committed; its workers must follow it within seconds."""
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
                  "the first checkpoint", proc)
@@ -79,6 +75,16 @@ def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_c
         wait_for(lambda: not tagged(tag), 10, "the workers to die with their launcher")
     finally:
         kill_tagged(tag)
+
+
+@pytest.mark.timeout(240)
+def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_corpus: Path,
+                                                                         tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
+           "train.steps=30", "checkpoint.interval=5"]
+    proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sigkill_once_saved_and_see_all_gone(proc, tag, run_dir)
     rerun = run_keel(cmd, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     assert [e["step"] for e in events_of(run_dir, "resume")][-1] >= 5
@@ -93,15 +99,7 @@ def test_workers_of_a_plain_torchrun_die_with_it(small_corpus: Path, tmp_path: P
            "checkpoint.interval=5"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**keel_env(), TAG: tag}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
-                 "the first checkpoint", proc)
-        assert len(tagged(tag)) == 3, "torchrun and its two workers run"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        wait_for(lambda: not tagged(tag), 10, "the workers to die with torchrun")
-    finally:
-        kill_tagged(tag)
+    sigkill_once_saved_and_see_all_gone(proc, tag, run_dir)
 
 
 def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus: Path, tmp_path: Path) -> None:
