@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from keel.checkpoint.manager import _FLAT, CheckpointManager, _state_dict
 from keel.config import load_config, resolve_layout
-from keel.monitor.sinks import EventLog
+from keel.core.state import TrainState
 from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
+from keel.rundir.events import EventLog
 from keel.train.optim import build_optimizer
-from keel.train.state import TrainState
 from keel.train.step import train_step
 from keel.train.trainer import build_model_parts
 

@@ -32,7 +32,7 @@ from itertools import repeat
 from pathlib import Path
 
 from keel.checkpoint.inspect import state_sha256
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 
 RESULTS = Path(__file__).parent / "results" / "detection_matrix.json"
 STEPS, FLIP_AT = 30, 13

@@ -195,11 +195,11 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
-    from keel.health.quarantine import node_name
     from keel.health.signals import stop_requested_early
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
-    from keel.run_lock import RunLock, held_by_launcher
+    from keel.rundir.lock import RunLock, held_by_launcher
+    from keel.rundir.quarantine import node_name
 
     cfg = _load(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
@@ -247,8 +247,9 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
 
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
     """What a start can check from its arguments and config alone, before it creates anything."""
-    from keel.callbacks import check_callbacks
+    from keel.drill.faults import check_injections
     from keel.paths import check_writable_dir
+    from keel.train.callbacks import check_callbacks
 
     if args.nproc is not None and args.nproc < 1:
         raise KeelError(f"--nproc {args.nproc}: expected a positive number of processes")
@@ -262,10 +263,11 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
         raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
     check_callbacks(cfg.callbacks)
+    check_injections(cfg.drill.inject)
 
 
 def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
-    from keel.health.quarantine import is_quarantined, node_name
+    from keel.rundir.quarantine import is_quarantined, node_name
 
     lo, _, hi = nnodes.partition(":")
     if not (lo.isdigit() and (hi or lo).isdigit() and 0 < int(lo) <= int(hi or lo)):
@@ -281,7 +283,7 @@ def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
 
 def cmd_pause(args: argparse.Namespace) -> int:
     from keel.health.signals import request_pause
-    from keel.health.status import job_alive
+    from keel.rundir.status import job_alive
 
     if not job_alive(args.run_dir):
         raise KeelError(f"no keel job is running in {args.run_dir}; `keel status {args.run_dir}` shows where it "
@@ -383,7 +385,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
-    from keel.health.quarantine import add_to_quarantine, release
+    from keel.rundir.quarantine import add_to_quarantine, release
 
     if not args.run_dir.is_dir():
         raise KeelError(f"run directory {str(args.run_dir)!r} does not exist")

@@ -521,11 +521,6 @@ def _check_consistency(cfg: Config) -> None:
     for i, (start, *end) in enumerate(cfg.data.skip_batches):
         if len(end) != 1 or not 0 <= start < end[0]:
             raise ConfigError(f"data.skip_batches[{i}] = {[start, *end]}: expected [start, end] with 0 <= start < end")
-    if cfg.drill.inject:
-        from keel.drill.faults import parse_injection
-
-        for spec in cfg.drill.inject:
-            parse_injection(spec)
     if cfg.guard.spike.warmup > cfg.guard.spike.window:
         raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
                           f"{cfg.guard.spike.window}: the window must hold the warm-up steps")

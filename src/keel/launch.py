@@ -27,12 +27,12 @@ import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
 from keel.health.lifeline import AGENT_PID_ENV
-from keel.health.quarantine import is_quarantined, node_name
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.health.signals import stop_requested_early
-from keel.health.status import read_status
 from keel.monitor.goodput import account_exit
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
+from keel.rundir.quarantine import is_quarantined, node_name
+from keel.rundir.status import read_status
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end

@@ -16,7 +16,7 @@ import pytest
 from keel.checkpoint.inspect import state_sha256
 from keel.checkpoint.manifest import verify
 from keel.checkpoint.storage import Storage
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel, tagged, tmpfs
 
 pytestmark = pytest.mark.dist

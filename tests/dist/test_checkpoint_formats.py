@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from keel.checkpoint.inspect import load_full_state
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, run_keel
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from keel.checkpoint.inspect import state_sha256
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, free_port, kill_tagged, run_keel, spawn_keel
 
 pytestmark = pytest.mark.dist

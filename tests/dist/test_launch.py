@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from keel.data.shards import open_corpus
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, TAG, keel_env, kill_tagged, run_keel, spawn_keel, tagged
 
 pytestmark = pytest.mark.dist
@@ -107,7 +107,7 @@ def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus:
     every worker does for its whole life) keeps a new job out, which names it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    hold = ("import sys, time; from pathlib import Path; from keel.run_lock import hold_as_worker; "
+    hold = ("import sys, time; from pathlib import Path; from keel.rundir.lock import hold_as_worker; "
             "hold_as_worker(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
     orphan = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], env=keel_env(), stdout=subprocess.PIPE,
                               text=True)

@@ -11,7 +11,7 @@ import pytest
 from keel.checkpoint.inspect import state_sha256
 from keel.config import DataConfig, SourceConfig
 from keel.data.prepare import prepare
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, SMALL_SOURCES, run_keel
 
 pytestmark = pytest.mark.dist

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from keel.monitor.metrics import MetricsRegistry
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import REPO, SMALL_RUN, free_port, kill_tagged, run_keel, spawn_keel
 
 pytestmark = pytest.mark.dist

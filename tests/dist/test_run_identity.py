@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, keel_env, run_keel
 
 pytestmark = pytest.mark.dist

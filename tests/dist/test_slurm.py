@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from keel.checkpoint.inspect import state_sha256
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 from tests.conftest import REPO, SMALL_RUN, TAG, free_port, keel_env, kill_tagged
 
 pytestmark = pytest.mark.dist

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from keel.checkpoint.manager import CheckpointManager, _failure
 from keel.checkpoint.storage import Storage
 from keel.config import load_config
+from keel.core.state import TrainState
 from keel.errors import CheckpointError
-from keel.monitor.sinks import EventLog, read_jsonl
-from keel.train.state import TrainState
+from keel.rundir.events import EventLog, read_jsonl
 from tests.conftest import tmpfs
 
 

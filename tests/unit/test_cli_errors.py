@@ -166,8 +166,8 @@ def test_bad_flag(flags: list[str], expect: str, corpus: Path, tmp_path: Path, c
     ("model.vocab_size=100", "model.vocab_size = 100 is smaller than the corpus tokenizer's vocabulary (259)"),
     ('callbacks=[{path = "no_such_module:Logger"}]',
      "callbacks[0].path = 'no_such_module:Logger' cannot be imported: ModuleNotFoundError"),
-    ('callbacks=[{path = "keel.callbacks:Callback", args = {every = 2}}]',
-     "callbacks[0].args = {'every': 2} do not fit keel.callbacks:Callback"),
+    ('callbacks=[{path = "keel.core.callbacks:Callback", args = {every = 2}}]',
+     "callbacks[0].args = {'every': 2} do not fit keel.core.callbacks:Callback"),
 ])
 def test_bad_override_found_by_the_launcher(override: str, expect: str, corpus: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:

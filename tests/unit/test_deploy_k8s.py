@@ -18,7 +18,7 @@ import yaml
 from kubernetes_validate import ValidationError, validate
 
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_HANG, EXIT_PAUSED, EXIT_QUARANTINE
-from keel.health.status import read_status
+from keel.rundir.status import read_status
 from tests.conftest import REPO, SMALL_RUN, TAG, keel_env, kill_tagged, run_keel
 
 SUPPORTED = [f"1.{minor}" for minor in range(31, 38)]  # README, "Deploying"

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from keel.config import GuardConfig, OptimConfig, load_config
-from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, parse_injection
+from keel.core.actions import CONTINUE, KINDS, Action, strongest
+from keel.core.sync import StepReport
+from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, check_injections, parse_injection
 from keel.errors import ConfigError
-from keel.guard.actions import CONTINUE, KINDS, Action, strongest
 from keel.guard.numerics import NumericsGuard
-from keel.guard.report import StepReport
 from keel.guard.sdc import fingerprint, same_bits
 from keel.guard.snapshots import SnapshotRing, live_tensors
 from keel.guard.spike import SpikeGuard, robust_score
@@ -216,7 +216,7 @@ def test_injection_specs_build_injectors() -> None:
 ])
 def test_bad_injection_specs_are_config_errors(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [f'drill.inject=["{spec}"]'])
+        check_injections(load_config(None, [f'drill.inject=["{spec}"]']).drill.inject)
 
 
 def test_bit_flip_changes_one_bit_of_one_element() -> None:

@@ -17,12 +17,12 @@ from keel.config import StragglerConfig, WatchdogConfig
 from keel.errors import EXIT_HANG
 from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, read_beat
 from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
-from keel.health.quarantine import add_to_quarantine, is_quarantined, node_name, quarantined_nodes, release
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
-from keel.health.status import job_alive, read_status, run_status, write_status
 from keel.health.watchdog import Watchdog, stuck_ranks
-from keel.monitor.sinks import EventLog, read_jsonl
-from keel.run_lock import RunLock
+from keel.rundir.events import EventLog, read_jsonl
+from keel.rundir.lock import RunLock
+from keel.rundir.quarantine import add_to_quarantine, is_quarantined, node_name, quarantined_nodes, release
+from keel.rundir.status import job_alive, read_status, run_status, write_status
 from tests.conftest import keel_env, run_keel
 
 
@@ -113,7 +113,7 @@ import sys, time
 from pathlib import Path
 from keel.config import WatchdogConfig
 from keel.health.watchdog import Watchdog
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
 rank, run_dir = int(sys.argv[1]), Path(sys.argv[2])
 dog = Watchdog(WatchdogConfig(initial_timeout_s=1.0, min_timeout_s=1.0, poll_s=0.1), run_dir, rank, 2,
                EventLog(run_dir / f"worker-{rank}.jsonl", rank), print)

@@ -358,8 +358,8 @@ def committed_checkpoint(run_dir: Path, cfg: ModelConfig, tokenizer: dict) -> No
     recording `tokenizer` as the trainer does, in a run directory with the trainer's config.toml."""
     from keel.checkpoint.manager import CheckpointManager
     from keel.config import Config, to_toml
-    from keel.monitor.sinks import EventLog
-    from keel.train.state import TrainState
+    from keel.core.state import TrainState
+    from keel.rundir.events import EventLog
 
     run_config = Config()
     run_config.model = cfg

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from keel.core.accelerators import CATALOG, lookup
 from keel.monitor.mfu import resolve_peak_flops
 from keel.parallel.mesh import destroy_distributed, init_distributed
-from keel.plan.hardware import CATALOG, lookup
 
 
 @pytest.mark.parametrize(("device_name", "expected", "bf16_tflops"), [

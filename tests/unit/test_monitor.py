@@ -21,9 +21,10 @@ from keel.config import AlertsConfig
 from keel.monitor.alerts import Alerts, Webhook
 from keel.monitor.goodput import BUCKETS, GoodputLedger, account_exit, read_ledger
 from keel.monitor.metrics import MetricsRegistry
-from keel.monitor.progress import Progress
-from keel.monitor.sinks import EventLog, PrometheusExporter, TensorBoardSink, prometheus_name, read_jsonl
+from keel.monitor.sinks import PrometheusExporter, TensorBoardSink, prometheus_name
 from keel.monitor.telemetry import Reading
+from keel.rundir.events import EventLog, read_jsonl
+from keel.rundir.progress import Progress
 from tests.conftest import free_port
 
 # ---------------------------------------------------------------- registry (one rank; tests/dist has two)
@@ -419,7 +420,7 @@ def test_exporter_per_node_is_local_rank_0_and_per_rank_is_port_plus_local_rank(
                                                                                  per: str) -> None:
     from keel.config import load_config
     from keel.monitor.run_monitor import RunMonitor
-    from keel.monitor.sinks import RunLog
+    from keel.rundir.events import RunLog
 
     base = free_port()
     cfg = load_config(None, [f"monitor.prometheus_port={base}", f"monitor.prometheus_per={per}",

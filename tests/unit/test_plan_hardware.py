@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from keel.core.accelerators import CATALOG, by_key, lookup
 from keel.errors import KeelError
-from keel.plan.hardware import CATALOG, by_key, lookup
 
 PLANNING_KEYS = ("h100", "h100-pcie", "h200", "a100-40", "a100", "b200", "mi300x", "l40s", "tpu-v4", "tpu-v5p", "cpu")
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keel.config import ModelConfig, load_config
+from keel.core.accelerators import Accelerator, by_key
 from keel.model.llama import Block, rope_tables
-from keel.plan.hardware import Accelerator, by_key
 from keel.plan.layout import Layout, Workload
 from keel.plan.memory import GIB, block_activations, first_fix, memory, suggest
 

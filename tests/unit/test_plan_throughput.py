@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from keel.config import ModelConfig, load_config
+from keel.core.accelerators import by_key
 from keel.errors import KeelError
-from keel.plan.hardware import by_key
 from keel.plan.layout import Layout, Workload
 from keel.plan.layouts import explain, search
 from keel.plan.throughput import (

@@ -17,7 +17,7 @@ from keel.errors import KeelError
 from keel.report.html import trajectory, write_report
 from keel.report.status import summary, summary_lines
 from keel.report.svg import MAX_POINTS
-from keel.run_lock import LOCK
+from keel.rundir.lock import LOCK
 from tests.conftest import SMALL_RUN, run_keel
 
 # 30 steps with a poisoned batch 20: the loss of step 21 spikes and the guard rolls back to step 10.

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from keel.monitor.sinks import JsonlSink
 from keel.monitor.telemetry import Reading, Telemetry
+from keel.rundir.events import JsonlSink
 
 HAS_NVIDIA_DEVICES = Path("/dev/nvidiactl").exists()
 HAS_PYNVML = importlib.util.find_spec("pynvml") is not None

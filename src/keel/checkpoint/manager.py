@@ -62,9 +62,9 @@ from keel.checkpoint.manifest import (
 from keel.checkpoint.staging import HostStager
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
+from keel.core.state import TrainState, rng_state, seed_everything, set_rng_state
 from keel.errors import CheckpointError
-from keel.monitor.sinks import EventLog
-from keel.train.state import TrainState, rng_state, seed_everything, set_rng_state
+from keel.rundir.events import EventLog
 
 TRAIN_STATE = "train_state.json"
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")

@@ -77,7 +77,7 @@ from keel.drill.runner import Drill, _final, _json, _status, story
 from keel.drill.scenarios import FAST_WATCHDOG, REPLICATED, Outside
 from keel.errors import EXIT_PAUSED
 from keel.monitor.goodput import ratio
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 
 KINDS = ("kill", "hang", "kill_during_save", "nan_grads", "bitflip_params", "bitflip_optimizer", "bitflip_grads",
          "straggler", "preemption")

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from keel.callbacks import Callback
 from keel.checkpoint.manifest import step_name
+from keel.core.callbacks import Callback
+from keel.core.dtensor import local
 from keel.errors import ConfigError
-from keel.train.step import local
 
 
 class Injector(Callback):
@@ -363,7 +363,7 @@ class SkipUpdateAt(Callback):
         self.step = step
 
     def inspect(self, report: Any) -> Any:
-        from keel.guard.actions import Action
+        from keel.core.actions import Action
 
         return Action("skip", "drill", f"told to skip step {self.step}") if report.step == self.step else None
 
@@ -395,3 +395,9 @@ def parse_injection(spec: str) -> Callback:
         return INJECTORS[kind](**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"drill.inject {spec!r}: {e}") from None
+
+
+def check_injections(specs: list[str]) -> None:
+    """Every `drill.inject` entry names a known fault with arguments that fit, before a worker starts."""
+    for spec in specs:
+        parse_injection(spec)

@@ -23,7 +23,7 @@ from keel.drill.procs import Launch, kill_tagged
 from keel.drill.scenarios import BITWISE, CLOSE, CLOSE_RTOL, CORRUPT_LATEST, LOSE_MANIFEST, Outside, Scenario
 from keel.errors import KeelError
 from keel.monitor.goodput import ratio
-from keel.monitor.sinks import read_jsonl
+from keel.rundir.events import read_jsonl
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
 # Events that happen in every run: left out of the story a drill tells.

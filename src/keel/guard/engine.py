@@ -22,18 +22,18 @@ import torch.distributed as dist
 from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.manifest import committed, step_of
 from keel.config import Config
+from keel.core.actions import CONTINUE, Action, strongest
+from keel.core.state import TrainState
+from keel.core.sync import StepReport
 from keel.data.loader import GlobalOrderLoader
 from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
-from keel.guard.actions import CONTINUE, Action, strongest
 from keel.guard.numerics import NumericsGuard
-from keel.guard.report import StepReport
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
 from keel.guard.spike import SpikeGuard
-from keel.health.quarantine import add_to_quarantine
-from keel.monitor.sinks import EventLog, host
 from keel.parallel.mesh import Mesh
-from keel.train.state import TrainState
+from keel.rundir.events import EventLog, host
+from keel.rundir.quarantine import add_to_quarantine
 
 
 class GuardStop(Exception):

@@ -8,8 +8,8 @@ state, not in one batch: the guard asks for a rollback past the data that led th
 from __future__ import annotations
 
 from keel.config import GuardConfig
-from keel.guard.actions import Action
-from keel.guard.report import StepReport
+from keel.core.actions import Action
+from keel.core.sync import StepReport
 
 
 class NumericsGuard:

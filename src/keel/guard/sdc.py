@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from keel.config import GuardConfig
-from keel.guard.actions import Action
-from keel.guard.report import StepReport
+from keel.core.actions import Action
+from keel.core.dtensor import local
+from keel.core.sync import StepReport
 from keel.guard.snapshots import live_tensors
 from keel.parallel.mesh import Mesh
-from keel.train.step import local
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from keel.train.state import rng_state, set_rng_state
-from keel.train.step import local
+from keel.core.dtensor import local
+from keel.core.state import rng_state, set_rng_state
 
 
 def live_tensors(optimizers: list[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[tuple[int, tuple]]]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 
 from keel.config import GuardConfig
-from keel.guard.actions import Action
-from keel.guard.report import StepReport
+from keel.core.actions import Action
+from keel.core.sync import StepReport
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution times this is its standard deviation
 REL_FLOOR = 0.01

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
 
 ENV = "KEEL_HEARTBEATS"
 STACKS_SIGNAL = signal.SIGUSR2  # a worker's watchdog has faulthandler answer it with every thread's stack

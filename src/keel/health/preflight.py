@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from keel.config import Config
 from keel.errors import EXIT_QUARANTINE, KeelError
-from keel.health.quarantine import add_to_quarantine, node_name
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
+from keel.rundir.quarantine import add_to_quarantine, node_name
 
 SLOW_FACTOR = 2.0  # compute probe: a rank this many times slower than the median is named
 GPU_MAX_TEMP_C = 85

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from keel.config import StragglerConfig
-from keel.health.quarantine import add_to_quarantine
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
+from keel.rundir.quarantine import add_to_quarantine
 
 
 class StragglerDetector:

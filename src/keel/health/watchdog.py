@@ -39,8 +39,8 @@ import torch.distributed as dist
 from keel.config import WatchdogConfig
 from keel.errors import EXIT_HANG
 from keel.health.heartbeat import STACKS_SIGNAL, beat, beat_path, heartbeat_dir
-from keel.health.quarantine import node_name
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
+from keel.rundir.quarantine import node_name
 
 SECTIONS = ("setup", "step", "checkpoint", "eval")
 PHASES = ("data", "forward_backward", "reduce", "update")  # progress marks within a step, in order

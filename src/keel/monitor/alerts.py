@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keel.config import AlertsConfig
-from keel.monitor.sinks import EventLog
+from keel.rundir.events import EventLog
 
 # (event kind, action or "*", guard or "*", rule, severity): events that are alerts in themselves; the
 # first match wins. Non-finite steps skipped one at a time are a rate (the nan_skip_rate rule), not each

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from keel.plan.hardware import CPU_NOTE, lookup
+from keel.core.accelerators import CPU_NOTE, lookup
 
 
 def matmul_dtype_name(device: torch.device, dtype: torch.dtype) -> str:

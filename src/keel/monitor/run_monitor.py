@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from keel.config import Config
-from keel.health.quarantine import node_name
 from keel.monitor.alerts import Alerts
 from keel.monitor.goodput import GoodputLedger
 from keel.monitor.metrics import MetricsRegistry
-from keel.monitor.sinks import JsonlSink, PrometheusExporter, RunLog, TensorBoardSink
+from keel.monitor.sinks import PrometheusExporter, TensorBoardSink
 from keel.monitor.telemetry import Reading, Telemetry
+from keel.rundir.events import JsonlSink, RunLog
+from keel.rundir.quarantine import node_name
 
 TELEMETRY = "telemetry.jsonl"
 

@@ -18,9 +18,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.config import Config
+from keel.core.dtensor import plain
 from keel.model.llama import Llama
 from keel.parallel.mesh import Mesh
-from keel.train.step import plain
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "interleaved_zb": ScheduleInterleavedZeroBubble}

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
-from keel.plan.hardware import Accelerator
 from keel.plan.layout import Layout, Workload
 from keel.plan.memory import GIB, MemoryBreakdown, memory
 from keel.plan.throughput import DEFAULT, Efficiency, StepBreakdown, step_time

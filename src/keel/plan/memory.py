@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
 from keel.model.llama import ffn_hidden_dim
-from keel.plan.hardware import Accelerator
 from keel.plan.layout import Layout, Workload
 
 GIB = 2**30

@@ -10,8 +10,8 @@ from html import escape
 from pathlib import Path
 
 from keel.config import Config
+from keel.core.accelerators import by_key
 from keel.errors import KeelError
-from keel.monitor.progress import format_duration
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, cost_of, money_percentiles
 from keel.plan.failures import (
     DEFAULT_DEVICE_MTBF_H,
@@ -25,11 +25,11 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
-from keel.plan.hardware import by_key
 from keel.plan.layout import Workload
 from keel.plan.layouts import Candidate, explain, search
 from keel.plan.memory import GIB, suggest
 from keel.plan.throughput import DEFAULT, Efficiency, calibrate
+from keel.rundir.progress import format_duration
 
 TOP = 5  # layouts shown
 SPARE_EVERY = 32  # hot spare nodes: one per this many nodes of the job (at least one)

@@ -41,10 +41,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from keel.config import load_config, resolve_layout
+from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.monitor.sinks import read_jsonl
-from keel.plan.hardware import CATALOG, Accelerator, by_key
 from keel.plan.layout import Layout, Workload
+from keel.rundir.events import read_jsonl
 
 BASE_LATENCY = 8.4e-6  # s, NCCL ring Simple base latency (src/graph/tuning.cc baseLat)
 HOP_INTRA = 3.4e-6  # s per ring step over NVLink (tuning.cc hwLat NVLINK, ring, Simple)

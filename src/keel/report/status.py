@@ -1,5 +1,5 @@
 """`keel status RUN_DIR` in a few lines (or JSON): the state, step and last checkpoint that
-keel.health.status reads, plus the ETA, the last losses, the goodput ratio and the alerts raised since
+keel.rundir.status reads, plus the ETA, the last losses, the goodput ratio and the alerts raised since
 the run last started. Also reads the run directory's files for the HTML report."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keel.health.status import run_status, status_lines
-from keel.monitor.progress import format_duration
-from keel.monitor.sinks import read_jsonl
 from keel.report.svg import finite
+from keel.rundir.events import read_jsonl
+from keel.rundir.progress import format_duration
+from keel.rundir.status import run_status, status_lines
 
 RUN_FILES = ("metrics.jsonl", "events.jsonl", "goodput.json", "telemetry.jsonl", "status.json", "summary.json",
              "config.toml")

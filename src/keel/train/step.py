@@ -13,15 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the vocabulary-parallel loss) as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from keel.core.dtensor import local, plain
 
 
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

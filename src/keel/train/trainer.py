@@ -14,22 +14,20 @@ import torch
 import torch.distributed as dist
 
 import keel
-from keel.callbacks import load_callbacks
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
 from keel.config import Config, check_vocab_size, resolve_layout, to_toml
+from keel.core.actions import CONTINUE, Action
+from keel.core.state import TrainState, seed_everything
+from keel.core.sync import reduce_report
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus, open_corpus
 from keel.data.tokenizer import bits_per_byte, open_tokenizer
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError, StorageError
-from keel.guard.actions import CONTINUE, Action
 from keel.guard.engine import Guards
-from keel.guard.report import reduce_report
 from keel.health.preflight import run_preflight, verdict
-from keel.health.quarantine import quarantined_nodes
 from keel.health.signals import StopRequests
-from keel.health.status import read_status, write_status
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.model.flops import flops_per_token, param_count
@@ -37,15 +35,17 @@ from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory
 from keel.monitor.mfu import resolve_peak_flops
-from keel.monitor.progress import Progress, summary_lines
 from keel.monitor.run_monitor import RunMonitor
-from keel.monitor.sinks import EventLog, RunLog, host
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
 from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
-from keel.run_lock import RunLock, held_by_launcher, hold_as_worker
+from keel.rundir.events import EventLog, RunLog, host
+from keel.rundir.lock import RunLock, held_by_launcher, hold_as_worker
+from keel.rundir.progress import Progress, summary_lines
+from keel.rundir.quarantine import quarantined_nodes
+from keel.rundir.status import read_status, write_status
+from keel.train.callbacks import load_callbacks
 from keel.train.optim import build_optimizer, lr_at, update_norm_sq
-from keel.train.state import TrainState, seed_everything
 from keel.train.step import Stepper, evaluate
 
 

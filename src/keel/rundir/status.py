@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import KeelError
-from keel.monitor.sinks import read_jsonl
-from keel.run_lock import LOCK
+from keel.rundir.events import read_jsonl
+from keel.rundir.lock import LOCK
 
 STATUS = "status.json"
 STATES = ("running", "paused", "finished", "stopped", "failed")
