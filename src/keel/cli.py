@@ -241,8 +241,11 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
                           shutdown_grace_s=cfg.health.shutdown_grace_s,
                           no_progress_restarts=cfg.health.no_progress_restarts)
+        from keel.drill.faults import as_callbacks
         from keel.train.trainer import train
-        return train(cfg, run_dir, resume, accepted)
+
+        # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
+        return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])
 
 
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:

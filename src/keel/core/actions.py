@@ -1,12 +1,13 @@
-"""What a guard can ask of the loop, and how several requests combine: the strongest wins."""
+"""What a component can ask of the training loop, and how several requests combine: the strongest wins."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-# Weakest first. `quarantine` rolls back like `rollback` and also records (and may exclude) a rank.
-KINDS = ("continue", "skip", "rollback", "quarantine", "stop")
+# Weakest first. `skip`: no update this step. `pause`: save and end the run for a later resume.
+# `quarantine` rolls back like `rollback` and also records (and may exclude) a rank.
+KINDS = ("continue", "skip", "pause", "rollback", "quarantine", "stop")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Action:
     lr_scale: float = 1.0
     lr_scale_steps: int = 0
     ranks: tuple[int, ...] = ()  # quarantine: the suspect ranks
+    exit_code: int | None = None  # the run ends now with this code (set once what the action asks is done)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -38,14 +40,34 @@ class Action:
     def rolls_back(self) -> bool:
         return self.kind in ("rollback", "quarantine") and self.to_step is not None
 
+    @property
+    def updates(self) -> bool:
+        """Whether the step's update is applied: not when it is skipped or undone."""
+        return self.kind in ("continue", "pause")
+
+    @property
+    def ends_step(self) -> bool:
+        """Whether the rest of the step is abandoned: it is rolled back, or the run stops."""
+        return self.exit_code is not None or self.kind in ("rollback", "quarantine", "stop")
+
 
 CONTINUE = Action()
+
+
+def stronger(current: Action, asked: Action | None) -> Action:
+    """`asked` when it is more severe than `current`, or as severe and ends the run with a code (the
+    component that carried out `current` says how the run ends); `current` otherwise."""
+    if asked is None:
+        return current
+    if asked.severity > current.severity or (asked.severity == current.severity and asked.exit_code is not None
+                                              and current.exit_code is None):
+        return asked
+    return current
 
 
 def strongest(actions: list[Action | None]) -> Action:
     """The most severe action asked for; the first of equals. Every rank computes it from the same inputs."""
     best = CONTINUE
     for action in actions:
-        if action is not None and action.severity > best.severity:
-            best = action
+        best = stronger(best, action)
     return best

@@ -1,55 +1,128 @@
-"""Callbacks: how guards, health checks, monitors, fault injectors and users' code attach to the loop.
+"""The callback contract: how every feature (guards, checkpointing, health, monitoring, evaluation, fault
+injectors, users' code) attaches to the training loop.
 
-The loop calls each hook of every callback in a fixed order and never knows which callbacks exist.
-A callback that keeps state implements `state_dict`/`load_state_dict` and is checkpointed with the run.
-A callback with an `inspect(report) -> Action | None` method is also a guard (see keel.guard.engine).
+The loop calls each hook of every registered callback in registration order and never knows which
+callbacks exist. The step hooks see the step being made (`Step`); `after_backward` and `on_step_end` may
+ask for an `Action`, and the strongest asked wins. Once a callback asks for an action that ends the
+step (a rollback, a stop, an exit code), the later callbacks of that hook are not called for this step.
+A callback registered with `every=k` gets `on_step_end` only at steps divisible by k, and at the last.
+A callback that keeps state implements `state_dict`/`load_state_dict` and is saved with the run. A
+callback with an `inspect(report) -> Action | None` method is also a guard (keel.guard.engine).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
+
+from keel.core.actions import CONTINUE, Action, stronger
+from keel.core.state import TrainState
+from keel.core.sync import StepReport
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Build:
+    """What a callback may hold on to from the start: this rank's model parts and optimizers, where the
+    run writes, and how it reports."""
+
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    rank: int
+    world_size: int
+    run_dir: Path
+    emit: Callable[..., None]  # an event: emit(kind, step, action, **detail)
+    say: Callable[[str], None]
+
+
+@dataclass
+class Step:
+    """The step being made, as the hooks see it. `number` is 1-based: `state.step` becomes `number` once
+    the update is applied."""
+
+    number: int
+    state: TrainState
+    last: bool  # the run's final step
+    lr: float = 0.0
+    micro_batches: MicroBatches = field(default_factory=list)
+    batch: int = 0  # the global batch number of `micro_batches`
+    data_s: float = 0.0  # the wait for the batch
+    compute_s: float = 0.0  # forward and backward, until the report
+    loss: torch.Tensor | None = None  # this rank's mean loss (no host synchronisation)
+    grad_norm: torch.Tensor | None = None
+    report: StepReport | None = None  # the step's one reduction, from `after_backward` on
+    action: Action = CONTINUE  # the strongest asked so far
+    save_due: bool = False  # a checkpoint of this step will be written (set before the guards' check)
+    metrics: dict[str, float] = field(default_factory=dict)  # what this step logs
 
 
 class Callback:
-    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None: ...  # the model parts and optimizers
-    def on_start(self, state: Any) -> None: ...
-    # The step's micro-batches and their global batch number, before the forward pass.
-    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None: ...
-    # Gradients exist, the update has not happened. Called again after a replay's recomputation.
-    def after_backward(self, state: Any, replaying: bool) -> None: ...
-    def on_step_end(self, state: Any, report: dict) -> None: ...
-    def on_checkpoint_saved(self, state: Any, path: str) -> None: ...
-    def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None: ...
+    def on_build(self, build: Build) -> None: ...
+    def on_start(self, state: TrainState) -> None: ...
+    def on_step_start(self, step: Step) -> None: ...  # before the batch is read
+    def on_batch(self, step: Step) -> None: ...  # the batch is read, before the forward pass
+    # Gradients exist, nothing is reduced yet. Called again after a replay's recomputation.
+    def on_backward(self, step: Step, replaying: bool) -> None: ...
+    def after_backward(self, step: Step) -> Action | None: ...  # the report is in, the update not applied
+    def on_step_end(self, step: Step) -> Action | None: ...  # the update is applied (or skipped)
+    def on_checkpoint_saved(self, state: TrainState, path: str) -> None: ...
+    def on_checkpoint_failed(self, state: TrainState, step: int, error: str) -> None: ...
     # Runs on the checkpoint writer thread, after this rank wrote its files and before the commit.
     def on_checkpoint_write(self, step: int, staging_path: str) -> None: ...
-    def on_checkpoint_loaded(self, state: Any, path: str) -> None: ...
-    def on_eval(self, state: Any, val_loss: float) -> None: ...
-    def on_end(self, state: Any) -> None: ...
+    def on_checkpoint_loaded(self, state: TrainState, path: str) -> None: ...
+    def on_eval(self, state: TrainState, val_loss: float) -> None: ...
+    def on_end(self, state: TrainState) -> None: ...
 
 
-class Callbacks:
-    def __init__(self, callbacks: list[Callback]) -> None:
-        self.callbacks = callbacks
+class Hooks:
+    """The registered callbacks, called in order."""
 
-    def __getattr__(self, hook: str):
-        if not hook.startswith(("on_", "after_")):
-            raise AttributeError(hook)
+    def __init__(self) -> None:
+        self.callbacks: list[Callback] = []
+        self.every: dict[int, int] = {}  # id(callback) -> its on_step_end frequency
 
-        def call(*args: Any) -> None:
-            for cb in self.callbacks:
-                getattr(cb, hook)(*args)
-        return call
+    def add(self, callback: Callback, every: int = 1) -> None:
+        self.callbacks.append(callback)
+        self.every[id(callback)] = max(1, every)
 
-    def state_dict(self) -> dict:
-        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)
-                if hasattr(cb, "state_dict")}
+    def notify(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
 
-    def guards(self) -> list[Callback]:
+    def ask(self, hook: str, step: Step) -> Action:
+        """Each callback's answer to `hook`, combined into `step.action`; stops at one that ends the step."""
+        for callback in self.callbacks:
+            if hook == "on_step_end" and not (step.number % self.every[id(callback)] == 0 or step.last):
+                continue
+            step.action = stronger(step.action, getattr(callback, hook)(step))
+            if step.action.ends_step:
+                break
+        return step.action
+
+    def of_type(self, kind: type) -> list[Any]:
+        return [cb for cb in self.callbacks if isinstance(cb, kind)]
+
+    def guards(self) -> list[Any]:
         """The callbacks that are also guards."""
         return [cb for cb in self.callbacks if hasattr(cb, "inspect")]
 
+    def state_dict(self) -> dict:
+        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.users)
+                if hasattr(cb, "state_dict")}
+
     def load_state_dict(self, state: dict) -> None:
-        for i, cb in enumerate(self.callbacks):
+        for i, cb in enumerate(self.users):
             key = f"{i}:{type(cb).__name__}"
             if hasattr(cb, "load_state_dict") and key in state:
                 cb.load_state_dict(state[key])
+
+    @property
+    def users(self) -> list[Callback]:
+        """The configured callbacks (`[[callbacks]]`): those saved under the train state's `callbacks`."""
+        return [cb for cb in self.callbacks if not getattr(cb, "builtin", False)]

@@ -3,31 +3,56 @@ and each rank's RNG, are checkpointed beside it."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 @dataclass
 class TrainState:
+    """The run's counters, and the components whose state is saved with them: each registered once by
+    name (`register`), so that a checkpoint, a snapshot and a resume all go through the same list."""
+
     step: int = 0  # optimizer updates done; the LR schedule is a function of it
     tokens_seen: int = 0
-    loader: dict = field(default_factory=dict)  # GlobalOrderLoader.state_dict()
-    callbacks: dict = field(default_factory=dict)  # name → state of each stateful callback
     train_seconds: float = 0.0  # wall time spent training, summed over restarts
     interruptions: int = 0  # times the run was resumed: the observed failure rate for the checkpoint interval
-    guards: dict = field(default_factory=dict)  # guard histories and counters (keel.guard.engine.Guards.state_dict)
-    health: dict = field(default_factory=dict)  # learned watchdog timeouts (keel.health.watchdog.Watchdog.state_dict)
+    stateful: dict[str, Stateful] = field(default_factory=dict, repr=False, compare=False)
+    record: dict = field(default_factory=dict, repr=False, compare=False)  # what `from_dict` read
+    COUNTERS: ClassVar[tuple[str, ...]] = ("step", "tokens_seen", "train_seconds", "interruptions")
+
+    def register(self, name: str, component: Stateful) -> None:
+        if name in self.stateful or name in self.COUNTERS:
+            raise ValueError(f"train state {name!r} is registered twice")
+        self.stateful[name] = component
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The counters and every registered component's state, as the checkpoint's manifest records them."""
+        return {**{name: getattr(self, name) for name in self.COUNTERS},
+                **{name: component.state_dict() for name, component in self.stateful.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainState:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        """The counters of a saved state; the whole record is kept for `load` into the live one."""
+        return cls(**{name: data[name] for name in cls.COUNTERS if name in data}, record=data)
+
+    def load(self, data: dict, only: tuple[str, ...] | None = None) -> None:
+        """Put back the counters and the registered components' states of `data` (those named in `only`,
+        when given: a rollback keeps what counts restarts and suspects)."""
+        for name in self.COUNTERS:
+            if name in data:
+                setattr(self, name, data[name])
+        for name, component in self.stateful.items():
+            if name in data and (only is None or name in only):
+                component.load_state_dict(data[name])
 
 
 def rng_state() -> dict:

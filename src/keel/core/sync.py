@@ -1,8 +1,9 @@
-"""The per-step report every guard sees: one all-reduce of a few numbers, read once on the host.
+"""StepSync: the step's one host synchronisation. One all-reduce of a few numbers, read once on the host.
 
-It is the step's only host synchronisation. The loss, the gradient norm and the non-finite flags are
-reduced over all ranks, so every rank holds the same report and takes the same branch; the caller
-adds its own numbers (e.g. checkpoint progress) to the same reduction.
+The loss, the gradient norm and the non-finite flags are always in it; components add their own named
+contributions (whether the background save has finished, the seconds since it, whether a pause was
+asked...) when they are built. Every value is summed over all ranks, so every rank holds the same
+report and takes the same branch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class StepReport:
     grad_norm: float  # global gradient norm before clipping (mean over ranks of each rank's global norm)
     local_loss: float  # this rank's own loss, bitwise (replay and attribution compare it)
     nonfinite_ranks: list[int] = field(default_factory=list)  # ranks whose loss or gradients hold NaN/Inf
-    extras: list[float] = field(default_factory=list)  # the caller's values, summed over ranks
+    values: dict[str, float] = field(default_factory=dict)  # the components' contributions, summed over ranks
     data_s: float = 0.0  # this step's wait for data
     step_s: float = 0.0  # this step's forward and backward, until the report
     update_norm: float | None = None  # ‖θ_new − θ_old‖ of this step's update: measured on logged steps only
@@ -32,24 +33,41 @@ class StepReport:
         return not self.nonfinite_ranks
 
 
-def reduce_report(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, loss_divisor: int, extras: list[float],
-                  nonfinite_here: Callable[[], bool], data_s: float = 0.0, step_s: float = 0.0) -> StepReport:
-    """`loss` is this rank's mean loss (0 on pipeline ranks without the last stage), counted
-    `loss_divisor` times over the world (the ranks of a tensor-parallel group hold the same one).
-    `nonfinite_here` tells whether this rank's own loss or gradient shards hold NaN/Inf; it is asked
-    only when the reduced values are not finite, to name the ranks."""
-    world = dist.get_world_size()
-    loss = loss.detach().float().reshape(1)
-    grad_norm = grad_norm.detach().float().reshape(1)
-    local = torch.cat([loss, grad_norm / world, torch.tensor(extras, dtype=torch.float32, device=loss.device)])
-    shared = local.clone()
-    dist.all_reduce(shared)
-    mine, total = local.tolist(), shared.tolist()  # the one host synchronisation of the step
-    nonfinite: list[int] = []
-    if not (math.isfinite(total[0]) and math.isfinite(total[1])):
-        # Rare: find out which ranks. Every rank sees the same sums, so every rank reaches this collective.
-        flags: list = [None] * world
-        dist.all_gather_object(flags, nonfinite_here())
-        nonfinite = [r for r, f in enumerate(flags) if f] or list(range(world))
-    return StepReport(step=step, loss=total[0] / loss_divisor, grad_norm=total[1], local_loss=mine[0],
-                      nonfinite_ranks=nonfinite, extras=total[2:], data_s=data_s, step_s=step_s)
+class StepSync:
+    """`loss_divisor`: how many times the world counts each loss (the ranks of a tensor-parallel group hold
+    the same one)."""
+
+    def __init__(self, loss_divisor: int) -> None:
+        self.loss_divisor = loss_divisor
+        self.contributions: dict[str, Callable[[], float]] = {}
+
+    def contribute(self, name: str, value: Callable[[], float]) -> None:
+        """`value()` is this rank's part of `name`, read just before each step's reduction."""
+        if name in self.contributions:
+            raise ValueError(f"step sync value {name!r} is contributed twice")
+        self.contributions[name] = value
+
+    def reduce(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite_here: Callable[[], bool],
+               data_s: float = 0.0, step_s: float = 0.0) -> StepReport:
+        """`loss` is this rank's mean loss (0 on pipeline ranks without the last stage). `nonfinite_here`
+        tells whether this rank's own loss or gradient shards hold NaN/Inf; it is asked only when the
+        reduced values are not finite, to name the ranks."""
+        names = list(self.contributions)
+        world = dist.get_world_size()
+        loss = loss.detach().float().reshape(1)
+        grad_norm = grad_norm.detach().float().reshape(1)
+        extras = torch.tensor([float(self.contributions[name]()) for name in names], dtype=torch.float32,
+                              device=loss.device)
+        local = torch.cat([loss, grad_norm / world, extras])
+        shared = local.clone()
+        dist.all_reduce(shared)
+        mine, total = local.tolist(), shared.tolist()  # the one host synchronisation of the step
+        nonfinite: list[int] = []
+        if not (math.isfinite(total[0]) and math.isfinite(total[1])):
+            # Rare: find out which ranks. Every rank sees the same sums, so every rank reaches this collective.
+            flags: list = [None] * world
+            dist.all_gather_object(flags, nonfinite_here())
+            nonfinite = [r for r, f in enumerate(flags) if f] or list(range(world))
+        return StepReport(step=step, loss=total[0] / self.loss_divisor, grad_norm=total[1], local_loss=mine[0],
+                          nonfinite_ranks=nonfinite, values=dict(zip(names, total[2:], strict=True)),
+                          data_s=data_s, step_s=step_s)

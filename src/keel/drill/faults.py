@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 
 from keel.checkpoint.manifest import step_name
-from keel.core.callbacks import Callback
+from keel.config import CallbackSpec
+from keel.core.callbacks import Build, Callback, Step
 from keel.core.dtensor import local
+from keel.core.state import TrainState
 from keel.errors import ConfigError
+from keel.rundir.events import EventLog
 
 
 class Injector(Callback):
@@ -26,12 +29,13 @@ class Injector(Callback):
     some number of deliveries stays delivered across restarts of the workers and relaunches of the job."""
 
     spec = ""
-    events: Any = None
+    events: EventLog | None = None
     counter: Path | None = None
     announced = False
 
-    def attach(self, spec: str, index: int, events: Any, run_dir: Path) -> None:
-        self.spec, self.events = spec, events
+    def attach(self, spec: str, index: int, run_dir: Path) -> None:
+        """Tie the injector to the run's events and directory (`drill.inject`'s `index`-th entry)."""
+        self.spec, self.run_dir = spec, run_dir
         self.counter = run_dir / "drill" / f"{index}-{spec.partition(':')[0]}.delivered"
 
     def delivered(self) -> int:
@@ -56,15 +60,11 @@ class Injector(Callback):
         self.announce(step, **detail)
 
     def announce(self, step: int, **detail: Any) -> None:
-        if self.events is not None:
-            self.events.emit("drill", step, "inject", fault=self.spec, **detail)
-
-
-def attach_injectors(callbacks: list[Callback], specs: list[str], events: Any, run_dir: Path) -> None:
-    """Tie the injectors of `drill.inject` (the last callbacks, in order) to the run's events and directory."""
-    for index, (injector, spec) in enumerate(zip(callbacks[len(callbacks) - len(specs):], specs, strict=True)):
-        if isinstance(injector, Injector):
-            injector.attach(spec, index, events, run_dir)
+        if self.counter is None:
+            return
+        if self.events is None:  # opened when first needed: preflight's probe runs before the loop is built
+            self.events = EventLog(self.run_dir / "events.jsonl", dist.get_rank())
+        self.events.emit("drill", step, "inject", fault=self.spec, **detail)
 
 
 class SigkillAfterCheckpoint(Injector):
@@ -73,7 +73,7 @@ class SigkillAfterCheckpoint(Injector):
     def __init__(self, step: int, rank: int = 1) -> None:
         self.step, self.rank = step, rank
 
-    def on_checkpoint_saved(self, state: Any, path: str) -> None:
+    def on_checkpoint_saved(self, state: TrainState, path: str) -> None:
         if path.rstrip("/").endswith(step_name(self.step)) and dist.get_rank() == self.rank:
             self.fire(self.step)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -101,7 +101,8 @@ class FillDiskBeforeCheckpoint(Injector):
     def __init__(self, path: str, step: int) -> None:
         self.filler, self.step = Path(path) / "filler", step
 
-    def on_step_end(self, state: Any, report: dict) -> None:
+    def on_step_end(self, step: Step) -> None:
+        state = step.state
         if state.step == self.step - 1 and dist.get_rank() == 0:
             self.fire(self.step)
             with open(self.filler, "wb") as f:
@@ -114,7 +115,7 @@ class FillDiskBeforeCheckpoint(Injector):
                     if e.errno != errno.ENOSPC:
                         raise
 
-    def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
+    def on_checkpoint_failed(self, state: TrainState, step: int, error: str) -> None:
         if step == self.step and dist.get_rank() == 0:
             self.filler.unlink(missing_ok=True)
 
@@ -126,12 +127,13 @@ class ReadOnlyBeforeCheckpoint(Injector):
     def __init__(self, path: str, step: int) -> None:
         self.path, self.step = path, step
 
-    def on_step_end(self, state: Any, report: dict) -> None:
+    def on_step_end(self, step: Step) -> None:
+        state = step.state
         if state.step == self.step - 1 and dist.get_rank() == 0:
             self.fire(self.step)
             subprocess.run(["mount", "-o", "remount,ro", self.path], check=True, capture_output=True)
 
-    def on_checkpoint_failed(self, state: Any, step: int, error: str) -> None:
+    def on_checkpoint_failed(self, state: TrainState, step: int, error: str) -> None:
         if step == self.step and dist.get_rank() == 0:
             subprocess.run(["mount", "-o", "remount,rw", self.path], check=True, capture_output=True)
 
@@ -151,8 +153,8 @@ class _InStep(Injector):
     def __init__(self, step: int, rank: int = 1, times: int = 1) -> None:
         self.step, self.rank, self.times = step, rank, times
 
-    def after_backward(self, state: Any, replaying: bool) -> None:
-        if (not replaying and _step_being_made(state) == self.step and dist.get_rank() == self.rank
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        if (not replaying and step.number == self.step and dist.get_rank() == self.rank
                 and self.delivered() < self.times):
             self.fire(self.step, attempt=attempt())
             self.deliver()
@@ -197,16 +199,16 @@ class SlowRank(Injector):
         self.rank, self.factor, self.from_step, self.seconds, self.steps = rank, factor, from_step, seconds, steps
         self.started = 0.0
 
-    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
+    def on_batch(self, step: Step) -> None:
         self.started = time.perf_counter()
 
-    def after_backward(self, state: Any, replaying: bool) -> None:
-        step = _step_being_made(state)
-        if (not replaying and step >= self.from_step and self.rank in (-1, dist.get_rank())
-                and (not self.steps or step < self.from_step + self.steps)):
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        n = step.number
+        if (not replaying and n >= self.from_step and self.rank in (-1, dist.get_rank())
+                and (not self.steps or n < self.from_step + self.steps)):
             if not self.announced and dist.get_rank() == max(self.rank, 0):
                 self.announced = True
-                self.announce(step, attempt=attempt())
+                self.announce(n, attempt=attempt())
             time.sleep(self.seconds or (self.factor - 1) * (time.perf_counter() - self.started))
 
 
@@ -222,7 +224,7 @@ class SlowCollective(Injector):
         self.rank, self.seconds, self.from_step, self.steps = rank, seconds, from_step, steps
         self.step = 0
 
-    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+    def on_build(self, build: Build) -> None:
         if dist.get_rank() != self.rank:
             return
         for name in self.NAMES:
@@ -239,10 +241,10 @@ class SlowCollective(Injector):
             return collective(*args, **kwargs)
         return delayed
 
-    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
-        self.step = _step_being_made(state)
+    def on_batch(self, step: Step) -> None:
+        self.step = step.number
 
-    def on_step_end(self, state: Any, report: dict) -> None:
+    def on_step_end(self, step: Step) -> None:
         self.step = 0  # checkpoints, evaluation and the guards' collectives between steps go at full speed
 
 
@@ -262,10 +264,6 @@ class WrongAllReduce(Injector):
 # ---------------------------------------------------------------- faults in the math
 
 
-def _step_being_made(state: Any) -> int:
-    return state.step + 1
-
-
 class NanInGradients(Injector):
     """Put a NaN in one gradient element of `rank` during step `step`. By default the NaN is
     reproducible (a replay of the step meets it again), as a numerical overflow would be; with
@@ -275,11 +273,12 @@ class NanInGradients(Injector):
         self.step, self.rank, self.transient = step, rank, transient
         self.params: list = []
 
-    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+    def on_build(self, build: Build) -> None:
+        parts = build.parts
         self.params = [p for part in parts for p in part.parameters()]
 
-    def after_backward(self, state: Any, replaying: bool) -> None:
-        if _step_being_made(state) == self.step and dist.get_rank() == self.rank and not (replaying and self.transient):
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        if step.number == self.step and dist.get_rank() == self.rank and not (replaying and self.transient):
             self.fire(self.step, replaying=replaying)
             grad = next(p.grad for p in self.params if p.grad is not None)
             with torch.no_grad():
@@ -295,7 +294,8 @@ class PoisonedBatch(Injector):
     def __init__(self, batch: int, count: int = 1, rank: int = -1, vocab: int = 256, seed: int = 0) -> None:
         self.batch, self.count, self.rank, self.vocab, self.seed = batch, count, rank, vocab, seed
 
-    def on_step_start(self, state: Any, micro_batches: list[Any], batch: int) -> None:
+    def on_batch(self, step: Step) -> None:
+        state, micro_batches, batch = step.state, step.micro_batches, step.batch
         if not self.batch <= batch < self.batch + self.count or self.rank not in (-1, dist.get_rank()):
             return
         if dist.get_rank() == max(self.rank, 0):
@@ -325,7 +325,8 @@ class BitFlip(Injector):
         self.params: list = []
         self.optimizers: list = []
 
-    def on_build(self, parts: list[Any], optimizers: list[Any]) -> None:
+    def on_build(self, build: Build) -> None:
+        parts, optimizers = build.parts, build.optimizers
         self.params = [p for part in parts for p in part.parameters()]
         self.optimizers = optimizers
 
@@ -339,12 +340,13 @@ class BitFlip(Injector):
         """Once in the run: a restart that makes the step again makes it right."""
         return dist.get_rank() == self.rank and step == self.step and self.delivered() == 0
 
-    def after_backward(self, state: Any, replaying: bool) -> None:
-        if self.target == "grads" and not replaying and self._mine(_step_being_made(state)):
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        if self.target == "grads" and not replaying and self._mine(step.number):
             self.fire(self.step, target=self.target)
             self._flip(self.params[self.tensor].grad)
 
-    def on_step_end(self, state: Any, report: dict) -> None:
+    def on_step_end(self, step: Step) -> None:
+        state = step.state
         if self.target == "grads" or not self._mine(state.step):
             return
         self.fire(self.step, target=self.target)
@@ -377,7 +379,7 @@ INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitfli
              "wrong_allreduce": WrongAllReduce}
 
 
-def parse_injection(spec: str) -> Callback:
+def parse_injection(spec: str) -> Injector:
     """`KIND:key=value,...` → the injector, e.g. `bitflip:step=40,rank=1,target=params,bit=30`."""
     kind, _, args = spec.partition(":")
     if kind not in INJECTORS:
@@ -395,6 +397,20 @@ def parse_injection(spec: str) -> Callback:
         return INJECTORS[kind](**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"drill.inject {spec!r}: {e}") from None
+
+
+def inject(spec: str, index: int, run_dir: str) -> Injector:
+    """The injector of `drill.inject`'s `index`-th entry, as a `[[callbacks]]` entry makes it."""
+    injector = parse_injection(spec)
+    injector.attach(spec, index, Path(run_dir))
+    return injector
+
+
+def as_callbacks(specs: list[str], run_dir: Path) -> list[CallbackSpec]:
+    """`drill.inject`'s entries as ordinary `[[callbacks]]` entries (checked first: a bad one is a config error)."""
+    check_injections(specs)
+    return [CallbackSpec(path="keel.drill.faults:inject", args={"spec": spec, "index": i, "run_dir": str(run_dir)})
+            for i, spec in enumerate(specs)]
 
 
 def check_injections(specs: list[str]) -> None:

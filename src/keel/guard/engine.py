@@ -1,6 +1,7 @@
-"""The guards of a run and what their decisions do: skip, roll back, stop, quarantine.
+"""The guards of a run decide: continue, skip, roll back, stop, quarantine (keel.train.rollback carries
+out what they decide).
 
-The loop asks twice per step. `inspect` runs after the backward, on the step report: the numerics and
+They are asked twice per step. `inspect` runs after the backward, on the step report: the numerics and
 spike guards, users' guards (callbacks with an `inspect` method) and, when due, the step replay. `check`
 runs after the update: the replica fingerprints when due, then the in-memory snapshot when due. The
 strongest action wins. Every input to a decision is reduced or gathered over all ranks, so every rank
@@ -13,52 +14,37 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from keel.checkpoint.manager import CheckpointManager
-from keel.checkpoint.manifest import committed, step_of
-from keel.config import Config
+from keel.config import GuardConfig
 from keel.core.actions import CONTINUE, Action, strongest
 from keel.core.state import TrainState
 from keel.core.sync import StepReport
-from keel.data.loader import GlobalOrderLoader
-from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
 from keel.guard.numerics import NumericsGuard
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
 from keel.guard.spike import SpikeGuard
 from keel.parallel.mesh import Mesh
-from keel.rundir.events import EventLog, host
-from keel.rundir.quarantine import add_to_quarantine
-
-
-class GuardStop(Exception):
-    """A guard stopped the run, or a rollback found no state to go back to."""
+from keel.rundir.events import EventLog
 
 
 class Guards:
-    def __init__(self, cfg: Config, mesh: Mesh, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
-                 params: list[torch.nn.Parameter], loader: GlobalOrderLoader, manager: CheckpointManager,
-                 user_guards: list[Any], events: EventLog, say: Callable[[str], None], run_dir: Path) -> None:
-        self.cfg, self.g = cfg, cfg.guard
-        self.parts, self.optimizers, self.loader, self.manager = parts, optimizers, loader, manager
-        self.events, self.say, self.run_dir = events, say, run_dir
+    def __init__(self, cfg: GuardConfig, deterministic: bool, mesh: Mesh, optimizers: list[torch.optim.Optimizer],
+                 params: list[torch.nn.Parameter], user_guards: list[Any], events: EventLog,
+                 say: Callable[[str], None]) -> None:
+        self.g, self.events = cfg, events
         self.rank0 = dist.get_rank() == 0
         on = self.g.enabled
         self.builtin: list[NumericsGuard | SpikeGuard] = [NumericsGuard(self.g), SpikeGuard(self.g)] if on else []
         self.guards: list[Any] = [*self.builtin, *user_guards]  # users' guards keep their state as callbacks
-        self.sdc = SdcGuard(self.g, mesh, optimizers, params, cfg.train.deterministic) if on else None
-        if on and not cfg.train.deterministic:
+        self.sdc = SdcGuard(self.g, mesh, optimizers, params, deterministic) if on else None
+        if on and not deterministic:
             say("note: step replays are off: with train.deterministic = false a recomputed step may differ by rounding")
         self.ring = (SnapshotRing(optimizers, self.g.snapshots, pin_memory=torch.cuda.is_available())
                      if on and self.g.snapshot_interval else None)
-        hosts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, host())
-        self.hosts: list[str] = hosts
         self.counts: Counter[str] = Counter()
         self.lr_scale, self.lr_scale_until = 1.0, 0
         self.rollback_steps: list[int] = []  # steps where data rollbacks happened, for escalation
@@ -130,100 +116,19 @@ class Guards:
         return dataclasses.replace(action, skip_batches=action.skip_batches * 2 ** len(recent),
                                    evidence={**action.evidence, "repeat": len(recent)})
 
-    # ------------------------------------------------------------ doing what was decided
+    # ------------------------------------------------------------ snapshots, events, metrics, state
 
-    def apply(self, action: Action, state: TrainState) -> tuple[TrainState, int | None]:
-        """Carry out a rollback, stop or quarantine (skips are the loop's). Returns the state to go on
-        from, and an exit code when the run must end."""
-        if action.kind == "quarantine" and action.ranks:
-            self._quarantine(action, state.step)
-            if self.g.sdc.response == "exit":
-                verified = self.sdc.last_verified if self.sdc is not None else state.step
-                self.manager.retire_after(verified, self.events, state.step)
-                self.say(f"error: rank(s) {', '.join(map(str, action.ranks))} computed wrong ({action.reason}); "
-                         f"exiting with code {EXIT_QUARANTINE} so that the launcher restarts without their node")
-                return state, EXIT_QUARANTINE
-        if action.kind == "stop":
-            self.say(f"error: guard {action.guard} stopped the run at step {state.step}: {action.reason}. "
-                     f"Details in events.jsonl; the newest checkpoint is {self.manager.latest()}")
-            return state, EXIT_GUARD_STOP
-        if action.rolls_back:
-            try:
-                state = self._roll_back(action, state)
-            except GuardStop as e:
-                self.say(f"error: {e}")
-                if self.rank0:
-                    self.events.emit("guard", state.step, "stop", guard=action.guard, reason=str(e))
-                return state, EXIT_GUARD_STOP
-        return state, None
-
-    def _roll_back(self, action: Action, state: TrainState) -> TrainState:
-        target = max(0, action.to_step)
-        if action.verified_only and self.sdc is not None:
-            target = min(target, self.sdc.last_verified)
-        batch_now = self.loader.cursor // self.loader.global_batch - 1  # the batch of the step being undone
-        snapshot = self.ring.newest(target) if self.ring is not None else None
-        # The newest state at or before the target wins: a checkpoint newer than every snapshot in reach
-        # (snapshots rarer than checkpoints) is read from storage rather than going back further.
-        on_disk = max((step_of(n) for n in committed(self.manager.storage) if step_of(n) <= target), default=-1)
-        if snapshot is not None and snapshot.step >= on_disk:
-            saved = self.ring.restore(snapshot)
-            restored = TrainState.from_dict(saved["train"])
-            self.loader.load_state_dict(saved["loader"], allow_corpus_change=True)
-            source = f"the in-memory snapshot of step {snapshot.step}"
-        else:
-            restored, source = self._from_disk(target)
-        # The guards' histories go back with the state (a spike is judged against the steps before it);
-        # what counts rollbacks and suspects does not.
+    def rolled_back(self, saved: dict, step: int) -> None:
+        """The run went back to `step`, whose guard state was `saved`: the histories go back with it."""
         for guard in self.builtin:
-            guard.load_state_dict(restored.guards.get("guards", {}).get(guard.name, {}))
+            guard.load_state_dict(saved.get("guards", {}).get(guard.name, {}))
         if self.sdc is not None:
-            self.sdc.rolled_back(restored.step)
-        retired = self.manager.retire_after(restored.step, self.events, state.step)
-        skipped: list[int] = []
-        if action.skip_batches:
-            first = self.loader.cursor // self.loader.global_batch
-            skipped = [first, max(first + action.skip_batches, batch_now + 1)]
-            self.loader.skip(*skipped)
-        if action.lr_scale != 1.0 and action.lr_scale_steps:
-            self.lr_scale, self.lr_scale_until = action.lr_scale, restored.step + action.lr_scale_steps
-        restored.train_seconds, restored.interruptions = state.train_seconds, state.interruptions
-        self.counts["rollbacks"] += 1
-        if self.rank0:
-            self.events.emit("guard", state.step, "rolled_back", guard=action.guard, to_step=restored.step,
-                             source=source, skipped_batches=skipped, retired_checkpoints=retired,
-                             lr_scale=self.lr_scale if self.lr_scale_until > restored.step else 1.0)
-        self.say(f"rolled back from step {state.step} to step {restored.step} ({source})"
-                 + (f", skipping global batches {skipped[0]}..{skipped[1] - 1}" if skipped else ""))
-        return restored
-
-    def _from_disk(self, target: int) -> tuple[TrainState, str]:
-        storage = self.manager.storage
-        names = [n for n in committed(storage) if step_of(n) <= target]
-        if not names:
-            raise GuardStop(f"no state at or before step {target} to roll back to (the in-memory snapshots reach "
-                            f"back to step {self.ring.snapshots[0].step if self.ring and self.ring.snapshots else '-'}"
-                            f", no checkpoint is older); raise guard.snapshots or lower guard.rollback_steps")
-        restored, path = self.manager.restore(self.parts, self.optimizers, storage.path(names[-1]), self.say)
-        self.loader.load_state_dict(restored.loader, allow_corpus_change=True)
-        return restored, f"checkpoint {path}"
+            self.sdc.rolled_back(step)
 
     def _snapshot(self, state: TrainState) -> None:
         started = time.perf_counter()
-        state.guards = self.state_dict()
-        self.ring.take(state.step, {"train": state.to_dict(), "loader": self.loader.state_dict()})
+        self.ring.take(state.step, {"train": state.to_dict()})
         self.snapshot_s = time.perf_counter() - started
-
-    def _quarantine(self, action: Action, step: int) -> None:
-        hosts = [self.hosts[r] for r in action.ranks]
-        self.counts["quarantines"] += 1
-        if not self.rank0:
-            return
-        add_to_quarantine(self.run_dir, hosts, source=f"guard.{action.guard}", reason=action.reason, step=step,
-                          ranks=list(action.ranks), evidence=action.evidence)
-        self.events.emit("alert", step, "sdc_suspect", severity="critical",
-                         message=f"rank(s) {', '.join(map(str, action.ranks))} on {', '.join(hosts)} "
-                                 f"suspected of silent data corruption: {action.reason}")
 
     def _record(self, action: Action, step: int) -> None:
         self.counts[f"{action.guard}_{action.kind}"] += 1

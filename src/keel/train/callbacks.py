@@ -6,14 +6,12 @@ import importlib
 import inspect
 
 from keel.config import CallbackSpec
-from keel.core.callbacks import Callbacks
+from keel.core.callbacks import Callback
 from keel.errors import ConfigError
 
 
-def load_callbacks(specs: list[CallbackSpec], injections: list[str] = ()) -> Callbacks:
-    """The configured callbacks, then the fault injectors of `drill.inject`."""
-    from keel.drill.faults import parse_injection
-
+def load_callbacks(specs: list[CallbackSpec]) -> list[Callback]:
+    """The callbacks `specs` name, made."""
     callbacks = []
     for i, spec in enumerate(specs):
         cls = callback_class(spec, i)
@@ -21,7 +19,7 @@ def load_callbacks(specs: list[CallbackSpec], injections: list[str] = ()) -> Cal
             callbacks.append(cls(**spec.args))
         except TypeError as e:
             raise ConfigError(f"callbacks[{i}].args = {spec.args!r} do not fit {spec.path}: {e}") from None
-    return Callbacks(callbacks + [parse_injection(spec) for spec in injections])
+    return callbacks
 
 
 def callback_class(spec: CallbackSpec, i: int) -> type:

@@ -1,57 +1,76 @@
-"""The training loop of one worker process. Read `train()` top to bottom: setup, resume, the loop."""
+"""The training loop of one worker process: `Trainer.build` sets the run up, `Trainer.fit` is the loop,
+`Trainer.close` releases what was built. Every feature attaches as a component (keel.train.components)."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import keel
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
-from keel.checkpoint.manager import CheckpointManager, SaveOutcome, checkpoint_root
-from keel.config import Config, check_vocab_size, resolve_layout, to_toml
-from keel.core.actions import CONTINUE, Action
+from keel.checkpoint.manager import CheckpointManager, checkpoint_root
+from keel.config import CallbackSpec, Config, check_vocab_size, resolve_layout, to_toml
+from keel.core.actions import Action
+from keel.core.callbacks import Build, Callback, Hooks, Step
 from keel.core.state import TrainState, seed_everything
-from keel.core.sync import reduce_report
-from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
+from keel.core.sync import StepSync
+from keel.data.loader import GlobalOrderLoader, validation_batches
 from keel.data.shards import Corpus, open_corpus
-from keel.data.tokenizer import bits_per_byte, open_tokenizer
-from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError, StorageError
+from keel.data.tokenizer import bits_per_byte
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError
 from keel.guard.engine import Guards
 from keel.health.preflight import run_preflight, verdict
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.model.flops import flops_per_token, param_count
-from keel.model.init import init_weights
-from keel.model.llama import Llama
-from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory
+from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
-from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
-from keel.parallel.pipeline import Pipeline, stage_ids, stage_module
-from keel.rundir.events import EventLog, RunLog, host
-from keel.rundir.lock import RunLock, held_by_launcher, hold_as_worker
-from keel.rundir.progress import Progress, summary_lines
-from keel.rundir.quarantine import quarantined_nodes
+from keel.parallel.pipeline import Pipeline
+from keel.rundir.events import RunLog, host
+from keel.rundir.lock import held_by_launcher, hold_as_worker
+from keel.rundir.progress import summary_lines
 from keel.rundir.status import read_status, write_status
 from keel.train.callbacks import load_callbacks
-from keel.train.optim import build_optimizer, lr_at, update_norm_sq
+from keel.train.components import (
+    CheckpointDecision,
+    Checkpointing,
+    CheckpointWriter,
+    GuardCheck,
+    GuardInspection,
+    IntervalMetrics,
+    Metering,
+    PauseRequests,
+)
+from keel.train.optim import build_optimizer, lr_at
+from keel.train.rollback import Recovery
+from keel.train.setup import (
+    attempt_started,
+    build_model_parts,
+    lock_in_rank0,
+    precision_dtype,
+    validated_loss,
+    validation_text,
+)
 from keel.train.step import Stepper, evaluate
+from keel.train.stopping import Stopping, paused_before_training, rendezvous_timeout, stop_agreed
+from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
 
 
-def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str, ...] = ()) -> int:
+def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str, ...] = (),
+          callbacks: list[CallbackSpec] | None = None) -> int:
     """Run (or resume) the training job described by `cfg` in this process. Returns the exit code.
-    `accepted`: identity fields a resume may change on purpose (keel.checkpoint.identity)."""
+    `accepted`: identity fields a resume may change on purpose (keel.checkpoint.identity); `callbacks`:
+    the callbacks to attach (the configured ones unless given)."""
     device = pick_device(cfg.train.device)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -64,7 +83,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
     requests = StopRequests(run_dir, ctx.rank)
     try:
         if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
-            lock = _lock_in_rank0(run_dir, ctx.rank)
+            lock = lock_in_rank0(run_dir, ctx.rank)
         hold_as_worker(run_dir)
         mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
         with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
@@ -73,7 +92,13 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
             monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
                                  checkpoint_root(cfg, run_dir).path())
             try:
-                code = _train(cfg, run_dir, resume, accepted, ctx, mesh, log, requests, watchdog, monitor, times)
+                trainer = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)
+                try:
+                    code = trainer.build(resume, accepted, cfg.callbacks if callbacks is None else callbacks, times)
+                    if code is None:
+                        code = trainer.fit()
+                finally:
+                    trainer.close()
                 monitor.close(ENDED.get(code, "failed"))
             except Exception as e:
                 if watchdog.cfg.enabled and is_collective_timeout(e):
@@ -100,467 +125,304 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
             lock.release()
 
 
-OVERDUE_FLOOR_S = 60.0
 ENDED = {0: "finished", EXIT_PAUSED: "paused", EXIT_QUARANTINE: "stopped", EXIT_GUARD_STOP: "stopped"}
 
 
-def attempt_started() -> float:
-    """When this start of the run began, for the goodput ledger: the launcher's start for its first worker
-    group, this process's own for a group the agent restarted or for a plain torchrun job (when each
-    first imported keel: the kernel's process start times are rounded to the second)."""
-    launched = os.environ.get("KEEL_LAUNCHED_AT")
-    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        return float(launched)
-    return keel.STARTED
 
 
-def _lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
-    lock, error = None, ""
-    if rank == 0:
-        try:
-            lock = RunLock(run_dir).acquire()
-        except KeelError as e:
-            error = str(e)
-    shared = [error]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0]:
-        raise KeelError(shared[0])
-    return lock
+class Trainer:
+    """One worker's part of the run."""
 
+    def __init__(self, cfg: Config, run_dir: Path, ctx: Dist, mesh: Mesh, log: RunLog, requests: StopRequests,
+                 watchdog: Watchdog, monitor: RunMonitor) -> None:
+        self.cfg, self.run_dir, self.ctx, self.mesh, self.log = cfg, run_dir, ctx, mesh, log
+        self.requests, self.watchdog, self.monitor = requests, watchdog, monitor
+        self.events, self.say, self.rank0 = log.events, log.say, ctx.rank == 0
+        self.state, self.hooks = TrainState(), Hooks()
+        self.loader: GlobalOrderLoader | None = None
 
-def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    # ------------------------------------------------------------------ setup
 
-
-def build_model(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> Llama:
-    """Build on the meta device, parallelise, then allocate and initialise only this rank's shards."""
-    return build_model_parts(cfg, mesh, param_dtype)[0][0]
-
-
-def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
-    """The model, or this rank's pipeline stages and their stage numbers, parallelised and initialised."""
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    if mesh.layout.pp == 1:
-        parts, stages = [model], [0]
-    else:
-        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
-        stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
-        parts = [stage_module(model, stage, n_stages) for stage in stages]
-    for part in parts:
-        parallelize(part, mesh, cfg.parallel, param_dtype)
-        part.to_empty(device=mesh.mesh.device_type)
-        init_weights(part, cfg.train.seed)
-    return parts, stages
-
-
-def _train(cfg: Config, run_dir: Path, resume: str, accepted: tuple[str, ...], ctx: Dist, mesh: Mesh, log: RunLog,
-           requests: StopRequests, watchdog: Watchdog, monitor: RunMonitor, times: dict[str, float]) -> int:
-    """`times`: when this process first imported keel, entered `train` and had its process group (for the
-    start event, from which recovery times are measured)."""
-    rank0, events, say = ctx.rank == 0, log.events, log.say
-    ledger, registry = monitor.ledger, monitor.registry
-    if _stop_agreed(requests, ctx.device):  # asked to stop while starting: nothing to save yet
-        return _paused_before_training(requests, run_dir, events, say, rank0)
-
-    corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
-    check_vocab_size(cfg, corpus.vocab_size)
-    callbacks = load_callbacks(cfg.callbacks, cfg.drill.inject)
-    if cfg.drill.inject:
-        from keel.drill.faults import attach_injectors
-
-        attach_injectors(callbacks.callbacks, cfg.drill.inject, events, run_dir)
-    if cfg.health.preflight != "off":
-        probes = [cb.corrupt_probe for cb in callbacks.callbacks if hasattr(cb, "corrupt_probe")]
-        checks = run_preflight(cfg, checkpoint_root(cfg, run_dir).path(), param_count(cfg.model), events, say,
-                               corrupt=probes[0] if probes else None, device=ctx.device)
-        if (code := verdict(checks, cfg.health.preflight, run_dir, ctx.rank)) is not None:
-            say(f"error: preflight failed; the nodes at fault are in {run_dir / 'quarantine.json'}; exiting with "
-                f"code {code} so that the job goes on without them")
+    def build(self, resume: str, accepted: tuple[str, ...], callbacks: list[CallbackSpec],
+              times: dict[str, float]) -> int | None:
+        """Everything before the first step. Returns an exit code when the run ends before it."""
+        cfg, ctx = self.cfg, self.ctx
+        if stop_agreed(self.requests, ctx.device):  # asked to stop while starting: nothing to save yet
+            return paused_before_training(self.requests, self.run_dir, self.events, self.say, self.rank0)
+        corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
+        check_vocab_size(cfg, corpus.vocab_size)
+        users = load_callbacks(callbacks)
+        if (code := self._preflight(users)) is not None:
             return code
-    seed_everything(cfg.train.seed, ctx.rank)
-    dtype = precision_dtype(cfg, ctx.device)
-    autocast_dtype = dtype if dtype != torch.float32 else None
-    tp = mesh.layout.tp > 1
-    parts, stages = build_model_parts(cfg, mesh, dtype)
-    optimizers = [build_optimizer(part, cfg.optim) for part in parts]
-    pipeline = Pipeline(cfg, mesh, parts, stages, optimizers, tp) if mesh.layout.pp > 1 else None
-    if set(corpus.sources) != set(cfg.data.sources):
-        raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config names "
-                        f"{', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the corpus again")
-    loader = GlobalOrderLoader(
-        corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
-        schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
-        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
-        dp_size=mesh.layout.dp, seed=cfg.train.seed,
-        fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
-    val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
-                                     micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
-                                     dp_size=mesh.layout.dp)
-    val_tokens, val_bytes = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
-    train_tokens, train_bytes = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
-    # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same one).
-    described = {**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())}
-    manager = CheckpointManager(cfg, run_dir, mesh.layout.describe(), events, on_write=callbacks.on_checkpoint_write,
-                                tokenizer=described,
-                                identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
-                                accepted=accepted)
-    stepper = Stepper(parts, optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype,
-                      loss_parallel=tp)
-    guards = Guards(cfg, mesh, parts, optimizers, stepper.params, loader, manager, callbacks.guards(), events, say,
-                    run_dir)
+        seed_everything(cfg.train.seed, ctx.rank)
+        self._build_model()
+        self._build_data(corpus, accepted)
+        self.manager = CheckpointManager(
+            cfg, self.run_dir, self.mesh.layout.describe(), self.events,
+            on_write=partial(self.hooks.notify, "on_checkpoint_write"),
+            # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
+            tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
+            identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
+        self.guards = Guards(cfg.guard, cfg.train.deterministic, self.mesh, self.optimizers, self.stepper.params,
+                             [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
+        hosts: list = [None] * ctx.world_size
+        dist.all_gather_object(hosts, host())
+        self.hosts: list[str] = hosts
+        self._attach(users)
+        self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
+                         config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                         **times)
+        if (code := self._resume(resume, accepted)) is not None:
+            return code
+        self._announce()
+        self.hooks.notify("on_build", Build(self.parts, self.optimizers, ctx.rank, ctx.world_size, self.run_dir,
+                                            self.events.emit, self.say))
+        self.hooks.notify("on_start", self.state)
+        self.guards.begin(self.state)
+        self.monitor.begin(self.guards.metrics())
+        self.monitor.ledger.charge("startup")
+        self.meter.restart()
+        return None
 
-    # Resume: the newest checkpoint of the run that verifies, unless told otherwise.
-    state = TrainState()
-    events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
-                config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                **times)
-    loading = time.perf_counter()
-    ledger.charge("startup")
-    restored = manager.restore(parts, optimizers, resume, say)
-    ledger.charge("checkpoint_restore")
-    load_s = time.perf_counter() - loading
-    if restored is None and cfg.model.init_from:
-        from keel.checkpoint.export import load_hf_weights
-
-        for part in parts:
-            load_hf_weights(part, Path(cfg.model.init_from.removeprefix("hf:")))
-        say(f"initialised the weights from {cfg.model.init_from}")
-    if restored is not None:
-        state, resume_from = restored
-        state.interruptions += 1
-        loader.load_state_dict(state.loader, "data.corpus" in accepted)
-        callbacks.load_state_dict(state.callbacks)
-        guards.load_state_dict(state.guards)
-        watchdog.load_state_dict(state.health)
-        callbacks.on_checkpoint_loaded(state, resume_from)
-        if rank0:
-            events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tokens_seen=state.tokens_seen,
-                        load_s=round(load_s, 3))
-        say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
-    if state.step >= cfg.train.steps:
-        if rank0:
-            write_status(run_dir, "finished", state.step, checkpoint=manager.latest())
-        return _already_finished(cfg, run_dir, state, events, say, rank0)
-
-    if _stop_agreed(requests, ctx.device):  # asked while loading: the checkpoint just loaded is the newest
-        return _paused_before_training(requests, run_dir, events, say, rank0, state.step, manager.latest())
-
-    def status(kind: str, **detail: object) -> None:
-        if rank0:
-            write_status(run_dir, kind, state.step, checkpoint=manager.latest(), **detail)
-
-    if rank0:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-    status("running", pid=os.getpid(), host=host(), world_size=ctx.world_size)
-    n_params = param_count(cfg.model)
-    say(f"training {cfg.name}: {n_params / 1e6:.2f}M parameters, {ctx.world_size} × {ctx.device.type} "
-        f"({mesh.layout.describe()}), "
-        f"global batch {cfg.train.global_batch} × {cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, "
-        f"run directory {run_dir}")
-
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    peak, peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, dtype)
-    say(f"MFU against {peak_note}")
-    if cfg.health.watchdog.enabled:
-        watchdog.hosts = guards.hosts
-        say(watchdog.describe(rendezvous_timeout()))
-    meter = StepMeter(tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step,
-                      ctx.world_size, peak)
-    straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, guards.hosts, events, say, run_dir,
-                                  ctx.device)
-    comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type, also_every=straggler.cfg.interval)
-    policy = IntervalPolicy(cfg.checkpoint)
-
-    def after_save(outcome: SaveOutcome) -> None:
-        """Every rank handles the same outcome at the same step."""
-        if outcome.committed:
-            monitor.checkpoint_committed()
-            say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "
-                f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
-            callbacks.on_checkpoint_saved(state, outcome.path)
-            status("running")
-        elif outcome.volume_error and cfg.checkpoint.on_storage_error == "stop":
-            status("stopped", reason=outcome.error)
-            raise StorageError(f"the checkpoint of step {outcome.step} failed: {outcome.error}; stopped "
-                               f"(checkpoint.on_storage_error = \"stop\"), the newest checkpoint is {manager.latest()}",
-                               every_rank=True)
-        else:
-            say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}); training continues, "
-                f"the next save retries")
-            callbacks.on_checkpoint_failed(state, outcome.step, outcome.error)
-        if rank0 and outcome.waited_s > 0.01:
-            events.emit("checkpoint", state.step, "waited", waited_s=round(outcome.waited_s, 3),
-                        reason=f"the save of step {outcome.step} was still being written")
-        monitor.publish({"step": state.step, "checkpoint/blocking_s": outcome.blocking_s,
-                    "checkpoint/write_s": outcome.write_s, "checkpoint/waited_s": outcome.waited_s})
-        decision = policy.update(outcome.blocking_s, outcome.train_s, state.interruptions)
-        if decision and rank0:
-            events.emit("checkpoint", state.step, "interval", **decision)
-            say(f"checkpoint interval (Young/Daly): every {decision['interval_s']:.1f} s of training for a blocking "
-                f"cost of {decision['delta_s']:.3f} s and a mean time between failures of {decision['mtbf_s']:.0f} s")
-
-    def carry_out(action: Action) -> int | None:
-        """Let the guards roll back, stop or quarantine, once the save in flight has finished; returns
-        an exit code when the run must end."""
-        nonlocal state
-        outcome = manager.finish()
-        if outcome is not None:
-            after_save(outcome)
-        ledger.spent("productive")
-        state, code = guards.apply(action, state)
-        ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
+    def _preflight(self, users: list[Callback]) -> int | None:
+        cfg = self.cfg
+        if cfg.health.preflight == "off":
+            return None
+        probes = [cb.corrupt_probe for cb in users if hasattr(cb, "corrupt_probe")]
+        checks = run_preflight(cfg, checkpoint_root(cfg, self.run_dir).path(), param_count(cfg.model), self.events,
+                               self.say, corrupt=probes[0] if probes else None, device=self.ctx.device)
+        code = verdict(checks, cfg.health.preflight, self.run_dir, self.ctx.rank)
         if code is not None:
-            status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
+            self.say(f"error: preflight failed; the nodes at fault are in {self.run_dir / 'quarantine.json'}; "
+                     f"exiting with code {code} so that the job goes on without them")
         return code
 
-    callbacks.on_build(parts, optimizers)
-    callbacks.on_start(state)
-    guards.begin(state)
-    monitor.begin(guards.metrics())
-    steps_since_log = 0
-    ledger.charge("startup")
-    meter.restart()
-    started = last_save = time.perf_counter()
-    train_loss = val_loss = float("nan")
-    final_saved = True
-    first_step = True
-    try:
+    def _build_model(self) -> None:
+        cfg, mesh = self.cfg, self.mesh
+        self.dtype = precision_dtype(cfg, self.ctx.device)
+        autocast = self.dtype if self.dtype != torch.float32 else None
+        tp = mesh.layout.tp > 1
+        self.parts, stages = build_model_parts(cfg, mesh, self.dtype)
+        self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
+        self.pipeline = Pipeline(cfg, mesh, self.parts, stages, self.optimizers, tp) if mesh.layout.pp > 1 else None
+        self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
+                               autocast_dtype=autocast, loss_parallel=tp)
+        self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
+        self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
+                         partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp))
+
+    def _build_data(self, corpus: Corpus, accepted: tuple[str, ...]) -> None:
+        cfg, mesh = self.cfg, self.mesh
+        if set(corpus.sources) != set(cfg.data.sources):
+            raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config "
+                            f"names {', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the "
+                            f"corpus again")
+        self.loader = GlobalOrderLoader(
+            corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
+            schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
+            global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
+            dp_size=mesh.layout.dp, seed=cfg.train.seed,
+            fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
+        self.loader_state = LoaderState(self.loader, "data.corpus" in accepted)
+        self.val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len,
+                                              sequences=cfg.eval.sequences, micro_batch=cfg.train.micro_batch,
+                                              dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp)
+        self.val_text = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
+        self.train_text = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
+        self.corpus = corpus
+
+    def _attach(self, users: list[Callback]) -> None:
+        """The components in the order their hooks run, and the state each saves with the run."""
+        cfg, ctx, monitor, watchdog, hooks = self.cfg, self.ctx, self.monitor, self.watchdog, self.hooks
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.peak, self.peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype)
+        self.meter = StepMeter(self.tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len)
+                               * self.tokens_per_step, ctx.world_size, self.peak)
+        straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,
+                                      self.say, self.run_dir, ctx.device)
+        comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type, also_every=straggler.cfg.interval)
+        self.checkpointing = ckpt = Checkpointing(cfg, self.manager, IntervalPolicy(cfg.checkpoint), monitor,
+                                                  self.events, self.say, self.state, self.hooks.notify, self.status,
+                                                  self.rank0)
+        metering = Metering(monitor, self.meter, comm)
+        inspection = GuardInspection(self.guards, monitor, self.stepper,
+                                     lambda step: hooks.notify("on_backward", step, True))
+        pause = PauseRequests(self.requests, straggler, comm, self.sync)
+        self.metrics = IntervalMetrics(cfg, monitor, metering, self.loader, self.optimizers, self.mesh.layout.pp,
+                                       ckpt, [lambda: comm.last, self.guards.metrics, lambda: straggler.last],
+                                       self.train_text, self.status, ctx.device)
+        self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.val_batches)), self.bpb, watchdog,
+                                     monitor, hooks.notify, self.say)
+        for component, every in [
+                (metering, 1), (inspection, 1), (pause, 1), (CheckpointDecision(ckpt, self.sync), 1),
+                (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
+                (self.evaluation, cfg.eval.interval or cfg.train.steps),
+                (GuardCheck(self.guards, monitor, inspection), 1),
+                (CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog), 1),
+                (Stopping(pause, ckpt, self.hosts, self.run_dir, self.status), 1),
+                *[(user, 1) for user in users],
+                (WatchdogPhases(watchdog), 1), (StepEnd(monitor, self.events.emit, self.rank0), 1)]:
+            hooks.add(component, every)
+        self.recovery = Recovery(self.guards, self.manager, self.loader, self.parts, self.optimizers, self.state,
+                                 self.hosts, self.events, self.say, self.run_dir, self.rank0)
+        for name, stateful in [("loader", self.loader_state), ("callbacks", hooks), ("guards", self.guards),
+                               ("health", watchdog)]:
+            self.state.register(name, stateful)
+
+    def _resume(self, resume: str, accepted: tuple[str, ...]) -> int | None:
+        """The newest checkpoint of the run that verifies, unless told otherwise."""
+        cfg, state, ledger = self.cfg, self.state, self.monitor.ledger
+        loading = time.perf_counter()
+        ledger.charge("startup")
+        restored = self.manager.restore(self.parts, self.optimizers, resume, self.say)
+        ledger.charge("checkpoint_restore")
+        load_s = time.perf_counter() - loading
+        if restored is None and cfg.model.init_from:
+            from keel.checkpoint.export import load_hf_weights
+
+            for part in self.parts:
+                load_hf_weights(part, Path(cfg.model.init_from.removeprefix("hf:")))
+            self.say(f"initialised the weights from {cfg.model.init_from}")
+        if restored is not None:
+            saved, resume_from = restored
+            state.load(saved.record)
+            self.loader_state.allow_corpus_change = True  # a rollback's states are all this run's own
+            state.interruptions += 1
+            self.hooks.notify("on_checkpoint_loaded", state, resume_from)
+            if self.rank0:
+                self.events.emit("resume", state.step, "resume", checkpoint=str(resume_from),
+                                 tokens_seen=state.tokens_seen, load_s=round(load_s, 3))
+            self.say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
+        if state.step >= cfg.train.steps:
+            self.status("finished")
+            return self._already_finished()
+        if stop_agreed(self.requests, self.ctx.device):  # asked while loading: the checkpoint loaded is the newest
+            return paused_before_training(self.requests, self.run_dir, self.events, self.say, self.rank0,
+                                          state.step, self.manager.latest())
+        return None
+
+    def _announce(self) -> None:
+        cfg, ctx, state = self.cfg, self.ctx, self.state
+        if self.rank0:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.status("running", pid=os.getpid(), host=host(), world_size=ctx.world_size)
+        self.say(f"training {cfg.name}: {param_count(cfg.model) / 1e6:.2f}M parameters, {ctx.world_size} × "
+                 f"{ctx.device.type} ({self.mesh.layout.describe()}), global batch {cfg.train.global_batch} × "
+                 f"{cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, run directory {self.run_dir}")
+        self.say(f"MFU against {self.peak_note}")
+        if cfg.health.watchdog.enabled:
+            self.watchdog.hosts = self.hosts
+            self.say(self.watchdog.describe(rendezvous_timeout()))
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> int:
+        """Each step: a batch, forward and backward, the step's one reduction, the components' verdict after
+        the backward, update or skip, advance, the step-end components; then what the strongest action asks."""
+        state, hooks, stepper, cfg = self.state, self.hooks, self.stepper, self.cfg
+        assert self.loader is not None
         while state.step < cfg.train.steps:
-            step = state.step + 1  # the step being made
-            watchdog.begin("step", step)
-            ledger.begin_step(step)
-            with monitor.phase("data_wait", "time/data_s") as waited:
-                micro_batches = loader.next()
-            data_s = waited.seconds
-            meter.add_data_wait(data_s)
-            callbacks.on_step_start(state, micro_batches, loader.last_batch)
-            lr = lr_at(state.step, cfg.optim, cfg.train.steps) * guards.lr_factor(state.step)
-            log_step = step % cfg.monitor.interval == 0 or step == cfg.train.steps
-            action = CONTINUE
-            with comm.profile(step):
-                computing = time.perf_counter()
-                watchdog.phase("forward_backward")
-                loss = stepper.forward_backward(micro_batches)
-                callbacks.after_backward(state, False)
-                watchdog.phase("reduce")  # from here on a rank waits for the others in collectives
-                grad_norm = stepper.grad_norm()
-                # The step's one host synchronisation: the guards' report, which also tells every rank
-                # whether the background save has finished everywhere, how long ago the last one was, and
-                # whether any rank was asked to pause.
-                report = reduce_report(step, loss, grad_norm, mesh.layout.dp * mesh.layout.tp,
-                                       [float(manager.done()), time.perf_counter() - last_save,
-                                        float(requests.pending())],
-                                       partial(stepper.nonfinite_here, loss), data_s=data_s,
-                                       step_s=time.perf_counter() - computing)
-                registry.add("time/forward_backward_s", time.perf_counter() - computing)
-                with monitor.phase("guard_checks") as inspecting:
-                    if guards.reporting:
-                        replay = partial(stepper.recompute, micro_batches,
-                                         partial(callbacks.after_backward, state, True))
-                        action = guards.inspect(state, report, replay)
-                watchdog.phase("update")
-                with monitor.phase("productive", "time/optimizer_s"):
-                    if action.kind == "continue":
-                        stepper.update(lr, grad_norm)
-                    else:
-                        stepper.drop()
-            if action.kind not in ("continue", "skip"):
-                if (code := carry_out(action)) is not None:
-                    return code
-                if action.rolls_back:
-                    continue
-            leave = straggler.due(step) and straggler.observe(step, comm.compute_s)
-            state.step += 1
-            state.tokens_seen += tokens_per_step
-            meter.step_done()
-            monitor.step_done(state.step)
-            steps_since_log += 1
-            last_step = state.step == cfg.train.steps
-            metrics = {"step": state.step, "optim/lr": lr}
-            pause = report.extras[2] > 0 or leave  # every rank sees the same sum: all stop at this step
-            if report.extras[0] == ctx.world_size:
-                after_save(manager.finish())
-            save_now = (policy.due_by_step(state.step) or last_step or pause
-                        or policy.due_by_time(report.extras[1] / ctx.world_size))
-
-            if log_step:
-                train_loss = report.loss
-                registry.add("optim/update_norm_sq", update_norm_sq(optimizers, mesh.layout.pp)
-                             * (action.kind == "continue"), reduce="sum")
-                registry.add("memory/peak_bytes_max_rank", peak_memory(ctx.device), reduce="max")
-                reduced = registry.reduce()  # the interval's one reduction of every metric
-                report.update_norm = reduced.pop("optim/update_norm_sq") ** 0.5
-                metrics.update({"train/loss": train_loss,
-                                "train/bpb": bits_per_byte(train_loss, train_tokens, train_bytes),
-                                **{f"data/tokens/{name}": n for name, n in loader.tokens_by_source().items()},
-                                "optim/grad_norm": report.grad_norm,
-                                "optim/update_norm": report.update_norm,
-                                "train/tokens_seen": state.tokens_seen, **meter.window(), **reduced, **comm.last,
-                                **guards.metrics(), **straggler.last})
-                # The seconds between checkpoints the overdue alert expects: a few seconds of jitter (an
-                # eval, a rollback) is no overdue checkpoint, so never less than OVERDUE_FLOOR_S.
-                expected_s = max(OVERDUE_FLOOR_S, policy.every_s if policy.every_s < float("inf") else
-                                 cfg.checkpoint.interval * metrics["time/step_s"])
-                monitor.interval(metrics, steps_since_log, report.extras[1] / ctx.world_size, expected_s)
-                steps_since_log = 0
-                say.step(state.step, cfg.train.steps, metrics)
-                status("running")
-
-            watchdog.end()
-            if (cfg.eval.interval and state.step % cfg.eval.interval == 0) or last_step:
-                watchdog.begin("eval", state.step)
-                with monitor.phase("evaluation", whole_step=False):
-                    val_loss = _validate(pipeline.evaluate(val_batches) if pipeline else
-                                         evaluate(parts[0], val_batches, autocast_dtype, loss_parallel=tp))
-                watchdog.end()
-                val_bpb = bits_per_byte(val_loss, val_tokens, val_bytes)
-                monitor.publish({"step": state.step, "val/loss": val_loss, "val/bpb": val_bpb})
-                metrics.update({"val/loss": val_loss, "val/bpb": val_bpb})
-                say(f"step {state.step}: validation loss {val_loss:.4f} ({val_bpb:.4f} bits per byte)")
-                callbacks.on_eval(state, val_loss)
-
-            with monitor.phase("guard_checks") as checking:
-                checked = guards.check(state, save_now)  # replica fingerprints before the state is saved or snapshotted
-            registry.add("time/guard_s", inspecting.seconds + checking.seconds)
-            if checked.kind != "continue":
-                if (code := carry_out(checked)) is not None:
-                    return code
-                if checked.rolls_back:
-                    continue
-
-            if save_now:
-                state.train_seconds += time.perf_counter() - started
+            step = Step(state.step + 1, state, last=state.step + 1 == cfg.train.steps,
+                        lr=lr_at(state.step, cfg.optim, cfg.train.steps))
+            hooks.notify("on_step_start", step)
+            started = time.perf_counter()
+            step.micro_batches, step.batch = self.loader.next(), self.loader.last_batch
+            step.data_s = time.perf_counter() - started
+            hooks.notify("on_batch", step)
+            started = time.perf_counter()
+            step.loss = stepper.forward_backward(step.micro_batches)
+            hooks.notify("on_backward", step, False)
+            step.grad_norm = stepper.grad_norm()
+            step.report = self.sync.reduce(step.number, step.loss, step.grad_norm,
+                                           partial(stepper.nonfinite_here, step.loss), step.data_s,
+                                           time.perf_counter() - started)
+            step.compute_s = time.perf_counter() - started
+            if hooks.ask("after_backward", step).updates:
                 started = time.perf_counter()
-                state.loader = loader.state_dict()
-                state.callbacks = callbacks.state_dict()
-                state.guards = guards.state_dict()
-                state.health = watchdog.state_dict()
-                watchdog.begin("checkpoint", state.step)
-                with monitor.phase("checkpoint_blocking", whole_step=False) as saving:
-                    for outcome in manager.save(parts, optimizers, state, wait=last_step or pause):
-                        after_save(outcome)
-                        final_saved = outcome.committed
-                watchdog.end()
-                last_save = time.perf_counter()
-                ledger.flush(state.step)
-            registry.add("time/checkpoint_s", saving.seconds if save_now else 0.0)  # a step's mean share
-            if pause and not last_step:
-                return _stop_here(requests, report.extras[2], state.step, final_saved, manager.latest(), guards.hosts,
-                                  run_dir, events, say, status, rank0, straggler=leave)
-            callbacks.on_step_end(state, metrics)
-            ledger.spent("productive")
-            if first_step and rank0:  # the start's first step is done: recovery ends here
-                events.emit("step", state.step, "first")
-            first_step = False
-    finally:
-        loader.close()  # a save still in flight after an error is abandoned: its .tmp is cleaned at the next start
+                stepper.update(step.lr, step.grad_norm)
+                step.update_s = time.perf_counter() - started
+            else:
+                stepper.drop()
+            if not step.action.ends_step:
+                state.step += 1
+                state.tokens_seen += self.tokens_per_step
+                hooks.ask("on_step_end", step)
+            if (code := self._act(step.action)) is not None:
+                return code
+        return self._finish()
 
-    callbacks.on_end(state)
-    summary = {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss,
-               "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes),
-               "tokenizer": corpus.manifest["tokenizer"]["name"],
-               "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"],
-               "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
-               "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
-               "run_dir": str(run_dir), "checkpoint": manager.latest()}
-    requests.consume()  # a pause asked for at the last step has nothing left to pause
-    status("finished" if final_saved else "failed")
-    if rank0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        events.emit("finish", state.step, "finished", train_loss=train_loss, val_loss=val_loss,
-                    train_seconds=summary["train_seconds"])
-        say.lines(summary_lines(summary))
-    if not final_saved:
-        say(f"error: the final checkpoint could not be written; the newest checkpoint is {manager.latest()}, "
-            f"run the same command again to redo the steps after it")
-        return 1
-    return 0
+    def _act(self, action: Action) -> int | None:
+        """What the step's strongest action asks once its hooks have run: nothing more, a rollback (once the
+        save in flight has finished), or the end of the run with an exit code."""
+        if action.exit_code is not None or not action.ends_step:
+            return action.exit_code
+        self.checkpointing.finish()
+        self.monitor.ledger.spent("productive")
+        code = self.recovery.carry_out(action)
+        self.monitor.ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
+        if code is not None:
+            self.status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
+        return code
 
+    def _finish(self) -> int:
+        cfg, state, say = self.cfg, self.state, self.say
+        self.hooks.notify("on_end", state)
+        val_loss = self.evaluation.val_loss
+        summary = {"name": cfg.name, "step": state.step, "train_loss": self.metrics.train_loss, "val_loss": val_loss,
+                   "val_bpb": self.bpb(val_loss), "tokenizer": self.corpus.manifest["tokenizer"]["name"],
+                   "unigram_entropy": self.corpus.manifest["stats"]["unigram_entropy_nats"],
+                   "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
+                   "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
+                   "run_dir": str(self.run_dir), "checkpoint": self.manager.latest()}
+        self.requests.consume()  # a pause asked for at the last step has nothing left to pause
+        saved = self.checkpointing.final_saved
+        self.status("finished" if saved else "failed")
+        if self.rank0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.events.emit("finish", state.step, "finished", train_loss=summary["train_loss"], val_loss=val_loss,
+                             train_seconds=summary["train_seconds"])
+            say.lines(summary_lines(summary))
+        if not saved:
+            say(f"error: the final checkpoint could not be written; the newest checkpoint is {self.manager.latest()}, "
+                f"run the same command again to redo the steps after it")
+            return 1
+        return 0
 
-def rendezvous_timeout() -> float | None:
-    """The elastic agent's join timeout, when the launcher set one (an elastic multi-node job)."""
-    value = os.environ.get("KEEL_RDZV_TIMEOUT_S")
-    return float(value) if value else None
+    def close(self) -> None:
+        """A save still in flight after an error is abandoned: its .tmp is cleaned at the next start."""
+        if self.loader is not None:
+            self.loader.close()
 
+    # ------------------------------------------------------------------ helpers
 
-def _stop_here(requests: StopRequests, asked: float, step: int, saved: bool, checkpoint: str | None,
-               hosts: list[str], run_dir: Path, events: EventLog, say: Progress, status: Callable[..., None],
-               rank0: bool, straggler: bool) -> int:
-    """Every rank has written its part of the step's checkpoint (synchronously). Exit 75 (paused: the
-    rerun resumes there), or 76 when a node of this job is quarantined (a straggler, or `keel
-    quarantine`, whose launcher then stopped its workers): the other nodes restart without it.
-    `asked`: how many ranks were asked to pause (a signal each, and rank 0 the control file)."""
-    reason = requests.reason() if requests.pending() else f"asked on {asked:.0f} other rank(s)"
-    # Only an elastic job can go on without a node, unless a straggler's node was just listed.
-    consult = straggler or rendezvous_timeout() is not None
-    leaving = [sorted(quarantined_nodes(run_dir) & set(hosts)) if rank0 and consult else None]
-    dist.broadcast_object_list(leaving, src=0)  # every rank exits with the same code
-    dist.barrier()  # no rank leaves while another still commits: the agent would stop it half-way
-    requests.consume()
-    where = f"checkpoint {checkpoint} committed" if saved else f"its checkpoint failed, the newest is {checkpoint}"
-    if leaving[0]:
-        if rank0:
-            events.emit("leave", step, "quarantine", nodes=leaving[0], checkpoint=checkpoint, saved=saved)
-        status("stopped", reason=f"node(s) {', '.join(leaving[0])} quarantined: restarting without them")
-        say(f"stopped at step {step}: node(s) {', '.join(leaving[0])} quarantined; {where}; exiting with code "
-            f"{EXIT_QUARANTINE} so that the job goes on without them")
-        return EXIT_QUARANTINE
-    if rank0:
-        events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=saved)
-    status("paused", reason=reason)
-    say(f"paused at step {step} ({reason}): {where}; run the same command to resume")
-    return EXIT_PAUSED
+    def status(self, kind: str, **detail: object) -> None:
+        if self.rank0:
+            latest = self.manager.latest() if hasattr(self, "manager") else None
+            write_status(self.run_dir, kind, self.state.step, checkpoint=latest, **detail)
+
+    def bpb(self, loss: float) -> float:
+        return bits_per_byte(loss, *self.val_text)
+
+    def _already_finished(self) -> int:
+        cfg, state, say = self.cfg, self.state, self.say
+        if self.rank0:
+            self.events.emit("finish", state.step, "already_finished")
+            say(f"run {cfg.name} already finished at step {state.step} (train.steps = {cfg.train.steps}); nothing "
+                f"to train. Raise train.steps to train further, or use another --run-dir to start over.")
+            summary_path = self.run_dir / "summary.json"
+            if summary_path.exists():
+                say.lines(summary_lines(json.loads(summary_path.read_text())))
+        return 0
 
 
-def _stop_agreed(requests: StopRequests, device: torch.device) -> bool:
-    """Whether any rank was asked to stop, agreed by all (every rank takes the same branch)."""
-    flag = torch.tensor([float(requests.pending())], device=device)
-    dist.all_reduce(flag)
-    return bool(flag.item() > 0)
+class LoaderState:
+    """The data cursor as the train state saves it; a resume may accept a corpus change on purpose."""
 
+    def __init__(self, loader: GlobalOrderLoader, allow_corpus_change: bool) -> None:
+        self.loader, self.allow_corpus_change = loader, allow_corpus_change
 
-def _paused_before_training(requests: StopRequests, run_dir: Path, events: EventLog, say: Progress, rank0: bool,
-                            step: int = 0, checkpoint: str | None = None) -> int:
-    """A pause asked for before the first step: the run is where its newest checkpoint left it."""
-    reason = requests.reason() or "asked on another rank"
-    dist.barrier()
-    requests.consume()
-    if rank0:
-        last = read_status(run_dir)
-        checkpoint = checkpoint or last.get("checkpoint")
-        write_status(run_dir, "paused", step or last.get("step", 0), checkpoint=checkpoint, reason=reason)
-        events.emit("pause", step, "paused", reason=reason, checkpoint=checkpoint, saved=False, before_training=True)
-    say(f"paused before training ({reason}); the newest checkpoint is {checkpoint or 'none yet'}; run the same "
-        f"command to resume")
-    return EXIT_PAUSED
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
 
-
-def validation_text(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[int, int]:
-    """Target tokens of the fixed validation set and the UTF-8 bytes they stand for, so that its bits per
-    byte are exact whatever the tokenizer (training's use the training split's average bytes per token)."""
-    token_bytes = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"]).token_bytes()
-    targets = SequenceIndex(corpus.splits["val"], seq_len).tokens(np.arange(val_sequences))[:, 1:]
-    return targets.size, int(token_bytes[targets].sum())
-
-
-def _validate(sums: tuple[torch.Tensor, torch.Tensor]) -> float:
-    # Ranks of one tensor-parallel group see the same batches: the sums scale alike, the mean is right.
-    both = torch.stack(sums)
-    dist.all_reduce(both)
-    return (both[0] / both[1]).item()
-
-
-def _already_finished(cfg: Config, run_dir: Path, state: TrainState, events: EventLog, say: Progress,
-                      rank0: bool) -> int:
-    if rank0:
-        events.emit("finish", state.step, "already_finished")
-        say(f"run {cfg.name} already finished at step {state.step} (train.steps = {cfg.train.steps}); nothing to "
-            f"train. Raise train.steps to train further, or use another --run-dir to start over.")
-        summary_path = run_dir / "summary.json"
-        if summary_path.exists():
-            say.lines(summary_lines(json.loads(summary_path.read_text())))
-    return 0
-
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state, self.allow_corpus_change)

@@ -1,0 +1,127 @@
+"""Carrying out what the guards decided: roll back to an in-memory snapshot or a checkpoint, stop, or
+quarantine a rank (keel.guard decides; this module acts). Every rank acts on the same action."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+from torch.optim import Optimizer
+
+from keel.checkpoint.manager import CheckpointManager
+from keel.checkpoint.manifest import committed, step_of
+from keel.core.actions import Action
+from keel.core.state import TrainState
+from keel.data.loader import GlobalOrderLoader
+from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
+from keel.guard.engine import Guards
+from keel.rundir.events import EventLog
+from keel.rundir.quarantine import add_to_quarantine
+
+
+class NothingToRollBackTo(Exception):
+    """A rollback found no state at or before its target."""
+
+
+@dataclasses.dataclass
+class Recovery:
+    guards: Guards
+    manager: CheckpointManager
+    loader: GlobalOrderLoader
+    parts: list[nn.Module]
+    optimizers: list[Optimizer]
+    state: TrainState
+    hosts: list[str]
+    events: EventLog
+    say: Callable[[str], None]
+    run_dir: Path
+    rank0: bool
+
+    def carry_out(self, action: Action) -> int | None:
+        """A rollback, stop or quarantine (skips are the loop's). Returns an exit code when the run ends."""
+        state = self.state
+        if action.kind == "quarantine" and action.ranks:
+            self._quarantine(action, state.step)
+            if self.guards.g.sdc.response == "exit":
+                sdc = self.guards.sdc
+                verified = sdc.last_verified if sdc is not None else state.step
+                self.manager.retire_after(verified, self.events, state.step)
+                self.say(f"error: rank(s) {', '.join(map(str, action.ranks))} computed wrong ({action.reason}); "
+                         f"exiting with code {EXIT_QUARANTINE} so that the launcher restarts without their node")
+                return EXIT_QUARANTINE
+        if action.kind == "stop":
+            self.say(f"error: guard {action.guard} stopped the run at step {state.step}: {action.reason}. "
+                     f"Details in events.jsonl; the newest checkpoint is {self.manager.latest()}")
+            return EXIT_GUARD_STOP
+        if action.rolls_back:
+            try:
+                self._roll_back(action)
+            except NothingToRollBackTo as e:
+                self.say(f"error: {e}")
+                if self.rank0:
+                    self.events.emit("guard", state.step, "stop", guard=action.guard, reason=str(e))
+                return EXIT_GUARD_STOP
+        return None
+
+    def _roll_back(self, action: Action) -> None:
+        state, guards, loader = self.state, self.guards, self.loader
+        now, train_seconds, interruptions = state.step, state.train_seconds, state.interruptions
+        target = max(0, action.to_step or 0)
+        if action.verified_only and guards.sdc is not None:
+            target = min(target, guards.sdc.last_verified)
+        batch_now = loader.cursor // loader.global_batch - 1  # the batch of the step being undone
+        snapshot = guards.ring.newest(target) if guards.ring is not None else None
+        # The newest state at or before the target wins: a checkpoint newer than every snapshot in reach
+        # (snapshots rarer than checkpoints) is read from storage rather than going back further.
+        on_disk = max((step_of(n) for n in committed(self.manager.storage) if step_of(n) <= target), default=-1)
+        if snapshot is not None and guards.ring is not None and snapshot.step >= on_disk:
+            record = guards.ring.restore(snapshot)["train"]
+            source = f"the in-memory snapshot of step {snapshot.step}"
+        else:
+            record, source = self._from_disk(target)
+        # The data cursor and the guards' histories go back with the state (a spike is judged against the
+        # steps before it); what counts rollbacks, suspects, restarts and time does not.
+        state.load(record, only=("loader",))
+        guards.rolled_back(record.get("guards", {}), state.step)
+        state.train_seconds, state.interruptions = train_seconds, interruptions
+        retired = self.manager.retire_after(state.step, self.events, now)
+        skipped: list[int] = []
+        if action.skip_batches:
+            first = loader.cursor // loader.global_batch
+            skipped = [first, max(first + action.skip_batches, batch_now + 1)]
+            loader.skip(*skipped)
+        if action.lr_scale != 1.0 and action.lr_scale_steps:
+            guards.lr_scale, guards.lr_scale_until = action.lr_scale, state.step + action.lr_scale_steps
+        guards.counts["rollbacks"] += 1
+        if self.rank0:
+            self.events.emit("guard", now, "rolled_back", guard=action.guard, to_step=state.step,
+                             source=source, skipped_batches=skipped, retired_checkpoints=retired,
+                             lr_scale=guards.lr_scale if guards.lr_scale_until > state.step else 1.0)
+        self.say(f"rolled back from step {now} to step {state.step} ({source})"
+                 + (f", skipping global batches {skipped[0]}..{skipped[1] - 1}" if skipped else ""))
+
+    def _from_disk(self, target: int) -> tuple[dict, str]:
+        storage, ring = self.manager.storage, self.guards.ring
+        names = [n for n in committed(storage) if step_of(n) <= target]
+        if not names:
+            raise NothingToRollBackTo(
+                f"no state at or before step {target} to roll back to (the in-memory snapshots reach back to step "
+                f"{ring.snapshots[0].step if ring and ring.snapshots else '-'}, no checkpoint is older); raise "
+                f"guard.snapshots or lower guard.rollback_steps")
+        restored = self.manager.restore(self.parts, self.optimizers, storage.path(names[-1]), self.say)
+        assert restored is not None  # a path given: it loads or raises
+        saved, path = restored
+        return saved.record, f"checkpoint {path}"
+
+    def _quarantine(self, action: Action, step: int) -> None:
+        hosts = [self.hosts[r] for r in action.ranks]
+        self.guards.counts["quarantines"] += 1
+        if not self.rank0:
+            return
+        add_to_quarantine(self.run_dir, hosts, source=f"guard.{action.guard}", reason=action.reason, step=step,
+                          ranks=list(action.ranks), evidence=action.evidence)
+        self.events.emit("alert", step, "sdc_suspect", severity="critical",
+                         message=f"rank(s) {', '.join(map(str, action.ranks))} on {', '.join(hosts)} "
+                                 f"suspected of silent data corruption: {action.reason}")

@@ -1,0 +1,87 @@
+"""What the Trainer builds on: the run directory lock, the model parts, the validation set's size."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import keel
+from keel.config import Config
+from keel.data.loader import SequenceIndex
+from keel.data.shards import Corpus
+from keel.data.tokenizer import open_tokenizer
+from keel.errors import KeelError
+from keel.model.init import init_weights
+from keel.model.llama import Llama
+from keel.parallel.apply import parallelize
+from keel.parallel.mesh import Mesh
+from keel.parallel.pipeline import stage_ids, stage_module
+from keel.rundir.lock import RunLock
+
+
+def attempt_started() -> float:
+    """When this start of the run began, for the goodput ledger: the launcher's start for its first worker
+    group, this process's own for a group the agent restarted or for a plain torchrun job (when each
+    first imported keel: the kernel's process start times are rounded to the second)."""
+    launched = os.environ.get("KEEL_LAUNCHED_AT")
+    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return float(launched)
+    return keel.STARTED
+
+
+def lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
+    lock, error = None, ""
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except KeelError as e:
+            error = str(e)
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise KeelError(shared[0])
+    return lock
+
+
+def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
+    """The model, or this rank's pipeline stages and their stage numbers, parallelised and initialised."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    if mesh.layout.pp == 1:
+        parts, stages = [model], [0]
+    else:
+        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
+        stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
+        parts = [stage_module(model, stage, n_stages) for stage in stages]
+    for part in parts:
+        parallelize(part, mesh, cfg.parallel, param_dtype)
+        part.to_empty(device=mesh.mesh.device_type)
+        init_weights(part, cfg.train.seed)
+    return parts, stages
+
+
+
+
+def validation_text(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[int, int]:
+    """Target tokens of the fixed validation set and the UTF-8 bytes they stand for, so that its bits per
+    byte are exact whatever the tokenizer (training's use the training split's average bytes per token)."""
+    token_bytes = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"]).token_bytes()
+    targets = SequenceIndex(corpus.splits["val"], seq_len).tokens(np.arange(val_sequences))[:, 1:]
+    return targets.size, int(token_bytes[targets].sum())
+
+
+def validated_loss(sums: tuple[torch.Tensor, torch.Tensor]) -> float:
+    # Ranks of one tensor-parallel group see the same batches: the sums scale alike, the mean is right.
+    both = torch.stack(sums)
+    dist.all_reduce(both)
+    return (both[0] / both[1]).item()
