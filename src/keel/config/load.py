@@ -227,7 +227,7 @@ def to_toml(cfg: Config) -> str:
 
 
 def reference() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, help) for every option, for `keel config --reference` and the README."""
+    """(key, type, default, help) for every option, for `keel config --reference` and docs/configuration.md."""
     rows = []
 
     def walk(cls: type, prefix: str) -> None:
