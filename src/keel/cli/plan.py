@@ -17,7 +17,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--hardware", default="h100", help="accelerator key: h100, h100-pcie, h200, a100, a100-40, b200, "
                     "mi300x, l40s, tpu-v4, tpu-v5p, ...")
     pl.add_argument("--tokens", type=float, required=True, help="the run's token budget, e.g. 15e12")
-    pl.add_argument("--price", type=float, default=None, help="price per accelerator-hour (default: see docs/planning.md)")
+    pl.add_argument("--price", type=float, default=None, help="price per accelerator-hour (default: docs/planning.md)")
     pl.add_argument("--storage-gbps", type=float, default=2000.0, help="aggregate checkpoint write bandwidth in "
                     "GB/s (default 2000, Llama 3's storage)")
     pl.add_argument("--mtbf-hours", type=float, default=None, help="mean hours between failures of one "
