@@ -1,5 +1,5 @@
-"""The README's detection matrix, re-measured: each cell is a real run with one flipped bit, compared
-with a clean run of the same layout (bench/detection_matrix.py measures the whole table)."""
+"""The detection matrix of docs/benchmarks.md, re-measured: each cell is a real run with one flipped bit,
+compared with a clean run of the same layout (bench/detection_matrix.py measures the whole table)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.dist
 CONCURRENT = 2
 
 
-def readme_matrix() -> dict[tuple[str, int], dict[str, str]]:
-    """(target, bit) → {layout: cell} from the README's table."""
-    lines = (REPO / "README.md").read_text().splitlines()
+def documented_matrix() -> dict[tuple[str, int], dict[str, str]]:
+    """(target, bit) → {layout: cell} from the table in docs/benchmarks.md."""
+    lines = (REPO / "docs" / "benchmarks.md").read_text().splitlines()
     start = lines.index(next(line for line in lines if line.startswith("| flipped | bit |")))
     layouts = [c.strip() for c in lines[start].strip("|").split("|")][2:]
     table = {}
@@ -37,7 +37,7 @@ def runner(args: list[str], cwd: Path) -> int:
 
 
 def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_path: Path) -> None:
-    documented = readme_matrix()
+    documented = documented_matrix()
     cells = run_matrix(runner, small_corpus, tmp_path, layouts=("replicated",), bits=(31, 30, 0), concurrent=CONCURRENT)
     assert len(cells) == 12
     for c in cells:
@@ -51,7 +51,7 @@ def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_p
 
 def test_without_replicas_replays_catch_gradient_flips_and_state_flips_go_unseen(small_corpus: Path,
                                                                                  tmp_path: Path) -> None:
-    documented = readme_matrix()
+    documented = documented_matrix()
     cells = run_matrix(runner, small_corpus, tmp_path, layouts=("sharded",), targets=("grads", "params"),
                        bits=(31, 0), concurrent=CONCURRENT)
     for c in cells:

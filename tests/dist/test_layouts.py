@@ -136,7 +136,7 @@ def test_checkpoint_moves_between_layouts(nproc: int, overrides: list[str], tp2x
 
 
 def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: Path, tmp_path: Path) -> None:
-    """The README's command for a 4-process TP2 × PP2 run, shortened to 2 steps."""
+    """The command of docs/parallel.md for a 4-process TP2 × PP2 run, shortened to 2 steps."""
     run_dir = tmp_path / "tiny"
     result = run_keel(["train", "--config", str(REPO / "configs" / "tiny.toml"), "parallel.tp=2", "parallel.pp=2",
                        "--nproc", "4", "--run-dir", str(run_dir), f"data.dir={small_corpus}", "train.steps=2",

@@ -241,7 +241,7 @@ def test_telemetry_is_sampled_and_missing_sources_said_once(spike_run) -> None:
 
 
 def test_a_webhook_that_holds_the_post_does_not_hold_training_up(spike_run) -> None:
-    # (A webhook that refuses connections is tests/unit/test_monitor.py's.)
+    # (A webhook that refuses connections is tests/unit/monitor/test_monitor.py's.)
     run_dir, received, _ = spike_run
     post = received[0]
     after = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r and r["time"] > post["at"]]

@@ -10,7 +10,7 @@ import pytest
 
 from keel.report.html import write_report
 from tests.conftest import REPO
-from tests.unit.test_report import train_spiking_run
+from tests.unit.report.test_report import train_spiking_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

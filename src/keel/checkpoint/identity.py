@@ -22,7 +22,7 @@ from typing import Any
 from keel.config import Config
 from keel.errors import ConfigError
 
-# key → what it stands for (the README's table of identity fields is checked against these keys)
+# key → what it stands for (docs/resuming.md's table of identity fields is checked against these keys)
 IDENTITY: dict[str, str] = {
     **{f"model.{f.name}": "model shape" for f in dataclasses.fields(Config().model) if f.name != "init_from"},
     "train.seq_len": "sequence length", "train.global_batch": "global batch", "train.seed": "initialisation and "

@@ -56,7 +56,7 @@ GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, 
 @dataclass(frozen=True)
 class Efficiency:
     """The factors that turn peak figures into time. One default set predicts every published run of
-    the validation table (tests/unit/test_plan_throughput.py) within ±25%:
+    the validation table (tests/unit/plan/test_throughput.py) within ±25%:
     - compute 0.52: the share of the dense peak the whole forward/backward reaches (matmuls alone reach
       ~80% on H100, [ME]'s MAMF table; attention, norms and element-wise kernels dilute it). Published
       runs need 0.40-0.45 on torchtitan's H100s and 0.62-0.68 on A100/TPU v4 (Megatron-LM, MegaScale,

@@ -1,5 +1,5 @@
 """The health parts that need no process group: the watchdog's learning and verdict, signals and the
-pause file, status, quarantine, preflight's attribution, and the CLI's answers to bad input."""
+pause file, and preflight's attribution."""
 
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ from keel.health.preflight import Check, blame_senders, slow_ranks, storage_chec
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
 from keel.health.watchdog import Watchdog, stuck_ranks
 from keel.rundir.events import EventLog, read_jsonl
-from keel.rundir.lock import RunLock
-from keel.rundir.quarantine import add_to_quarantine, is_quarantined, node_name, quarantined_nodes, release
-from keel.rundir.status import job_alive, read_status, run_status, write_status
-from tests.conftest import keel_env, run_keel
+from keel.rundir.quarantine import node_name
+from tests.conftest import keel_env
 
 
 def where(step: int, phase: int) -> dict:
@@ -183,32 +181,6 @@ def test_stop_requests_come_from_real_signals_and_the_pause_file(tmp_path: Path)
         other.close()
 
 
-def test_status_tells_a_dead_job_from_a_running_one(tmp_path: Path) -> None:
-    write_status(tmp_path, "running", 12, checkpoint="/x/step-000010")
-    assert read_status(tmp_path)["step"] == 12
-    info = run_status(tmp_path)
-    assert info["state"] == "failed" and "killed or crashed" in info["reason"]  # nobody holds the lock
-    with RunLock(tmp_path):
-        assert job_alive(tmp_path)
-        assert run_status(tmp_path)["state"] == "running"
-    with RunLock(tmp_path, node="b"):  # one lock per node in an elastic job
-        assert job_alive(tmp_path)
-    assert not job_alive(tmp_path)
-    write_status(tmp_path, "paused", 20, checkpoint="/x/step-000020", reason="SIGTERM")
-    info = run_status(tmp_path)
-    assert (info["state"], info["step"], info["last_checkpoint"]) == ("paused", 20, "/x/step-000020")
-
-
-def test_quarantine_lists_and_releases_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEEL_NODE", "node-7")
-    assert node_name() == "node-7"
-    add_to_quarantine(tmp_path, ["node-7"], source="straggler", reason="slow", step=40, ranks=[3])
-    add_to_quarantine(tmp_path, ["node-2"], source="keel quarantine", reason="repair")
-    assert quarantined_nodes(tmp_path) == {"node-7", "node-2"} and is_quarantined(tmp_path, "node-7")
-    assert release(tmp_path, "node-7") == 1
-    assert quarantined_nodes(tmp_path) == {"node-2"}
-
-
 def test_preflight_blames_the_sender_of_a_wrong_part() -> None:
     probes = [Check("compute_probe", True, "", rank=r, node=f"n{r}", values={"seconds": 0.01}) for r in range(3)]
     wrong_sums = [Check("allreduce_correct", False, "wrong", rank=r, node=f"n{r}") for r in range(3)]
@@ -237,30 +209,6 @@ def test_preflight_probes_the_checkpoint_storage(tmp_path: Path) -> None:
 def test_straggler_config_defaults_report_within_50_steps() -> None:
     cfg = StragglerConfig()
     assert cfg.interval * (cfg.patience + 1) <= 60 and cfg.factor < 3
-
-
-@pytest.mark.parametrize("args, expect", [
-    (["pause", "{tmp}"], "no keel job is running in"),
-    (["status", "{tmp}/missing"], "does not exist"),
-    (["train", "--nnodes", "2:1", "--rdzv-endpoint", "localhost:29400", "--run-dir", "{tmp}/r"],
-     "--nnodes '2:1': expected MIN:MAX"),
-    (["train", "--nnodes", "1:2", "--run-dir", "{tmp}/r"], "needs HOST:PORT of the rendezvous"),
-])
-def test_health_commands_refuse_bad_input_with_one_line(args: list[str], expect: str, tmp_path: Path) -> None:
-    result = run_keel([a.format(tmp=tmp_path) for a in args], cwd=tmp_path, timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and expect in lines[0], result.stderr
-
-
-def test_a_quarantined_node_does_not_rejoin(tmp_path: Path) -> None:
-    run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    add_to_quarantine(run_dir, ["n1"], source="keel quarantine", reason="bad")
-    result = run_keel(["train", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400", "--run-dir", str(run_dir)],
-                      cwd=tmp_path, timeout=60, env={"KEEL_NODE": "n1"})
-    assert result.returncode == 2 and "node n1 is listed in" in result.stderr, result.stderr
-    assert "--release" in result.stderr
 
 
 class FakeNvml:

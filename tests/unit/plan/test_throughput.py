@@ -29,16 +29,16 @@ from keel.plan.throughput import (
     measured_run,
     step_time,
 )
+from tests.conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN = Path(__file__).parent / "data" / "calibration_run"
+RUN = Path(__file__).parent / "calibration_run"
 H100 = by_key("h100")
 A100 = by_key("a100")
 EXACT = Efficiency(compute=1.0, overlap=0.0, link=1.0)
 
 
 def model(name: str) -> ModelConfig:
-    return load_config(ROOT / "configs" / f"{name}.toml", []).model
+    return load_config(REPO / "configs" / f"{name}.toml", []).model
 
 
 def test_ring_collectives_move_their_share_of_the_buffer() -> None:
@@ -266,7 +266,7 @@ def test_calibration_refuses_what_it_cannot_read(tmp_path: Path) -> None:
 
 
 def test_search_over_1024_gpus_is_fast_ranked_and_complete() -> None:
-    cfg = load_config(ROOT / "configs" / "llama3_70b.toml", [])
+    cfg = load_config(REPO / "configs" / "llama3_70b.toml", [])
     work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch)
     start = time.perf_counter()
     found = search(work, 1024, H100)

@@ -1,4 +1,4 @@
-"""The deploy examples start keel the way the README says and act on its exit codes."""
+"""The deploy examples start keel the way docs/deploy.md says and act on its exit codes."""
 
 from __future__ import annotations
 

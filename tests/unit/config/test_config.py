@@ -22,8 +22,8 @@ from keel.config import (
     to_toml,
 )
 from keel.errors import ConfigError
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 

@@ -1,6 +1,6 @@
 """The Kubernetes example: its resources match each supported version's API schemas (offline, the
-schemas that kubernetes-validate ships), its pod failure policy acts on keel's exit codes as the README
-says, its image is the one the Dockerfile builds, and its first process passes a SIGTERM on to keel."""
+schemas that kubernetes-validate ships), its pod failure policy acts on keel's exit codes as
+docs/deploy.md says, its image is the one the Dockerfile builds, and its first process passes a SIGTERM on to keel."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_HANG, EXIT_PAUSED,
 from keel.rundir.status import read_status
 from tests.conftest import REPO, SMALL_RUN, TAG, keel_env, kill_tagged, run_keel
 
-SUPPORTED = [f"1.{minor}" for minor in range(31, 38)]  # README, "Deploying"
+SUPPORTED = [f"1.{minor}" for minor in range(31, 38)]  # docs/deploy.md, "Kubernetes"
 MANIFEST = REPO / "deploy/k8s/keel-job.yaml"
 
 
@@ -120,7 +120,7 @@ def test_the_image_is_the_one_the_dockerfile_builds_as_the_makefile_installs() -
     assert container["image"] == f"keel:{version}-cu128"
     build = ("docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 "
              f"-t {container['image']} .")
-    for doc in ("Dockerfile", "README.md", "deploy/k8s/keel-job.yaml"):
+    for doc in ("Dockerfile", "docs/deploy.md", "deploy/k8s/keel-job.yaml"):
         assert build in (REPO / doc).read_text(), doc
     assert f"COPY deploy/k8s/keel-pod.sh /usr/local/bin/{container['command'][0]}\n" in dockerfile
     assert container["args"][:4] == ["keel", "train", "--config", "configs/llama3_8b.toml"]

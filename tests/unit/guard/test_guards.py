@@ -1,5 +1,5 @@
-"""Guard building blocks in one process: actions, the numerics and spike guards, fingerprints, the
-snapshot ring, skipped data and the fault injection specs."""
+"""Guard building blocks in one process: the numerics and spike guards, fingerprints, the snapshot ring
+and skipped data."""
 
 from __future__ import annotations
 
@@ -8,11 +8,8 @@ import random
 import pytest
 import torch
 
-from keel.config import GuardConfig, OptimConfig, load_config
-from keel.core.actions import CONTINUE, KINDS, Action, strongest
+from keel.config import GuardConfig, OptimConfig
 from keel.core.sync import StepReport
-from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, check_injections, parse_injection
-from keel.errors import ConfigError
 from keel.guard.numerics import NumericsGuard
 from keel.guard.sdc import fingerprint, same_bits
 from keel.guard.snapshots import SnapshotRing, live_tensors
@@ -22,27 +19,6 @@ from keel.train.optim import build_optimizer
 
 def report(step: int, loss: float = 3.0, grad_norm: float = 1.0, nonfinite: list[int] | None = None) -> StepReport:
     return StepReport(step=step, loss=loss, grad_norm=grad_norm, local_loss=loss, nonfinite_ranks=nonfinite or [])
-
-
-# ------------------------------------------------------------------ actions
-
-
-def test_strongest_action_wins_and_first_of_equals() -> None:
-    skip_a, skip_b = Action("skip", "a"), Action("skip", "b")
-    rollback = Action("rollback", "spike", to_step=3)
-    assert strongest([None, CONTINUE]) is CONTINUE
-    assert strongest([skip_a, rollback, skip_b]) is rollback
-    assert strongest([skip_a, skip_b]) is skip_a
-    assert strongest([rollback, Action("stop", "x")]).kind == "stop"
-    assert [Action(k).severity for k in KINDS] == sorted(Action(k).severity for k in KINDS)
-    with pytest.raises(ValueError, match="unknown guard action"):
-        Action("explode")
-
-
-def test_quarantine_rolls_back_only_with_a_target() -> None:
-    assert Action("quarantine", ranks=(1,), to_step=5).rolls_back
-    assert not Action("quarantine", ranks=(1,)).rolls_back
-    assert not Action("skip").rolls_back
 
 
 # ------------------------------------------------------------------ numerics
@@ -194,36 +170,3 @@ def test_restoring_a_snapshot_from_before_the_first_update_clears_optimizer_stat
     ring.restore(ring.newest(0))
     assert not optimizer.state
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-
-
-# ------------------------------------------------------------------ fault injection specs
-
-
-def test_injection_specs_build_injectors() -> None:
-    nan = parse_injection("nan_grads:step=30,rank=1,transient=true")
-    assert isinstance(nan, NanInGradients) and (nan.step, nan.rank, nan.transient) == (30, 1, True)
-    flip = parse_injection("bitflip:step=4,rank=0,target=exp_avg_sq,tensor=2,element=7,bit=31")
-    assert isinstance(flip, BitFlip) and (flip.target, flip.tensor, flip.element, flip.bit) == ("exp_avg_sq", 2, 7, 31)
-    assert isinstance(parse_injection("poison_batch:batch=9"), PoisonedBatch)
-    assert isinstance(parse_injection("skip_update:step=3"), SkipUpdateAt)
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("meteor:step=3", "unknown fault 'meteor'"),
-    ("bitflip:step=3,target=weights", "bitflip target 'weights'"),
-    ("nan_grads:step", "expected key=value"),
-    ("nan_grads:when=3", "unexpected keyword"),
-])
-def test_bad_injection_specs_are_config_errors(spec: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        check_injections(load_config(None, [f'drill.inject=["{spec}"]']).drill.inject)
-
-
-def test_bit_flip_changes_one_bit_of_one_element() -> None:
-    model, optimizer = tiny_model_and_optimizer()
-    flip = BitFlip(step=1, rank=0, target="params", tensor=0, element=5, bit=30)
-    flip.on_build([model], [optimizer])
-    before = model[0].weight.detach().clone()
-    flip._flip(model[0].weight)
-    changed = (before.view(torch.int32) ^ model[0].weight.detach().view(torch.int32)).view(-1)
-    assert changed.count_nonzero() == 1 and changed[5] == 1 << 30

@@ -1,13 +1,11 @@
 """The monitor's parts in one process: Prometheus names and exporter, goodput ledger, alert rules,
-the webhook against a real HTTP server, TensorBoard files, and the console."""
+the webhook against a real HTTP server and TensorBoard files."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
 import json
-import os
-import sys
 import threading
 import time
 import urllib.request
@@ -24,7 +22,6 @@ from keel.monitor.metrics import MetricsRegistry
 from keel.monitor.sinks import PrometheusExporter, TensorBoardSink, prometheus_name
 from keel.monitor.telemetry import Reading
 from keel.rundir.events import EventLog, read_jsonl
-from keel.rundir.progress import Progress
 from tests.conftest import free_port
 
 # ---------------------------------------------------------------- registry (one rank; tests/dist has two)
@@ -356,7 +353,7 @@ def test_a_refused_webhook_never_blocks_and_is_reported_once() -> None:
     assert posting_s < 1.0, "posting only queues (a refused POST then waits 1 s before its retry)"
 
 
-# ---------------------------------------------------------------- TensorBoard and the console
+# ---------------------------------------------------------------- TensorBoard
 
 
 def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
@@ -371,45 +368,6 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     acc.Reload()
     assert acc.Tags()["scalars"] == ["train/loss"]
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 4.0), (20, 3.0)]
-
-
-RECORD = {"train/loss": 2.5, "optim/lr": 1e-3, "optim/grad_norm": 0.5, "throughput/tokens_per_s": 5000.0,
-          "time/step_s": 0.1, "throughput/mfu": 0.2, "goodput/ratio": 0.9}
-
-
-def test_console_plain_lines_off_a_terminal_and_quiet(tmp_path: Path, capsys, monkeypatch) -> None:
-    progress = Progress(tmp_path / "rank-0.log", echo=True)
-    progress.step(5, 10, RECORD)
-    progress("checkpoint committed")
-    monkeypatch.setenv("KEEL_QUIET", "1")
-    quiet = Progress(tmp_path / "rank-0.log", echo=True)
-    quiet.step(6, 10, RECORD)
-    quiet("warning: the alert webhook failed")
-    quiet("checkpoint committed")
-    progress.close()
-    quiet.close()
-    out = capsys.readouterr().out
-    assert "\r" not in out
-    lines = out.splitlines()
-    assert lines[0].startswith("step  5/10 [##########..........] loss 2.5000") and "MFU 20.0%" in lines[0]
-    assert "goodput 90%" in lines[0] and "ETA 0s" in lines[0]
-    assert lines[1:] == ["checkpoint committed", "warning: the alert webhook failed"]
-    assert (tmp_path / "rank-0.log").read_text().count("] loss") == 2, "the log file has everything"
-
-
-def test_console_redraws_one_progress_line_on_a_terminal(tmp_path: Path, monkeypatch) -> None:
-    leader, follower = os.openpty()
-    with open(follower, "w", closefd=True) as tty:
-        monkeypatch.setattr(sys, "stdout", tty)
-        progress = Progress(tmp_path / "rank-0.log", echo=True)
-        progress.step(1, 10, RECORD)
-        progress.step(2, 10, RECORD)
-        progress("validation loss 2.4")
-        progress.close()
-    out = os.read(leader, 65536).decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
-    os.close(leader)
-    assert out.count("\r") == 2 and "step  2/10" in out
-    assert out.index("step  2/10") < out.index("\n") < out.index("validation loss"), "a message ends the bar line"
 
 
 # ---------------------------------------------------------------- one exporter per node or per rank

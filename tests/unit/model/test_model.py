@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from keel.config import ModelConfig, load_config
 from keel.model.flops import flops_per_token, matmul_param_count, param_count
 from keel.model.init import INIT_STD, canonical_name, init_weights, name_seed
 from keel.model.llama import Llama, ffn_hidden_dim
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads) and a SwiGLU
 # width that needs rounding (int(8/3·32) = 85 → 96) so the counts are not trivially right.

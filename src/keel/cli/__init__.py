@@ -1,0 +1,64 @@
+"""`keel` command line: train, pause, status, report, quarantine, plan, drill, data prepare, ckpt, config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+from keel.cli import ckpt, config, data, drill, ops, plan, train
+from keel.errors import EXIT_BAD_INPUT, KeelError
+
+# The command families in the order `keel --help` lists them.
+FAMILIES = (train, ops, plan, drill, data, ckpt, config)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line, like every other bad input: the usage block would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"keel: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="keel", description="LLM pre-training, from one CPU to thousands of GPUs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for family in FAMILIES:
+        family.add_parsers(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    # Overrides may come before, between or after options: whatever is left over must be KEY=VALUE.
+    args, rest = p.parse_known_args(argv)
+    unknown = [a for a in rest if "=" not in a or a.startswith("-")]
+    if unknown or (rest and not hasattr(args, "overrides")):
+        p.error(f"unrecognized arguments: {' '.join(unknown or rest)}")
+    if rest:
+        args.overrides = args.overrides + rest
+    args.argv = argv
+    try:
+        return args.handler(args)
+    except KeelError as e:
+        return _bad_input(str(e), e.exit_code, e.every_rank)
+    except USER_PATH_ERRORS as e:
+        if e.filename is None:  # not about a path the user gave: a fault to see in full
+            raise
+        return _bad_input(f"{str(e.filename)!r}: {e.strerror}")
+
+
+# A path the user named that is missing, of the wrong kind or forbidden; any other exception is a fault of keel
+# or of the machine and keeps its traceback.
+USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _bad_input(message: str, code: int = EXIT_BAD_INPUT, every_rank: bool = False) -> int:
+    """One line on stderr; `every_rank`: every rank met the same error, so rank 0 alone says it."""
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    if rank == "0" or not every_rank:
+        print(f"keel: error{where}: {' '.join(message.split(chr(10)))}", file=sys.stderr, flush=True)
+    return code

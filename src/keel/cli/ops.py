@@ -1,0 +1,74 @@
+"""Commands on a run directory while or after it runs: pause, status, report, quarantine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from keel.errors import KeelError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    pa = sub.add_parser("pause", help="ask a running job to checkpoint at the next step and exit 75")
+    pa.add_argument("run_dir", type=Path)
+    pa.set_defaults(handler=cmd_pause)
+    r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time, goodput, hardware, events")
+    r.add_argument("run_dir", type=Path)
+    r.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
+    r.set_defaults(handler=cmd_report)
+    st = sub.add_parser("status", help="state, step, ETA, loss, goodput, last checkpoint, alerts, last events")
+    st.add_argument("run_dir", type=Path)
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    st.add_argument("--events", type=int, default=5, help="last events shown")
+    st.set_defaults(handler=cmd_status)
+    q = sub.add_parser("quarantine", help="keep a node out of a run: its launcher leaves, the others go on")
+    q.add_argument("run_dir", type=Path)
+    q.add_argument("node", help="node name (KEEL_NODE of its launcher, else its host name)")
+    q.add_argument("--reason", default="keel quarantine", help="recorded in quarantine.json")
+    q.add_argument("--release", action="store_true", help="let the node back in")
+    q.set_defaults(handler=cmd_quarantine)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from keel.health.signals import request_pause
+    from keel.rundir.status import job_alive
+
+    if not job_alive(args.run_dir):
+        raise KeelError(f"no keel job is running in {args.run_dir}; `keel status {args.run_dir}` shows where it "
+                        f"stands")
+    path = request_pause(args.run_dir)
+    print(f"asked the job in {args.run_dir} to pause at its next step ({path}); `keel status {args.run_dir}` "
+          f"shows when it has")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from keel.report.status import summary, summary_lines
+
+    info = summary(args.run_dir, args.events)
+    print(json.dumps(info) if args.json else "\n".join(summary_lines(info)))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from keel.report.html import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from keel.rundir.quarantine import add_to_quarantine, release
+
+    if not args.run_dir.is_dir():
+        raise KeelError(f"run directory {str(args.run_dir)!r} does not exist")
+    if args.release:
+        n = release(args.run_dir, args.node)
+        print(f"released {args.node} ({n} record(s) removed from {args.run_dir / 'quarantine.json'})")
+    else:
+        add_to_quarantine(args.run_dir, [args.node], source="keel quarantine", reason=args.reason)
+        print(f"quarantined {args.node}: its launcher leaves the job; the other nodes go on without it")
+    return 0
+

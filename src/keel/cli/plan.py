@@ -1,0 +1,46 @@
+"""`keel plan`: size a run before booking the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from keel.cli.config import add_config_args, config_from_args
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser("plan", help="size a run before booking the cluster: layout, memory, step time, checkpoint "
+                        "interval, wall time, goodput and cost with failures")
+    add_config_args(pl)
+    pl.add_argument("--gpus", type=int, required=True, help="accelerators of the job")
+    pl.add_argument("--hardware", default="h100", help="accelerator key: h100, h100-pcie, h200, a100, a100-40, b200, "
+                    "mi300x, l40s, tpu-v4, tpu-v5p, ...")
+    pl.add_argument("--tokens", type=float, required=True, help="the run's token budget, e.g. 15e12")
+    pl.add_argument("--price", type=float, default=None, help="price per accelerator-hour (default: docs/planning.md)")
+    pl.add_argument("--storage-gbps", type=float, default=2000.0, help="aggregate checkpoint write bandwidth in "
+                    "GB/s (default 2000, Llama 3's storage)")
+    pl.add_argument("--mtbf-hours", type=float, default=None, help="mean hours between failures of one "
+                    "accelerator (default: derived from the Llama 3 report)")
+    pl.add_argument("--calibrate", type=Path, metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
+    pl.add_argument("--trials", type=int, default=2000, help="Monte Carlo trials")
+    pl.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
+    pl.add_argument("--json", action="store_true", help="one JSON object")
+    pl.add_argument("--html", type=Path, metavar="FILE", help="also write plots to this HTML file")
+    pl.set_defaults(handler=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
+    from keel.plan.failures import DEFAULT_DEVICE_MTBF_H
+    from keel.plan.report import Question, answer, lines, to_json, write_html
+
+    q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens,
+                 price=DEFAULT_PRICE_PER_HOUR if args.price is None else args.price, storage_gbs=args.storage_gbps,
+                 mtbf_hours=DEFAULT_DEVICE_MTBF_H if args.mtbf_hours is None else args.mtbf_hours,
+                 calibrate_from=args.calibrate, trials=args.trials, seed=args.seed)
+    a = answer(q)
+    print(to_json(a) if args.json else "\n".join(lines(a)))
+    if args.html:
+        print(f"wrote {write_html(q, a, args.html)}", file=sys.stderr if args.json else sys.stdout)
+    return 0

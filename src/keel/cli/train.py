@@ -1,0 +1,154 @@
+"""`keel train`: the checks a start makes before it creates anything, then the launcher or the training loop."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+
+from keel.cli.config import add_config_args, config_from_args
+from keel.cli.data import ensure_corpus
+from keel.config import Config, resolve_layout
+from keel.errors import EXIT_PAUSED, KeelError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train", help="train (or resume) a model")
+    add_config_args(t)
+    t.add_argument("--run-dir", type=Path, help="run directory (default: runs/<config name>)")
+    t.add_argument("--resume", default="auto",
+                   help="auto: latest checkpoint of the run directory (default) · never: start fresh · PATH: "
+                        "that checkpoint")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="launch N processes on this machine through torchrun's elastic agent")
+    t.add_argument("--max-restarts", type=int, default=None,
+                   help="worker-group restarts the elastic agent may make (default: health.max_restarts)")
+    t.add_argument("--nnodes", default="1", help="MIN:MAX nodes of an elastic job: run the same command on every "
+                   "node (with --rdzv-endpoint); the job goes on with at least MIN")
+    t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (one node's address) for "
+                   "--nnodes")
+    t.add_argument("--accept-change", action="append", default=[], metavar="KEY[,KEY]",
+                   help="resume although these identity fields changed (e.g. train.seq_len for a longer context "
+                        "phase); the change is recorded in events.jsonl and every later manifest")
+    t.add_argument("--quiet", action="store_true", help="no progress on the console, only warnings, errors and "
+                   "alerts (everything still goes to RUN_DIR/logs)")
+    t.set_defaults(handler=cmd_train)
+
+
+def in_torchrun_worker() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
+    """The identity fields a resume may change on purpose: `--accept-change`, and the corpus when
+    data.allow_corpus_change is set."""
+    from keel.checkpoint.identity import check_accept_keys
+
+    keys = check_accept_keys(k.strip() for flag in flags for k in flag.split(","))
+    return tuple(sorted(set(keys) | ({"data.corpus"} if cfg.data.allow_corpus_change else set())))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from keel.health.lifeline import die_with_launcher
+    from keel.health.signals import stop_signals_kept
+
+    worker = in_torchrun_worker()
+    if worker:
+        die_with_launcher()
+    with stop_signals_kept():  # from here on a SIGTERM or SIGUSR1 is a pause, whatever the job is doing
+        return _train_command(args, worker)
+
+
+def _train_command(args: argparse.Namespace, worker: bool) -> int:
+    from keel.checkpoint.identity import run_identity
+    from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
+    from keel.checkpoint.manifest import committed
+    from keel.health.signals import stop_requested_early
+    from keel.launch import launch
+    from keel.parallel.mesh import pick_device
+    from keel.rundir.lock import RunLock, held_by_launcher
+    from keel.rundir.quarantine import node_name
+
+    cfg = config_from_args(args)
+    run_dir = args.run_dir or Path("runs") / cfg.name
+    check_train_args(args, cfg, run_dir)
+    if args.quiet:
+        os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
+    nproc = 1 if worker or args.nproc is None else args.nproc
+    elastic = not worker and args.nnodes != "1"
+    if elastic:
+        check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
+    max_restarts = cfg.health.max_restarts if args.max_restarts is None else args.max_restarts
+    if not worker and not elastic:
+        resolve_layout(cfg, nproc)
+    pick_device(cfg.train.device)  # a missing device fails here, before any process starts
+    accepted = accepted_changes(cfg, args.accept_change)
+    corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
+    storage = checkpoint_root(cfg, run_dir)
+    resume = args.resume
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and committed(storage):
+        resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
+    if not worker:
+        check_resume(storage, resume)  # a bad --resume fails here, before any process starts
+        check_resume_identity(storage, resume, run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
+                              accepted)
+        if cfg.model.init_from:
+            from keel.checkpoint.export import check_hf_matches
+
+            check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
+    if not worker and (received := stop_requested_early()):
+        print(f"keel: {received} received before the job started; nothing was changed, run the same command to "
+              f"start it", flush=True)
+        return EXIT_PAUSED
+    # The launcher holds the run directory for the whole job (each node's launcher its own lock in an
+    # elastic job); torchrun's own workers lock it in rank 0.
+    lock = RunLock(run_dir, node_name() if elastic else "")
+    with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
+        if nproc > 1 or max_restarts > 0 or elastic:
+            return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
+                          shutdown_grace_s=cfg.health.shutdown_grace_s,
+                          no_progress_restarts=cfg.health.no_progress_restarts)
+        from keel.drill.faults import as_callbacks
+        from keel.train.trainer import train
+
+        # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
+        return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])
+
+
+def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
+    """What a start can check from its arguments and config alone, before it creates anything."""
+    from keel.drill.faults import check_injections
+    from keel.paths import check_writable_dir
+    from keel.train.callbacks import check_callbacks
+
+    if args.nproc is not None and args.nproc < 1:
+        raise KeelError(f"--nproc {args.nproc}: expected a positive number of processes")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise KeelError(f"--max-restarts {args.max_restarts}: expected 0 or more restarts")
+    check_writable_dir(run_dir, "--run-dir" if args.run_dir else "the run directory")
+    storage = cfg.checkpoint.dir
+    if storage and ("://" not in storage or storage.startswith("file://")):
+        check_writable_dir(Path(storage.removeprefix("file://")), "checkpoint.dir")
+    resume = args.resume
+    if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
+        raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
+    check_callbacks(cfg.callbacks)
+    check_injections(cfg.drill.inject)
+
+
+def check_elastic(nnodes: str, endpoint: str, run_dir: Path) -> None:
+    from keel.rundir.quarantine import is_quarantined, node_name
+
+    lo, _, hi = nnodes.partition(":")
+    if not (lo.isdigit() and (hi or lo).isdigit() and 0 < int(lo) <= int(hi or lo)):
+        raise KeelError(f"--nnodes {nnodes!r}: expected MIN:MAX with 0 < MIN <= MAX, e.g. 1:2")
+    host, _, port = endpoint.rpartition(":")
+    if not (host and port.isdigit()):
+        raise KeelError(f"--rdzv-endpoint {endpoint!r}: an elastic job (--nnodes {nnodes}) needs HOST:PORT of the "
+                        f"rendezvous, the same on every node")
+    if is_quarantined(run_dir, node_name()):
+        raise KeelError(f"node {node_name()} is listed in {run_dir / 'quarantine.json'}; it does not rejoin the run "
+                        f"(`keel quarantine {run_dir} {node_name()} --release` lets it back in)")
+

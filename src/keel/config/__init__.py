@@ -1,0 +1,43 @@
+"""Typed config tree: TOML files, KEY=VALUE overrides, validation with messages that name the field."""
+
+from keel.config.checks import check_vocab_size, resolve_layout
+from keel.config.load import load_config, parse_override, reference, to_toml
+from keel.config.schema import (
+    INT_MAX,
+    SEED_MAX,
+    YEAR_S,
+    AlertsConfig,
+    CallbackSpec,
+    CheckpointConfig,
+    CleanConfig,
+    Config,
+    DataConfig,
+    DecontamConfig,
+    DedupConfig,
+    DrillConfig,
+    EvalConfig,
+    GuardConfig,
+    HealthConfig,
+    Layout,
+    MixturePhase,
+    ModelConfig,
+    MonitorConfig,
+    NumericsConfig,
+    OptimConfig,
+    ParallelConfig,
+    SdcConfig,
+    SourceConfig,
+    SpikeConfig,
+    StragglerConfig,
+    TrainConfig,
+    WatchdogConfig,
+    option,
+)
+
+__all__ = [
+    "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
+    "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "GuardConfig", "HealthConfig",
+    "Layout", "MixturePhase", "ModelConfig", "MonitorConfig", "NumericsConfig", "OptimConfig", "ParallelConfig",
+    "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrainConfig", "WatchdogConfig", "option",
+    "check_vocab_size", "load_config", "parse_override", "reference", "resolve_layout", "to_toml",
+]

@@ -1,0 +1,151 @@
+"""Checks across fields: what no single field's bounds can say, and the layout against the world size."""
+
+from __future__ import annotations
+
+import math
+
+from keel.config.schema import Config, DataConfig, Layout, ModelConfig, TrainConfig
+from keel.errors import ConfigError
+
+
+def check_consistency(cfg: Config) -> None:
+    """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
+    _check_model(cfg.model, cfg.train)
+    if cfg.train.global_batch % cfg.train.micro_batch:
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
+                          f"{cfg.train.micro_batch}")
+    _check_peak_flops(cfg.monitor.peak_flops)
+    _check_mixture(cfg.data)
+    for i, (start, *end) in enumerate(cfg.data.skip_batches):
+        if len(end) != 1 or not 0 <= start < end[0]:
+            raise ConfigError(f"data.skip_batches[{i}] = {[start, *end]}: expected [start, end] with 0 <= start < end")
+    if cfg.guard.spike.warmup > cfg.guard.spike.window:
+        raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
+                          f"{cfg.guard.spike.window}: the window must hold the warm-up steps")
+    for i, cb in enumerate(cfg.callbacks):
+        if ":" not in cb.path:
+            raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
+
+
+def _check_model(m: ModelConfig, t: TrainConfig) -> None:
+    if m.init_from and not m.init_from.startswith("hf:"):
+        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama directory")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads = {m.n_heads} must divide by model.n_kv_heads = {m.n_kv_heads}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+
+
+def _check_peak_flops(peak: str) -> None:
+    if peak in ("auto", "measure"):
+        return
+    try:
+        valid = float(peak) > 0 and math.isfinite(float(peak))
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ConfigError(f"monitor.peak_flops = {peak!r}: expected auto, measure, or a positive number of FLOP/s "
+                          f"such as 989e12")
+
+
+def _check_mixture(data: DataConfig) -> None:
+    for name, source in data.sources.items():
+        if not name.isidentifier():
+            raise ConfigError(f"data.sources.{name}: a source name is letters, digits and underscores, such as web")
+        if not source.paths:
+            raise ConfigError(f"data.sources.{name}.paths is empty: give files, directories, globs or 'stdlib'")
+    phases = [("data.sources", {n: s.weight for n, s in data.sources.items()})]
+    phases += [(f"data.schedule[{i}]", p.weights) for i, p in enumerate(data.schedule)]
+    for where, weights in phases:
+        for name, weight in weights.items():
+            if name not in data.sources:
+                raise ConfigError(f"{where}: unknown source {name!r}; the sources are {', '.join(data.sources)}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+                raise ConfigError(f"{where}: weight {name} = {weight!r}: expected a number >= 0")
+        if not any(w > 0 for w in weights.values()):
+            raise ConfigError(f"{where}: every weight is 0; give at least one source a positive weight")
+    d = data.dedup
+    if (d.bands == 0) != (d.rows == 0) or d.bands * d.rows > d.num_perm:
+        raise ConfigError(f"data.dedup.bands = {d.bands}, rows = {d.rows}: set both (bands × rows <= num_perm = "
+                          f"{d.num_perm}) or neither (0: chosen from the threshold)")
+    steps = [p.step for p in data.schedule]
+    if steps != sorted(set(steps)):
+        raise ConfigError(f"data.schedule steps {steps} must increase strictly")
+    if data.tokenizer != "byte" and not data.tokenizer.startswith("bpe:") and not data.tokenizer.endswith(".json"):
+        raise ConfigError(f"data.tokenizer = {data.tokenizer!r}: expected byte, bpe:VOCAB (e.g. bpe:8192) or the path "
+                          f"of a tokenizer.json")
+
+
+def resolve_layout(cfg: Config, world_size: int) -> Layout:
+    """Check the layout against the world size and the model before any process group exists."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.dp_shard == 0:
+        raise ConfigError("parallel.dp_shard = 0: expected a positive degree or -1 (the processes left over)")
+    fixed = p.pp * p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+    if world_size % fixed:
+        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
+                          f"{p.dp_shard if p.dp_shard > 0 else '-1'} × {p.tp} do not divide the {world_size} processes")
+    dp_shard = p.dp_shard if p.dp_shard > 0 else world_size // fixed
+    dp = p.dp_replicate * dp_shard
+    per_rank = t.global_batch // dp if t.global_batch % dp == 0 else 0
+    microbatches = p.pp_microbatches or (per_rank // t.micro_batch if p.pp > 1 else 0)
+    layout = Layout(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches)
+    if layout.world_size != world_size:
+        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
+                          f"{dp_shard} × {p.tp} = {layout.world_size}, but there are {world_size} processes; the "
+                          f"product must equal them")
+    if p.pp > 1:
+        _check_pipeline(cfg, layout, per_rank)
+    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("train.seq_len", t.seq_len)):
+        if value % p.tp:
+            raise ConfigError(f"{name} = {value} must divide by parallel.tp = {p.tp}")
+    per_step = t.micro_batch * layout.dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch} must divide by train.micro_batch × data-parallel degree = "
+            f"{t.micro_batch} × {layout.dp}; choose a global batch that is a multiple of {per_step}")
+    if cfg.eval.sequences % layout.dp:
+        raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the data-parallel degree = "
+                          f"{layout.dp}")
+    return layout
+
+
+def check_vocab_size(cfg: Config, corpus_vocab: int) -> None:
+    """The embedding must have a row for every token id the corpus holds."""
+    if cfg.model.vocab_size < corpus_vocab:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
+                          f"vocabulary ({corpus_vocab}); set model.vocab_size >= {corpus_vocab}")
+
+
+def _check_pipeline(cfg: Config, layout: Layout, per_rank: int) -> None:
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.pp_stages_per_rank
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers = {m.n_layers} must divide into pp × pp_stages_per_rank = {p.pp} × "
+                          f"{p.pp_stages_per_rank} stages")
+    interleaved = p.pp_schedule.startswith("interleaved")
+    if interleaved and p.pp_stages_per_rank < 2:
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp_stages_per_rank >= 2, "
+                          f"not {p.pp_stages_per_rank}")
+    if not interleaved and p.pp_stages_per_rank != 1:
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank, but "
+                          f"parallel.pp_stages_per_rank = {p.pp_stages_per_rank}; use interleaved_1f1b or 1")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings = true cannot be pipelined: the embedding and the output "
+                          "projection live in different stages; set parallel.pp = 1 or untie them")
+    if per_rank == 0 or layout.pp_microbatches == 0 or per_rank % layout.pp_microbatches:
+        raise ConfigError(f"the global batch per data-parallel rank ({cfg.train.global_batch} / {layout.dp}) must "
+                          f"split into parallel.pp_microbatches = {layout.pp_microbatches} equal micro-batches")
+    if layout.pp_microbatches < p.pp:
+        raise ConfigError(f"parallel.pp_microbatches = {layout.pp_microbatches} must be at least parallel.pp = "
+                          f"{p.pp} to fill the pipeline")
+    val_per_rank = cfg.eval.sequences // layout.dp
+    if val_per_rank % layout.pp_microbatches:
+        raise ConfigError(f"eval.sequences per data-parallel rank ({val_per_rank}) must divide into "
+                          f"parallel.pp_microbatches = {layout.pp_microbatches} micro-batches")
+

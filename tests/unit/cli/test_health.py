@@ -1,0 +1,35 @@
+"""The health commands (`keel pause`, `keel status`, an elastic `keel train`) refuse bad input with one line
+and exit code 2, and a quarantined node does not rejoin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keel.rundir.quarantine import add_to_quarantine
+from tests.conftest import run_keel
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["pause", "{tmp}"], "no keel job is running in"),
+    (["status", "{tmp}/missing"], "does not exist"),
+    (["train", "--nnodes", "2:1", "--rdzv-endpoint", "localhost:29400", "--run-dir", "{tmp}/r"],
+     "--nnodes '2:1': expected MIN:MAX"),
+    (["train", "--nnodes", "1:2", "--run-dir", "{tmp}/r"], "needs HOST:PORT of the rendezvous"),
+])
+def test_health_commands_refuse_bad_input_with_one_line(args: list[str], expect: str, tmp_path: Path) -> None:
+    result = run_keel([a.format(tmp=tmp_path) for a in args], cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], result.stderr
+
+
+def test_a_quarantined_node_does_not_rejoin(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    add_to_quarantine(run_dir, ["n1"], source="keel quarantine", reason="bad")
+    result = run_keel(["train", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400", "--run-dir", str(run_dir)],
+                      cwd=tmp_path, timeout=60, env={"KEEL_NODE": "n1"})
+    assert result.returncode == 2 and "node n1 is listed in" in result.stderr, result.stderr
+    assert "--release" in result.stderr

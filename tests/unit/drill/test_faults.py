@@ -1,0 +1,42 @@
+"""Fault injection specs: each builds its injector, a bad one is a one-line config error, and a bit flip
+changes one bit of one element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.config import load_config
+from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, check_injections, parse_injection
+from keel.errors import ConfigError
+from tests.unit.guard.test_guards import tiny_model_and_optimizer
+
+
+def test_injection_specs_build_injectors() -> None:
+    nan = parse_injection("nan_grads:step=30,rank=1,transient=true")
+    assert isinstance(nan, NanInGradients) and (nan.step, nan.rank, nan.transient) == (30, 1, True)
+    flip = parse_injection("bitflip:step=4,rank=0,target=exp_avg_sq,tensor=2,element=7,bit=31")
+    assert isinstance(flip, BitFlip) and (flip.target, flip.tensor, flip.element, flip.bit) == ("exp_avg_sq", 2, 7, 31)
+    assert isinstance(parse_injection("poison_batch:batch=9"), PoisonedBatch)
+    assert isinstance(parse_injection("skip_update:step=3"), SkipUpdateAt)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("meteor:step=3", "unknown fault 'meteor'"),
+    ("bitflip:step=3,target=weights", "bitflip target 'weights'"),
+    ("nan_grads:step", "expected key=value"),
+    ("nan_grads:when=3", "unexpected keyword"),
+])
+def test_bad_injection_specs_are_config_errors(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_injections(load_config(None, [f'drill.inject=["{spec}"]']).drill.inject)
+
+
+def test_bit_flip_changes_one_bit_of_one_element() -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    flip = BitFlip(step=1, rank=0, target="params", tensor=0, element=5, bit=30)
+    flip.on_build([model], [optimizer])
+    before = model[0].weight.detach().clone()
+    flip._flip(model[0].weight)
+    changed = (before.view(torch.int32) ^ model[0].weight.detach().view(torch.int32)).view(-1)
+    assert changed.count_nonzero() == 1 and changed[5] == 1 << 30
