@@ -27,8 +27,15 @@ test: $(BIN)/keel
 test-fast: $(BIN)/keel
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist"
 
+# Style, complexity and statement counts (ruff), the package's import layers and cycles (import-linter), types
+# (mypy) and function length: every check runs, and any one failing fails the target.
 lint: $(BIN)/keel
-	$(BIN)/ruff check src tests bench
+	@failed=0; \
+	$(BIN)/ruff check src tests bench tools || failed=1; \
+	PYTHONPATH=src $(BIN)/lint-imports || failed=1; \
+	$(BIN)/mypy || failed=1; \
+	$(BIN)/python tools/function_length.py || failed=1; \
+	exit $$failed
 
 bench: $(BIN)/keel
 	$(BIN)/python bench/step_overhead.py

@@ -69,6 +69,9 @@ class KeelAgent(LocalElasticAgent):
     no_progress_limit: int
     outcome: tuple[int, str, bool] | None  # the job's exit code, why, and whether the launcher must say so
     heartbeats: HeartbeatWatch
+    _quarantine_checked: float  # when the quarantine list was last read (monotonic)
+    _stalled: int  # restarts in a row that got no further than the one before
+    _last_step: int  # the furthest step the run reached
 
     def run(self, *args, **kwargs) -> RunResult:
         try:
@@ -167,7 +170,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
         return agent
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = make_agent  # launch_agent builds its agent through this name
+    # launch_agent builds its agent through this name; mypy sees a class replaced by a function.
+    launcher_api.LocalElasticAgent = make_agent  # type: ignore[misc,assignment]
     # Until the agent starts the workers (and installs its own handlers), a stop signal ends the
     # rendezvous the way the agent's would, without closing it for the other nodes.
     for sig in STOP_SIGNALS:
@@ -179,7 +183,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
     finally:
         for sig in STOP_SIGNALS:  # the job's outcome is decided; a late signal changes nothing
             signal.signal(sig, signal.SIG_IGN)
-        launcher_api.LocalElasticAgent = original
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]  # the class back in its place
         if not elastic:  # the workers are gone: their exit (or their crash) until now goes to the ledger
             account_exit(run_dir)
 

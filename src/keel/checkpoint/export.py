@@ -304,18 +304,9 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     with torch.device("meta"):
         model = Llama(cfg)
     # named_parameters lists a tied output projection once, as tok_embeddings.weight.
-    names = [name for name, _ in model.named_parameters()]
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    stored: dict[str, torch.dtype] = {}
-    for name in names:
-        meta = metadata.state_dict_metadata.get(f"model.{name}")
-        if not isinstance(meta, TensorStorageMetadata):
-            raise CheckpointError(f"{str(checkpoint)!r} has no model tensor {name!r}; export with the model config "
-                                  f"the checkpoint was trained with")
-        if meta.size != shapes[name]:
-            raise CheckpointError(f"{str(checkpoint)!r} holds {name!r} with shape {list(meta.size)}, the model config "
-                                  f"expects {list(shapes[name])}; export with the config it was trained with")
-        stored[name] = meta.properties.dtype
+    names = list(shapes)
+    stored = _stored_dtypes(checkpoint, metadata, shapes)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [math.prod(shapes[name]) * itemsize for name in names]
     groups = _shards(sizes, max_shard_bytes)
@@ -330,15 +321,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
         weight_map: dict[str, str] = {}
         for group, file in zip(groups, files, strict=True):
             part = {names[i]: torch.empty(shapes[names[i]], dtype=stored[names[i]]) for i in group}
-            with warnings.catch_warnings():  # DCP warns that it assumes one process, which is what we mean
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                try:
-                    dcp.load({"model": part}, storage_reader=_reader(checkpoint), no_dist=True)
-                except CheckpointException as e:
-                    causes = sorted({f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-                                     for err, _ in e.failures.values()})
-                    raise CheckpointError(f"cannot read the model from {str(checkpoint)!r}: "
-                                          f"{'; '.join(causes)}") from None
+            _load_model_tensors(checkpoint, part)
             tensors = {}
             for name, tensor in part.items():
                 heads = _rope_heads(name, cfg)
@@ -357,20 +340,53 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
                                                          "pad": tokenizer.pad}
         (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, special_tokens), indent=2) + "\n")
         written.append(CONFIG)
-        for file in written:
-            (tmp / file).chmod(0o644)  # safetensors creates its files private
-            fsync_path(tmp / file)
-        tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
-        check_export_target(out)  # again: something may have appeared while we wrote
-        try:
-            os.rename(tmp, out)  # replaces only a missing or empty directory
-        except OSError as e:
-            raise CheckpointError(f"cannot move the export into {str(out)!r}: {e.strerror}; nothing was "
-                                  f"overwritten") from None
-        fsync_path(out.parent)
+        _move_into_place(tmp, out, written)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / file for file in written]
+
+
+def _stored_dtypes(checkpoint: Path | str, metadata: Metadata, shapes: dict[str, torch.Size]) -> dict[str, torch.dtype]:
+    """The dtype each model tensor is stored in; refuses a checkpoint that lacks one or holds another shape."""
+    stored: dict[str, torch.dtype] = {}
+    for name, shape in shapes.items():
+        meta = metadata.state_dict_metadata.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{str(checkpoint)!r} has no model tensor {name!r}; export with the model config "
+                                  f"the checkpoint was trained with")
+        if meta.size != shape:
+            raise CheckpointError(f"{str(checkpoint)!r} holds {name!r} with shape {list(meta.size)}, the model config "
+                                  f"expects {list(shape)}; export with the config it was trained with")
+        stored[name] = meta.properties.dtype
+    return stored
+
+
+def _load_model_tensors(checkpoint: Path | str, part: dict[str, torch.Tensor]) -> None:
+    """Fill `part` (model tensor name -> tensor) from the checkpoint, in this one process."""
+    with warnings.catch_warnings():  # DCP warns that it assumes one process, which is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        try:
+            dcp.load({"model": part}, storage_reader=_reader(checkpoint), no_dist=True)
+        except CheckpointException as e:
+            causes = sorted({f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                             for err, _ in e.failures.values()})
+            raise CheckpointError(f"cannot read the model from {str(checkpoint)!r}: "
+                                  f"{'; '.join(causes)}") from None
+
+
+def _move_into_place(tmp: Path, out: Path, written: list[str]) -> None:
+    """Make the finished export in `tmp` durable and shared, then rename it to `out` (missing or empty)."""
+    for file in written:
+        (tmp / file).chmod(0o644)  # safetensors creates its files private
+        fsync_path(tmp / file)
+    tmp.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
+    check_export_target(out)  # again: something may have appeared while we wrote
+    try:
+        os.rename(tmp, out)  # replaces only a missing or empty directory
+    except OSError as e:
+        raise CheckpointError(f"cannot move the export into {str(out)!r}: {e.strerror}; nothing was "
+                              f"overwritten") from None
+    fsync_path(out.parent)
 
 
 # ---------------------------------------------------------------- import
@@ -405,12 +421,12 @@ def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: Path) -> None:
+def load_hf_weights(model: Llama, path: Path) -> None:
     """Fill a keel Llama, or a pipeline stage of one, from a Hugging Face Llama directory: the counterpart
     of `init_weights` for a run that starts from pretrained weights. Parameters may be DTensors; each
     process reads the full tensors it needs (lazily, one at a time) and keeps its own shard."""
     path = Path(path)
-    cfg: ModelConfig = model.cfg
+    cfg = model.cfg
     check_hf_matches(path, cfg)
     model.reset_buffers()
     where = _hf_files(path)

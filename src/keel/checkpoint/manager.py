@@ -50,6 +50,7 @@ from keel.checkpoint.manifest import (
     MANIFEST,
     aside_name,
     check_files,
+    checkpoint_step,
     checkpoints,
     committed,
     manifest_json,
@@ -152,12 +153,12 @@ class CheckpointManager:
         torch.save(rng_state(), rng)
         train_state = json.dumps(state.to_dict(), indent=1).encode()
         blocking_s = time.perf_counter() - started
-        self.pending = Future()
+        pending = self.pending = Future()
         args = (state.step, state.tokens_seen, staged, rng.getvalue(), train_state, blocking_s, state.train_seconds)
         # A daemon thread: if a peer dies mid-save, this process can still exit.
-        threading.Thread(target=self._run, args=(self.pending, args), name="keel-checkpoint", daemon=True).start()
+        threading.Thread(target=self._run, args=(pending, args), name="keel-checkpoint", daemon=True).start()
         if wait or not self.policy.async_save:
-            finished.append(self.finish())
+            finished.append(self._wait(pending))
             finished[-1].waited_s = 0.0  # a synchronous save: the wait is the save itself, not a slow previous one
         return finished
 
@@ -166,10 +167,11 @@ class CheckpointManager:
 
     def finish(self) -> SaveOutcome | None:
         """Wait for the save in flight, if any, and return its outcome."""
-        if self.pending is None:
-            return None
+        return None if self.pending is None else self._wait(self.pending)
+
+    def _wait(self, pending: Future[SaveOutcome]) -> SaveOutcome:
         started = time.perf_counter()
-        outcome = self.pending.result()
+        outcome = pending.result()
         outcome.waited_s = time.perf_counter() - started
         self.pending = None
         return outcome
@@ -283,10 +285,10 @@ class CheckpointManager:
 
     def _explain(self, failures: list[Failure], need: int) -> tuple[str, str]:
         """One line for the failed save, and the volume's errno name when the volume refused it."""
-        volume = next((f for f in failures if f[1] is not None), None)
+        volume = next(((code, path, free) for _, code, path, free in failures if code is not None), None)
         if volume is None:
             return "; ".join(sorted({text for text, *_ in failures})), ""
-        _, code, path, free = volume
+        code, path, free = volume
         have = f", {size_text(free)} ({free} bytes) free" if free is not None else ""
         return (f"{os.strerror(code)} ({errno.errorcode[code]}) on {path or self.storage.path()}: the checkpoint "
                 f"needs {size_text(need)} ({need} bytes){have}"), errno.errorcode[code]
@@ -299,10 +301,10 @@ class CheckpointManager:
         one that does not is set aside. Checkpoints being written are never in the list (`.tmp`)."""
         kept, pruned = 0, []
         for name in checkpoints(self.storage)[::-1]:
-            if name == newest or (self.policy.keep_every and step_of(name) % self.policy.keep_every == 0):
+            if name == newest or (self.policy.keep_every and checkpoint_step(name) % self.policy.keep_every == 0):
                 kept += name == newest
             elif self._verify(name):
-                self._set_aside(name, self._verify(name)[0], step_of(newest))
+                self._set_aside(name, self._verify(name)[0], checkpoint_step(newest))
             elif kept < self.policy.keep_last:
                 kept += 1
             elif self.storage.remove_unless_read(name):
@@ -339,7 +341,7 @@ class CheckpointManager:
         retired: list[str] = []
         if self.rank == 0:
             for name in checkpoints(self.storage):
-                if step_of(name) <= step:
+                if checkpoint_step(name) <= step:
                     continue
                 if self._verify(name):
                     self._set_aside(name, self._verify(name)[0], now)
@@ -381,15 +383,23 @@ class CheckpointManager:
         error lists them all. `never` sets aside those that do not verify, so the new run's saves
         never replace them."""
         if resume == "never":
-            if self.rank == 0:
-                for name in checkpoints(self.storage):
-                    if self._verify(name):
-                        self._set_aside(name, self._verify(name)[0], 0)
-            dist.barrier()
+            self._set_aside_unverified()
             return None
         if resume != "auto":
             storage, name = locate(resume)
             return self._load(storage, name, parts, optimizers), storage.path(name)
+        return self._restore_newest(parts, optimizers, say)
+
+    def _set_aside_unverified(self) -> None:
+        """Every rank calls this; rank 0 sets aside the checkpoints that do not verify."""
+        if self.rank == 0:
+            for name in checkpoints(self.storage):
+                if self._verify(name):
+                    self._set_aside(name, self._verify(name)[0], 0)
+        dist.barrier()
+
+    def _restore_newest(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                        say: Callable[[str], None]) -> tuple[TrainState, str] | None:
         failed: list[tuple[str, str]] = []
         for name in checkpoints(self.storage)[::-1]:
             try:
@@ -401,13 +411,14 @@ class CheckpointManager:
             for bad, why in failed:
                 say(f"warning: skipping checkpoint {self.storage.path(bad)}: {why}")
                 if self.rank == 0:
-                    self.events.emit("checkpoint", step_of(bad), "skipped", path=self.storage.path(bad), reason=why)
-                    self._set_aside(bad, why, step_of(bad))
+                    self.events.emit("checkpoint", checkpoint_step(bad), "skipped", path=self.storage.path(bad),
+                                     reason=why)
+                    self._set_aside(bad, why, checkpoint_step(bad))
             if failed and self.rank == 0:
                 try:
                     self.storage.set_latest(name)
                 except OSError as e:  # `latest` is a convenience: resuming needs only the checkpoint
-                    self.events.emit("checkpoint", step_of(name), "warning", path=self.storage.path(name),
+                    self.events.emit("checkpoint", checkpoint_step(name), "warning", path=self.storage.path(name),
                                      error=f"latest could not be moved to it: {_first_line(e)}")
             return state, self.storage.path(name)
         if failed:

@@ -29,6 +29,14 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(name: str) -> int:
+    """The step of a checkpoint that `checkpoints` listed."""
+    step = step_of(name)
+    if step is None:
+        raise ValueError(f"{name!r} is not a checkpoint name (step-NNNNNN)")
+    return step
+
+
 def read_manifest(storage: Storage, name: str) -> dict | None:
     """The manifest of `name`, or None when it has none (an unfinished checkpoint)."""
     try:

@@ -8,6 +8,7 @@ spec around a host copy of its local shard, which is all DCP needs to write it.
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,7 +33,7 @@ class HostStager:
         local = value.to_local() if isinstance(value, DTensor) else value
         holder = self.staged.get(key)
         buffer = holder.to_local() if isinstance(holder, DTensor) else holder
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+        if holder is None or buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
             buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
             if isinstance(value, DTensor):
                 # Same spec, host storage: what DCP's own stager builds, without its generic traversal.
@@ -40,8 +41,9 @@ class HostStager:
                     holder = DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
                                                 shape=value.shape, stride=value.stride())
                 else:  # a device mesh: from_local would move the buffer to the device
-                    holder = value.detach().to("cpu")
-                    holder._local_tensor = buffer
+                    on_host = cast(DTensor, value.detach().to("cpu"))  # a DTensor's copy is a DTensor
+                    on_host._local_tensor = buffer
+                    holder = on_host
             else:
                 holder = buffer
             self.staged[key] = holder

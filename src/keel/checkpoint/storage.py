@@ -243,7 +243,8 @@ def size_text(n: float) -> str:
 def volume_error(e: BaseException) -> OSError | None:
     """The volume's error behind `e`, however it is wrapped: DCP gathers each rank's exception into a
     CheckpointException, and torch's zip writer raises a RuntimeError from the failed write."""
-    seen, todo = set(), [e]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:

@@ -43,6 +43,7 @@ import re
 import unicodedata
 from collections.abc import Iterable
 from functools import cache
+from typing import Literal, cast
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from keel.config import CleanConfig
 FILTERS = ("too_short", "too_long", "generated", "duplicate_lines", "top_ngram", "symbol_fraction",
            "alpha_fraction", "code_alnum")
 TRANSFORMS = ("line_ends", "unicode", "control", "license_header")
+UnicodeForm = Literal["NFC", "NFD", "NFKC", "NFKD"]
 SAMPLE_CHARS = 2000
 GENERATED_HEAD_LINES = 5
 GENERATED_HEAD_CHARS = 1000
@@ -210,8 +212,10 @@ class Cleaner:
         text = self._count("line_ends", text, new)
         if not cfg.enabled:
             return text
-        if cfg.unicode_form != "none" and not unicodedata.is_normalized(cfg.unicode_form, text):
-            text = self._count("unicode", text, unicodedata.normalize(cfg.unicode_form, text))
+        if cfg.unicode_form != "none":
+            form = cast(UnicodeForm, cfg.unicode_form)  # the config accepts only these and "none"
+            if not unicodedata.is_normalized(form, text):
+                text = self._count("unicode", text, unicodedata.normalize(form, text))
         if cfg.strip_control and (text.startswith("\ufeff") or _CONTROL.search(text)):
             text = self._count("control", text, _CONTROL.sub("", text.removeprefix("\ufeff")))
         if is_code and cfg.strip_license_headers:

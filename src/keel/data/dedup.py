@@ -265,7 +265,8 @@ class MinHasher:
         return mins.T.astype(np.uint32)
 
 
-def candidate_probability(similarity: np.ndarray | float, bands: int, rows: int) -> np.ndarray:
+def candidate_probability(similarity: np.ndarray | float, bands: np.ndarray | int,
+                          rows: np.ndarray | int) -> np.ndarray:
     """Chance that two documents of Jaccard similarity J share at least one band: 1 - (1 - J^r)^b."""
     return 1.0 - (1.0 - np.asarray(similarity, dtype=np.float64) ** rows) ** bands
 

@@ -156,6 +156,10 @@ class BatchPlan(NamedTuple):
     counts: tuple[int, ...]
 
 
+# What the prefetch thread hands the training thread: a batch and its plan, or the error that ended the thread.
+Prefetched = tuple[BatchPlan, list[tuple[torch.Tensor, torch.Tensor]]] | tuple[None, BaseException]
+
+
 def _source_key(name: str) -> int:
     """A stable integer for a source name, so that a source's order does not depend on its position."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
@@ -191,7 +195,7 @@ class GlobalOrderLoader:
         self.last_batch = -1  # the global batch number of the batch handed out last
         self.last_counts = [0] * len(self.names)  # its sequences per source
         self._perms: list[tuple[int, np.ndarray]] = [(-1, np.empty(0, dtype=np.int64))] * len(self.names)
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[Prefetched] = queue.Queue(prefetch)  # each start makes its own
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         for start, end in skips or []:
@@ -296,7 +300,7 @@ class GlobalOrderLoader:
             try:
                 number, consumed = self._past_skips(number, consumed, skips)
                 plan = self.plan(number, consumed)
-                item: tuple[BatchPlan | None, object] = (plan, self.rank_micro_batches(plan))
+                item: Prefetched = (plan, self.rank_micro_batches(plan))
             except BaseException as e:  # handed to the training thread, which raises it
                 item = (None, e)
             while not self._stop.is_set():
@@ -312,7 +316,7 @@ class GlobalOrderLoader:
 
     def _start(self) -> None:
         self._stop.clear()
-        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._queue = queue.Queue(self.prefetch)
         # The thread works on copies: next() updates the loader's own state from what the thread hands over.
         self._thread = threading.Thread(target=self._produce, args=(self.batch, list(self.consumed),
                                                                     list(self.skips)),
@@ -322,10 +326,11 @@ class GlobalOrderLoader:
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._thread is None:
             self._start()
-        plan, batch = self._queue.get()
-        if plan is None:
+        item = self._queue.get()
+        if item[0] is None:
             self.close()
-            raise batch
+            raise item[1]
+        plan, batch = item
         self.cursor += (plan.number + 1 - self.batch) * self.global_batch
         self.batch = plan.number + 1
         self.consumed = [c + n for c, n in zip(plan.before, plan.counts, strict=True)]

@@ -104,6 +104,11 @@ def _marked(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _marks(work: Path, stage: str, count: int) -> list[dict]:
+    """The records every input's task of `stage` marked done with (all of them ran)."""
+    return [json.loads((work / f"{i:06d}.{stage}").read_text()) for i in range(count)]
+
+
 # ---------------------------------------------------------------- stage 1: scan
 
 def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
@@ -111,7 +116,8 @@ def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
     marker = work / f"{index:06d}.scan"
     if marker.is_file():
         return
-    cleaner, malformed = Cleaner(data.clean), []
+    cleaner = Cleaner(data.clean)
+    malformed: list[str] = []
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
     paths = {kind: work / f"{index:06d}.{kind}" for kind in ("text", "meta", "sig")}
@@ -245,24 +251,25 @@ def _keep_slices(work: Path, inputs: list[InputFile]) -> list[np.ndarray]:
 # ---------------------------------------------------------------- stage 3: tokenizer
 
 def _tokenizer(work: Path, keep: list[np.ndarray], data: DataConfig) -> Tokenizer:
-    kind, arg = parse_tokenizer_spec(data.tokenizer)
+    spec = parse_tokenizer_spec(data.tokenizer)
     marker = work / "tokenizer.done"
-    if kind == "byte":
-        tokenizer = open_tokenizer(work, {"name": "byte"})
-        _mark(marker, tokenizer.describe())
-        return tokenizer
-    if kind == "file":
-        shutil.copyfile(arg, work / "tokenizer.json")
-    elif _marked(marker) is None:
-        def training_texts() -> Iterator[str]:
-            for i, rows in enumerate(keep):
-                meta = _read_meta(work, i)
-                rows = rows[meta["val"][rows] == 0]
-                for _, text in _texts(work, i, meta, rows):
-                    yield text
+    match spec:
+        case ("byte", _):
+            tokenizer = open_tokenizer(work, {"name": "byte"})
+            _mark(marker, tokenizer.describe())
+            return tokenizer
+        case ("file", path):
+            shutil.copyfile(path, work / "tokenizer.json")
+        case ("bpe", vocab) if _marked(marker) is None:
+            def training_texts() -> Iterator[str]:
+                for i, rows in enumerate(keep):
+                    meta = _read_meta(work, i)
+                    rows = rows[meta["val"][rows] == 0]
+                    for _, text in _texts(work, i, meta, rows):
+                        yield text
 
-        train_bpe(training_texts(), arg).save(work)
-    tokenizer = open_tokenizer(work, {"name": kind, "file": "tokenizer.json",
+            train_bpe(training_texts(), vocab).save(work)
+    tokenizer = open_tokenizer(work, {"name": spec[0], "file": "tokenizer.json",
                                       "sha256": sha256_file(work / "tokenizer.json")})
     _mark(marker, tokenizer.describe())
     return tokenizer
@@ -282,7 +289,8 @@ def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: 
     dtype = token_dtype(tokenizer.vocab_size)
     part = f".{os.getpid()}.tmp"
     outputs = {split: (work / f"{index:06d}.{split}.tok", work / f"{index:06d}.{split}.len") for split in SPLITS}
-    contaminated, samples = 0, []
+    contaminated = 0
+    samples: list[dict] = []
     with ExitStack() as stack:
         files = {split: (stack.enter_context(open(a.with_name(a.name + part), "wb")),
                          stack.enter_context(open(b.with_name(b.name + part), "wb")))
@@ -369,8 +377,8 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
                 if f.source != source:
                     continue
                 lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
-                with open(work / f"{i:06d}.{split}.tok", "rb") as f:
-                    while len(tokens := np.fromfile(f, dtype=dtype, count=COPY_TOKENS)):
+                with open(work / f"{i:06d}.{split}.tok", "rb") as tok_file:
+                    while len(tokens := np.fromfile(tok_file, dtype=dtype, count=COPY_TOKENS)):
                         counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
                         writer.write(tokens)
             writer.close()
@@ -399,9 +407,29 @@ def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bo
 
 def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[InputFile], out: Path, force: bool,
                     progress: bool) -> dict:
-    kind, arg = parse_tokenizer_spec(data.tokenizer)
+    spec = parse_tokenizer_spec(data.tokenizer)
     settings = _settings(data)
-    fingerprint = _content_fingerprint(settings, inputs, evals, arg if kind == "file" else None)
+    fingerprint = _content_fingerprint(settings, inputs, evals, spec[1] if spec[0] == "file" else None)
+    existing = _existing_corpus(out, fingerprint, force)
+    if existing is not None:
+        return existing
+    work = out.parent / f".{out.name}.work-{fingerprint[:16]}"
+    work.mkdir(exist_ok=True)
+    stages = _run_stages(work, data, inputs, evals, progress)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        manifest = _write_corpus(tmp, work, data, inputs, stages, settings, fingerprint)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, out)
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _existing_corpus(out: Path, fingerprint: str, force: bool) -> dict | None:
+    """The manifest of the corpus already at `out` when it was prepared the same way; None when `out` is free
+    to (re)build. Refuses to replace another corpus without `force`, and anything that is not a corpus."""
     if (out / MANIFEST).exists():
         try:
             existing = json.loads((out / MANIFEST).read_text())
@@ -414,69 +442,77 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
                             f"choose another --out or pass --force to replace it")
     elif out.exists() and any(out.iterdir()):
         raise DataError(f"{str(out)!r} exists and is not a prepared corpus; choose an empty or new --out directory")
+    return None
 
-    work = out.parent / f".{out.name}.work-{fingerprint[:16]}"
-    work.mkdir(exist_ok=True)
+
+@dataclasses.dataclass
+class _Stages:
+    """What stages 1 to 4 leave for the shards and the stats."""
+
+    scans: list[dict]
+    dedup: dict
+    tokenizer: Tokenizer
+    contamination: dict | None
+    encodes: list[dict]
+
+
+def _run_stages(work: Path, data: DataConfig, inputs: list[InputFile], evals: list[InputFile],
+                progress: bool) -> _Stages:
     workers = data.workers or min(8, os.cpu_count() or 1)
     total_bytes = sum(f.size for f in inputs)
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
-
     bar = Progress("clean and hash", total_bytes, progress)
     run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
     bar.finish()
-    scans = [_marked(work / f"{i:06d}.scan") for i in range(len(inputs))]
-    say("deduplicating ...")
+    scans = _marks(work, "scan", len(inputs))
+    if progress:
+        print("deduplicating ...", file=sys.stderr, flush=True)
     dedup = _dedup(work, inputs, data)
     keep = _keep_slices(work, inputs)
     tokenizer = _tokenizer(work, keep, data)
-    if data.decontam.enabled:
-        contamination = _contamination_set(work, keep, evals, data)
+    contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
     bar = Progress("decontaminate and tokenize", total_bytes, progress)
     run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
     bar.finish()
-    encodes = [_marked(work / f"{i:06d}.encode") for i in range(len(inputs))]
+    return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(inputs)))
 
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        dtype = token_dtype(tokenizer.vocab_size)
-        entries, totals = _write_shards(work, tmp, inputs, data, dtype, tokenizer)
-        tokenizer.save(tmp)
-        stats = _stats(inputs, scans, dedup, encodes, totals, tokenizer,
-                       contamination if data.decontam.enabled else None)
-        for split in SPLITS:
-            if not any(totals[(s, split)]["documents"] for s in data.sources):
-                raise DataError(f"sources {', '.join(data.sources)} give {stats['documents']['train']} training and "
-                                f"{stats['documents']['val']} validation documents after cleaning and dedup; both "
-                                f"splits need at least one (more documents or another data.val_fraction)")
-        _write_removed(tmp, scans, dedup, encodes, data.clean.samples)
-        corpus_fp = hashlib.sha256(json.dumps([tokenizer.describe(), [e["sha256"] for e in entries]])
-                                   .encode()).hexdigest()
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "sources": {name: {"paths": s.paths, "files": sum(f.source == name for f in inputs)}
-                        for name, s in data.sources.items()},
-            "source_files": len(inputs),
-            "source_bytes": stats["source_bytes"],
-            "prepare_fingerprint": fingerprint,
-            "settings": settings,
-            "tokenizer": tokenizer.describe(),
-            "dtype": dtype.name,
-            "val_fraction": data.val_fraction,
-            "documents": stats["documents"],
-            "tokens": stats["tokens"],
-            "text_bytes": stats["text_bytes"],  # the UTF-8 bytes the tokens stand for: bits per byte
-            "files": entries,
-            "fingerprint": corpus_fp,
-            "stats": {"unigram_entropy_nats": stats["unigram_entropy_nats"],
-                      "tokens_per_byte": stats["tokens_per_byte"]},
-        }
-        (tmp / STATS).write_text(json.dumps(stats, indent=1) + "\n")
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, out)
-    shutil.rmtree(work, ignore_errors=True)
+
+def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFile], stages: _Stages,
+                  settings: dict, fingerprint: str) -> dict:
+    """Stage 5 into `tmp`: the shards, the tokenizer, the stats, the removed samples and the manifest."""
+    tokenizer = stages.tokenizer
+    dtype = token_dtype(tokenizer.vocab_size)
+    entries, totals = _write_shards(work, tmp, inputs, data, dtype, tokenizer)
+    tokenizer.save(tmp)
+    stats = _stats(inputs, stages.scans, stages.dedup, stages.encodes, totals, tokenizer, stages.contamination)
+    for split in SPLITS:
+        if not any(totals[(s, split)]["documents"] for s in data.sources):
+            raise DataError(f"sources {', '.join(data.sources)} give {stats['documents']['train']} training and "
+                            f"{stats['documents']['val']} validation documents after cleaning and dedup; both "
+                            f"splits need at least one (more documents or another data.val_fraction)")
+    _write_removed(tmp, stages.scans, stages.dedup, stages.encodes, data.clean.samples)
+    corpus_fp = hashlib.sha256(json.dumps([tokenizer.describe(), [e["sha256"] for e in entries]])
+                               .encode()).hexdigest()
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "sources": {name: {"paths": s.paths, "files": sum(f.source == name for f in inputs)}
+                    for name, s in data.sources.items()},
+        "source_files": len(inputs),
+        "source_bytes": stats["source_bytes"],
+        "prepare_fingerprint": fingerprint,
+        "settings": settings,
+        "tokenizer": tokenizer.describe(),
+        "dtype": dtype.name,
+        "val_fraction": data.val_fraction,
+        "documents": stats["documents"],
+        "tokens": stats["tokens"],
+        "text_bytes": stats["text_bytes"],  # the UTF-8 bytes the tokens stand for: bits per byte
+        "files": entries,
+        "fingerprint": corpus_fp,
+        "stats": {"unigram_entropy_nats": stats["unigram_entropy_nats"],
+                  "tokens_per_byte": stats["tokens_per_byte"]},
+    }
+    (tmp / STATS).write_text(json.dumps(stats, indent=1) + "\n")
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

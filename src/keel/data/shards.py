@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -100,7 +101,8 @@ class ShardWriter:
                  entries: list[dict]) -> None:
         self.directory, self.prefix, self.source, self.split = directory, prefix, source, split
         self.dtype, self.size, self.entries = dtype, size, entries
-        self.file, self.in_file, self.written, self.number = None, 0, 0, 0
+        self.file: BinaryIO | None = None
+        self.in_file, self.written, self.number = 0, 0, 0
 
     def write(self, tokens: np.ndarray) -> None:
         while len(tokens):
@@ -117,14 +119,14 @@ class ShardWriter:
             self.written += len(take)
             tokens = tokens[len(take):]
             if self.in_file == self.size:
-                self._end()
+                self._end(self.file)
 
-    def _end(self) -> None:
-        self.file.close()
+    def _end(self, file: BinaryIO) -> None:
+        file.close()
         self.entries.append({"name": self.name, "source": self.source, "split": self.split, "tokens": self.in_file,
                              "sha256": self.hash.hexdigest()})
         self.file, self.number = None, self.number + 1
 
     def close(self) -> None:
         if self.file is not None:
-            self._end()
+            self._end(self.file)

@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -52,6 +52,8 @@ SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")  # what train_bpe adds, ids 0, 1, 2
 BOS_NAMES = ("<|bos|>", "<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>")
 EOS_NAMES = ("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+# data.tokenizer, parsed: the byte tokenizer, BPE of a vocabulary size, or a tokenizer.json.
+TokenizerSpec = tuple[Literal["byte"], None] | tuple[Literal["bpe"], int] | tuple[Literal["file"], Path]
 _SPEC_FORMS = f"byte, bpe:VOCAB ({MIN_BPE_VOCAB} to {MAX_BPE_VOCAB}) or the path of a tokenizer.json"
 
 
@@ -313,7 +315,7 @@ def load_tokenizer_file(path: Path, name: str = "file") -> FileTokenizer:
     return FileTokenizer(name, data, str(path))
 
 
-def parse_tokenizer_spec(spec: str) -> tuple[str, int | Path | None]:
+def parse_tokenizer_spec(spec: str) -> TokenizerSpec:
     """("byte", None), ("bpe", vocab) or ("file", path) for data.tokenizer."""
     if spec == "byte":
         return "byte", None

@@ -396,7 +396,7 @@ def _run(drill: Drill, run_dir: Path, overrides: list[str], faults: Sequence[Fau
     """Launch until the run finishes: SIGTERM to the launcher at each preemption step (one per launch),
     a relaunch after each pause, and after a failure a few times; all within `timeout` seconds. Returns
     the launches and, by fault index, when and at which step each preemption was sent."""
-    preemptions = [i for i, f in enumerate(faults) if f.outside is not None]
+    preemptions = {i: f.outside for i, f in enumerate(faults) if f.outside is not None}
     sent: dict[int, dict[str, Any]] = {}
     launches: list[dict[str, Any]] = []
     deadline = time.time() + timeout
@@ -409,7 +409,7 @@ def _run(drill: Drill, run_dir: Path, overrides: list[str], faults: Sequence[Fau
                 if due is not None and not signalled:
                     status = _status(run_dir)
                     if status.get("state") == "running" and status.get("step", 0) >= faults[due].step:
-                        job.proc.send_signal(getattr(signal, faults[due].outside.signal))
+                        job.proc.send_signal(getattr(signal, preemptions[due].signal))
                         signalled = sent[due] = {"time": time.time(), "step": status.get("step", 0)}
                 time.sleep(POLL_S)
             code = job.wait(deadline - job.started)
@@ -450,14 +450,7 @@ def judge_chaos(faults: Sequence[Fault], run_dir: Path, ref_dir: Path, steps: in
         broken.append("processes outlived the launcher")
 
     results = [_judge_fault(i, fault, events, sent.get(i)) for i, fault in enumerate(faults)]
-    for r in results:
-        what = f"{r['kind']} at step {r['step']}"
-        if not r["fired"]:
-            broken.append(f"{what} never fired")
-        elif r["detected_by"] is None:
-            broken.append(f"{what} went undetected (no {r['expected']} event)")
-        elif r["recover_s"] is None:
-            broken.append(f"{what}: no {'/'.join(RECOVERED_BY[r['kind']] or ())} event after its detection")
+    broken += _faults_broken(results)
 
     kept_skips = _kept_skips(events)
     if final.is_dir() and kept_skips != skipped_steps(faults):
@@ -492,6 +485,20 @@ def judge_chaos(faults: Sequence[Fault], run_dir: Path, ref_dir: Path, steps: in
     }
 
 
+def _faults_broken(results: list[dict[str, Any]]) -> list[str]:
+    """For each fault judged, whether it failed to fire, to be detected or to be recovered from."""
+    broken = []
+    for r in results:
+        what = f"{r['kind']} at step {r['step']}"
+        if not r["fired"]:
+            broken.append(f"{what} never fired")
+        elif r["detected_by"] is None:
+            broken.append(f"{what} went undetected (no {r['expected']} event)")
+        elif r["recover_s"] is None:
+            broken.append(f"{what}: no {'/'.join(RECOVERED_BY[r['kind']] or ())} event after its detection")
+    return broken
+
+
 def _judge_fault(index: int, fault: Fault, events: list[dict], signalled: dict[str, Any] | None) -> dict[str, Any]:
     kind, actions = DETECT[fault.kind]
     if fault.outside is not None:
@@ -500,15 +507,19 @@ def _judge_fault(index: int, fault: Fault, events: list[dict], signalled: dict[s
         fired = next((e for e in events if e["kind"] == "drill" and e["action"] == "inject"
                       and e["detail"].get("fault") == fault.inject), None)
         fired_at, fired_step = (fired["time"], fired["step"]) if fired else (None, None)
-    detected = recovered = None
+    detected = None
     if fired_at is not None:
         detected = next((e for e in events if e["kind"] == kind and (not actions or e["action"] in actions)
                          and e["time"] >= fired_at - SLACK_S and _names_rank(e, RANK) and _at_step(fault, e)),
                         None)
     until = RECOVERED_BY[fault.kind]
-    if detected is not None and until is not None:
+    recover_s = None
+    if detected is not None and until is None:
+        recover_s = 0.0
+    elif detected is not None and until is not None:
         recovered = next((e for e in events if e["kind"] == until[0] and e["action"] == until[1]
                           and e["time"] >= detected["time"]), None)
+        recover_s = round(recovered["time"] - detected["time"], 2) if recovered else None
     return {
         "index": index, "kind": fault.kind, "step": fault.step, "spec": fault.spec,
         "fired": fired_at is not None, "fired_at_step": fired_step,
@@ -516,8 +527,7 @@ def _judge_fault(index: int, fault: Fault, events: list[dict], signalled: dict[s
         "detected_by": f"{detected['kind']}/{detected['action']}" if detected else None,
         "detected_at_step": detected["step"] if detected else None,
         "detect_s": round(max(0.0, detected["time"] - fired_at), 2) if detected else None,
-        "recover_s": (round(recovered["time"] - detected["time"], 2) if recovered else
-                      0.0 if detected and until is None else None),
+        "recover_s": recover_s,
     }
 
 

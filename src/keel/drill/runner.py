@@ -253,7 +253,7 @@ def not_run(scenario: Scenario, why: str) -> dict[str, Any]:
 
 
 def _newest_committed(checkpoints: Path) -> tuple[int, Path]:
-    steps = sorted((step_of(d.name), d) for d in checkpoints.iterdir() if step_of(d.name) and (d / MANIFEST).exists())
+    steps = sorted((step, d) for d in checkpoints.iterdir() if (step := step_of(d.name)) and (d / MANIFEST).exists())
     if not steps:
         raise DrillError(f"no committed checkpoint in {checkpoints} to damage")
     return steps[-1]
@@ -322,49 +322,15 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     """Compare a faulted run with its reference: final state, losses, detection, recovery, goodput, events."""
     events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
     metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    broken: list[str] = []
-
     final, ref_final = _final(run_dir, steps), _final(ref_dir, steps)
     state_equal = final.is_dir() and state_sha256(final) == state_sha256(ref_final)
     losses, ref_losses = _losses(metrics), _losses(read_jsonl(ref_dir / "metrics.jsonl"))
     common = sorted(set(losses) & set(ref_losses))
-    if not final.is_dir():
-        broken.append(f"no final checkpoint at step {steps}")
-    elif scenario.compare == CLOSE:
-        tokens, ref_tokens = _json(run_dir / "summary.json").get("tokens_seen"), \
-            _json(ref_dir / "summary.json").get("tokens_seen")
-        far = [s for s in common if abs(losses[s] - ref_losses[s]) > CLOSE_RTOL * abs(ref_losses[s])]
-        if tokens != ref_tokens:
-            broken.append(f"{tokens} tokens seen, the reference {ref_tokens}: not the same global batches")
-        if common != sorted(ref_losses) or far:
-            broken.append(f"losses differ from the reference by more than {CLOSE_RTOL:g} (relative) at steps "
-                          f"{far[:5] or sorted(set(ref_losses) - set(losses))[:5]}")
-    elif not state_equal:
-        broken.append("final state differs from the reference" if scenario.compare == BITWISE
-                      else f"final state differs from the reference with {' '.join(scenario.reference_with)}")
-
-    first_exit = launches[0]["exit"]
-    if scenario.rerun and (first_exit == 0 if scenario.first_exit is None else first_exit != scenario.first_exit):
-        broken.append(f"first launch exited {first_exit}, expected {scenario.first_exit or 'a failure'}")
-    if launches[-1]["exit"] != 0:
-        broken.append(f"the run ended with exit {launches[-1]['exit']}")
-    if any(launch["leftovers"] for launch in launches):
-        broken.append("processes outlived the launcher")
-
+    broken = _outcome_broken(scenario, run_dir, ref_dir, steps, final.is_dir(), state_equal, losses, ref_losses)
+    broken += _launches_broken(scenario, launches)
     fault_time, fault_step = _fault_point(scenario, launches[0], events)
-    if fault_time is None:
-        broken.append("the fault was never delivered")
-    # The detector's event comes after the fault. A launcher's event carries the step its run last
-    # reported (status.json), which may be some steps before the fault: time orders them, not steps.
-    detected = (_find(events, scenario.detect, after=fault_time) if fault_time is not None else
-                _find(events, scenario.detect, from_step=fault_step - 1)) if scenario.detect[0] else None
-    if scenario.detect[0] and detected is None:
-        broken.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
-    recovered = None
-    if detected is not None and scenario.recovered_by is not None:
-        recovered = _find(events, scenario.recovered_by, after=detected["time"])
-        if recovered is None:
-            broken.append(f"no {'/'.join(filter(None, scenario.recovered_by))} event after the detection")
+    detected, recover_s, missed = _detection(scenario, events, fault_time, fault_step)
+    broken += missed
 
     ledger = _json(run_dir / "goodput.json")
     ref_ledger = _json(ref_dir / "goodput.json")
@@ -385,8 +351,7 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         # A crash is reported at the last step completed, one before the step the fault landed in.
         "detect_steps": max(0, detected["step"] - fault_step) if detected else None,
         "detect_s": round(detected["time"] - fault_time, 2) if detected and fault_time else None,
-        "recover_s": (round(recovered["time"] - detected["time"], 2) if recovered else
-                      0.0 if detected and scenario.recovered_by is None else None),
+        "recover_s": recover_s,
         "steps_lost": recomputed + skipped,
         "steps_recomputed": recomputed,
         "updates_skipped": skipped,
@@ -400,6 +365,63 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         "run_dir": str(run_dir),
         "reference_dir": str(ref_dir),
     }
+
+
+def _outcome_broken(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int, final_exists: bool,
+                    state_equal: bool, losses: dict[int, float], ref_losses: dict[int, float]) -> list[str]:
+    """How the run's final state or losses break the promise, compared with the reference as the scenario says."""
+    if not final_exists:
+        return [f"no final checkpoint at step {steps}"]
+    if scenario.compare == CLOSE:
+        broken = []
+        tokens, ref_tokens = _json(run_dir / "summary.json").get("tokens_seen"), \
+            _json(ref_dir / "summary.json").get("tokens_seen")
+        common = sorted(set(losses) & set(ref_losses))
+        far = [s for s in common if abs(losses[s] - ref_losses[s]) > CLOSE_RTOL * abs(ref_losses[s])]
+        if tokens != ref_tokens:
+            broken.append(f"{tokens} tokens seen, the reference {ref_tokens}: not the same global batches")
+        if common != sorted(ref_losses) or far:
+            broken.append(f"losses differ from the reference by more than {CLOSE_RTOL:g} (relative) at steps "
+                          f"{far[:5] or sorted(set(ref_losses) - set(losses))[:5]}")
+        return broken
+    if not state_equal:
+        return ["final state differs from the reference" if scenario.compare == BITWISE
+                else f"final state differs from the reference with {' '.join(scenario.reference_with)}"]
+    return []
+
+
+def _launches_broken(scenario: Scenario, launches: list[dict[str, Any]]) -> list[str]:
+    """How the launches' exits, or processes left behind, break the promise."""
+    broken = []
+    first_exit = launches[0]["exit"]
+    if scenario.rerun and (first_exit == 0 if scenario.first_exit is None else first_exit != scenario.first_exit):
+        broken.append(f"first launch exited {first_exit}, expected {scenario.first_exit or 'a failure'}")
+    if launches[-1]["exit"] != 0:
+        broken.append(f"the run ended with exit {launches[-1]['exit']}")
+    if any(launch["leftovers"] for launch in launches):
+        broken.append("processes outlived the launcher")
+    return broken
+
+
+def _detection(scenario: Scenario, events: list[dict], fault_time: float | None,
+               fault_step: int) -> tuple[dict | None, float | None, list[str]]:
+    """The event that detected the fault, the seconds from it to the recovery, and what went missing."""
+    missed = [] if fault_time is not None else ["the fault was never delivered"]
+    # The detector's event comes after the fault. A launcher's event carries the step its run last
+    # reported (status.json), which may be some steps before the fault: time orders them, not steps.
+    detected = (_find(events, scenario.detect, after=fault_time) if fault_time is not None else
+                _find(events, scenario.detect, from_step=fault_step - 1)) if scenario.detect[0] else None
+    if scenario.detect[0] and detected is None:
+        missed.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
+    if detected is None:
+        return None, None, missed
+    if scenario.recovered_by is None:
+        return detected, 0.0, missed
+    recovered = _find(events, scenario.recovered_by, after=detected["time"])
+    if recovered is None:
+        missed.append(f"no {'/'.join(filter(None, scenario.recovered_by))} event after the detection")
+        return detected, None, missed
+    return detected, round(recovered["time"] - detected["time"], 2), missed
 
 
 def story(events: list[dict]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 BITWISE = "bitwise"  # the final state equals the clean run's, bit for bit
 REFERENCE_WITH = "reference_with"  # the final state equals a clean run told to do what the guard did
@@ -57,7 +58,7 @@ class Scenario:
     nodes: int = 1  # launchers of an elastic job (--nnodes 1:N), each with nproc // N processes
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
 
-    def with_(self, **changes: object) -> Scenario:
+    def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
 
 

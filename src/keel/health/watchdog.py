@@ -72,7 +72,8 @@ class Watchdog:
         self._stacks: IO[str] | None = None
         self._exit: Callable[[int], None] = os._exit
         self._handling = threading.Lock()  # the thread and the main thread may both meet the hang
-        self.reporter, self.alarm = False, {}
+        self.reporter = False
+        self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
 
     # ------------------------------------------------------------ what the loop calls

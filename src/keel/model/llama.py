@@ -99,12 +99,15 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # The embedding, norm and output are None in a pipeline stage that does not hold them (stage_module).
+        embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings: nn.Embedding | None = embeddings
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output: nn.Linear | None = output
         if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+            output.weight = embeddings.weight
         self.register_buffer("rope", self._rope(None), persistent=False)
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
@@ -114,11 +117,13 @@ class Llama(nn.Module):
         """After materialising a meta-device model: recompute non-persistent buffers and tie the output
         projection to the embedding again (`to_empty` gives each module a new parameter)."""
         self.rope = self._rope(next(self.parameters()).device)
-        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
+        embeddings, output = self.tok_embeddings, self.output  # both are there when tied: never pipelined
+        if (self.cfg.tie_embeddings and embeddings is not None and output is not None
+                and output.weight is not embeddings.weight):
+            output.weight = embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             x = block(x, self.rope)
-        return self.output(self.norm(x)) if self.output is not None else x
+        return self.output(self.norm(x)) if self.output is not None and self.norm is not None else x

@@ -162,7 +162,7 @@ class Alerts:
                 # lasts `throughput_for_s` is not.
                 slow = tokens_per_s < cfg.throughput_drop * median
                 self._slow_since = (self._slow_since or now) if slow else None
-                if slow and now - self._slow_since >= cfg.throughput_for_s:
+                if self._slow_since is not None and now - self._slow_since >= cfg.throughput_for_s:
                     self.fire("throughput_drop", step, "warning",
                               f"{tokens_per_s:,.0f} tokens/s is {tokens_per_s / median:.0%} of the trailing median "
                               f"{median:,.0f}", tokens_per_s=tokens_per_s, median=median)

@@ -37,17 +37,17 @@ class MetricsRegistry:
         self._ops[name] = reduce
         self._counts[name] = self._counts.get(name, 0) + 1
         if isinstance(value, torch.Tensor):
-            value = value.detach().to(torch.float64).reshape(())
-            previous = self._device.get(name)
-            if previous is not None:
-                value = torch.maximum(previous, value) if reduce == "max" else previous + value
-            self._device[name] = value
+            tensor = value.detach().to(torch.float64).reshape(())
+            on_device = self._device.get(name)
+            if on_device is not None:
+                tensor = torch.maximum(on_device, tensor) if reduce == "max" else on_device + tensor
+            self._device[name] = tensor
         else:
-            previous = self._host.get(name)
-            value = float(value)
-            if previous is not None:
-                value = max(previous, value) if reduce == "max" else previous + value
-            self._host[name] = value
+            number = float(value)
+            on_host = self._host.get(name)
+            if on_host is not None:
+                number = max(on_host, number) if reduce == "max" else on_host + number
+            self._host[name] = number
 
     def reduce(self) -> dict[str, float]:
         """Mean (over steps and ranks), max or sum of every metric added since the last call."""
@@ -93,7 +93,7 @@ class StepMeter:
     def step_done(self) -> None:
         self._steps += 1
 
-    def window(self) -> dict[str, float]:
+    def window(self) -> dict[str, float | None]:
         """Averages since the previous call, then start a new window."""
         now = time.perf_counter()
         step_s = (now - self._since) / max(1, self._steps)

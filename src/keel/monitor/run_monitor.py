@@ -42,7 +42,7 @@ class RunMonitor:
         mc = cfg.monitor
         self.log, self.rank0 = log, rank == 0
         self.step = 0
-        self._skipped = 0  # steps the guards skipped, at the last interval
+        self._skipped: float = 0  # steps the guards skipped, at the last interval
         self.registry = MetricsRegistry(device)
         self.ledger = GoodputLedger(run_dir, started, write=self.rank0)
         self.labels = {"run": run_dir.resolve().name, "node": node_name(), "rank": str(rank)}

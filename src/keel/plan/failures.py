@@ -296,12 +296,7 @@ def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int 
         blocked[hit] += in_saves[hit]
         lost[hit] += (up - in_saves - saves * s.tau)[hit]
         count[hit] += 1
-        if policy.spare_nodes:  # take the first free spare, or wait for the earliest one back from repair
-            slot = busy.argmin(axis=1)
-            wait = np.where(hardware, np.maximum(busy[rows, slot] - fail_at, 0.0), 0.0)
-            busy[rows, slot] = np.where(hardware & hit, fail_at + rec.repair_s, busy[rows, slot])
-        else:
-            wait = np.where(hardware, rec.repair_s, 0.0)
+        wait = _node_wait(busy, rows, hardware, hit, fail_at, rec.repair_s)
         # A failure during recovery overlaps with it: the job is up once both are recovered.
         resume = np.where(hit, np.maximum(resume, fail_at + wait + fixed_down), resume)
         last_fail = fail_at
@@ -311,6 +306,19 @@ def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int 
     work = run.work_s
     down = wall - work - blocked - lost
     return SimResult(policy, s, work, wall, count, blocked, lost, down, time.perf_counter() - started)
+
+
+def _node_wait(busy: np.ndarray, rows: np.ndarray, hardware: np.ndarray, hit: np.ndarray, fail_at: np.ndarray,
+               repair_s: float) -> np.ndarray:
+    """Each trial's wait for a healthy node after a failure at `fail_at`: a hardware failure takes the first
+    free spare (`busy`: when each is next free) or waits for the earliest one back from repair, and the failed
+    node goes to repair in its place; without spares it waits for its own repair."""
+    if not busy.shape[1]:
+        return np.where(hardware, repair_s, 0.0)
+    slot = busy.argmin(axis=1)
+    wait = np.where(hardware, np.maximum(busy[rows, slot] - fail_at, 0.0), 0.0)
+    busy[rows, slot] = np.where(hardware & hit, fail_at + repair_s, busy[rows, slot])
+    return wait
 
 
 def compare_policies(run: Run, seed: int = 0, trials: int = 2000, base: Policy | None = None,

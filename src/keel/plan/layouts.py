@@ -63,7 +63,7 @@ def layouts(work: Workload, gpus: int, hw: Accelerator) -> list[Layout]:
     tps = [t for t in _divisors(per_node) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
                                                                     or work.seq_len % t)]
     pps = [1] if m.tie_embeddings else [p for p in _divisors(m.n_layers) if p <= MAX_PP]
-    out = []
+    out: list[Layout] = []
     for tp in tps:
         for pp in pps:
             if gpus % (tp * pp):

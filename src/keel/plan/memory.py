@@ -144,7 +144,7 @@ def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool
     # materialises its activations once more.
     working = full * (2 if lay.ac != "none" else 1)
     inflight = (_inflight(work, lay) - 1) * kept if first else 0.0
-    buffers = NCCL_BUFFERS * sum(d > 1 for d in (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate))
+    buffers: float = NCCL_BUFFERS * sum(d > 1 for d in (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate))
     if last:
         # Logits, vocabulary-sharded over tp: at the loss's backward the bf16 logits (still referenced by
         # the step), the fp32 log-probabilities, their gradient and the gradient of the logits in fp32.
@@ -192,17 +192,18 @@ def _candidates(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]
     """The obvious fixes, in the order they cost least: more tensor parallelism within a node, activation
     checkpointing, smaller micro-batches, more pipeline stages, all of them together, then more GPUs."""
     m = work.model
-    wider, lay = [], layout
-    while (lay := _moved(lay, "tp", 2)) and lay.tp <= hw.devices_per_node and m.n_kv_heads % lay.tp == 0:
-        wider.append(lay)
+    wider: list[Layout] = []
+    lay = layout
+    while (moved := _moved(lay, "tp", 2)) and moved.tp <= hw.devices_per_node and m.n_kv_heads % moved.tp == 0:
+        wider.append(lay := moved)
     out = wider + [replace(layout, ac=ac) for ac in ("selective", "full") if layout.ac == "none" or ac == "full"]
     out += [replace(layout, micro_batch=mb) for mb in range(layout.micro_batch - 1, 0, -1)]
     lay = layout
-    while (lay := _moved(lay, "pp", 2)) and lay.pp * lay.v <= m.n_layers:
-        out.append(lay)
+    while (moved := _moved(lay, "pp", 2)) and moved.pp * moved.v <= m.n_layers:
+        out.append(lay := moved)
     out.append(best := replace(wider[-1] if wider else layout, ac="full", micro_batch=1))
-    while (lay := _moved(best, "pp", 2)) and lay.pp * lay.v <= m.n_layers:
-        out.append(best := lay)
+    while (moved := _moved(best, "pp", 2)) and moved.pp * moved.v <= m.n_layers:
+        out.append(best := moved)
     for _ in range(12):  # up to 4096 times the GPUs
         out.append(best := replace(best, dp_shard=best.dp_shard * 2))
     return [lay for lay in out if lay != layout]

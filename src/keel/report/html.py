@@ -131,7 +131,7 @@ def nodata(why: str = "") -> str:
 
 
 def _when(t: object, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
-    return time.strftime(fmt, time.localtime(t)) if finite(t) else "-"  # type: ignore[arg-type]
+    return time.strftime(fmt, time.localtime(t)) if finite(t) else "-"
 
 
 def short_detail(detail: object, limit: int = 140) -> str:
@@ -291,7 +291,8 @@ def hardware(run: Run, t0: float | None) -> str:
                 xs.append(record["time"] - start)
                 ys.append(value if finite(value) else None)
     span = domain([x for xs, _ in data.values() for x in xs], nice=False)  # one time axis for every panel
-    panels, quiet = [], {}
+    panels: list[str] = []
+    quiet: dict[tuple[str, str], int] = {}
     for node, _, name, labels in sorted(data):
         xs, ys = data[(node, _, name, labels)]
         title, factor, unit = TELEMETRY[name]
@@ -347,7 +348,7 @@ def header(run: Run, info: dict) -> str:
                    + (f'<div class="progress"><div style="width:{min(100, 100 * step / total):.1f}%"></div></div>'
                       if k == "step" and total else "") + "</div>" for k, v, t in cards)
     model = run.config.get("model", {})
-    start = next((e.get("detail", {}) for e in reversed(run.events) if e.get("kind") == "start"), {})
+    start: object = next((e.get("detail", {}) for e in reversed(run.events) if e.get("kind") == "start"), {})
     about = [f"run directory {run.path}"]
     if model:
         about.append(f"model dim {model.get('dim')} × {model.get('n_layers')} layers")

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import TypeGuard
 
 MAX_POINTS = 1500  # per series: more points than pixels only make the page heavy
 LEFT, RIGHT, TOP, BOTTOM = 66, 14, 8, 22
@@ -17,7 +18,7 @@ Point = tuple[float, float] | None  # None: a gap (a missing or non-finite value
 Fmt = Callable[[float], str]
 
 
-def finite(v: object) -> bool:
+def finite(v: object) -> TypeGuard[float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -78,7 +79,7 @@ def ticks(lo: float, hi: float, n: int = 5, seconds: bool = False) -> list[float
     return [k * step for k in range(first, int(math.floor(hi / step + 1e-9)) + 1)]
 
 
-def domain(values: Sequence[float], zero: bool = False, nice: bool = True) -> tuple[float, float]:
+def domain(values: Sequence[float | None], zero: bool = False, nice: bool = True) -> tuple[float, float]:
     vals = [v for v in values if finite(v)]
     if not vals:
         return (0.0, 1.0)
@@ -208,7 +209,7 @@ def line_chart(series: Sequence[Series], *, width: float = 600, height: float = 
     return _svg(frame, body, label)
 
 
-def stacked_chart(xs: Sequence[float], layers: Sequence[tuple[str, Sequence[float], str]], *,
+def stacked_chart(xs: Sequence[float], layers: Sequence[tuple[str, Sequence[float | None], str]], *,
                   overlay: Sequence[Series] = (), width: float = 600, height: float = 190, x_fmt: Fmt = fmt_num,
                   y_fmt: Fmt = fmt_num, label: str = "") -> str:
     """Layers stacked bottom to top (missing values count as 0); past MAX_POINTS // 2 points, buckets
