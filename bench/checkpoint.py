@@ -38,8 +38,8 @@ from keel.core.state import TrainState
 from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
 from keel.rundir.events import EventLog
 from keel.train.optim import build_optimizer
+from keel.train.setup import build_model_parts
 from keel.train.step import train_step
-from keel.train.trainer import build_model_parts
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 # ~368M parameters: 24 blocks of width 1024 and a 32k vocabulary.

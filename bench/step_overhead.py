@@ -1,4 +1,5 @@
-"""keel's training step against a bare PyTorch loop: same model, batch and optimizer, one process.
+"""keel's training step (the Stepper the Trainer runs) against a bare PyTorch loop: same model, batch and
+optimizer, one process.
 
 Each repeat builds both sides afresh and times N steps of each, alternating which goes first, and
 the ratio of the medians is reported (target: at most 1.05). Results go to bench/results/step_overhead.json.
@@ -23,8 +24,8 @@ from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
 from keel.train.optim import build_optimizer, lr_at
-from keel.train.step import train_step
-from keel.train.trainer import build_model
+from keel.train.setup import build_model_parts
+from keel.train.step import Stepper
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 
@@ -57,11 +58,14 @@ def main() -> None:
     ctx = init_distributed(torch.device("cpu"))
 
     def keel_side() -> Callable[[], None]:
-        model = build_model(cfg, build_mesh(ctx, resolve_layout(cfg, 1)), torch.float32)
-        optimizer = build_optimizer(model, cfg.optim)
+        model = build_model_parts(cfg, build_mesh(ctx, resolve_layout(cfg, 1)), torch.float32)[0][0]
+        stepper = Stepper([model], [build_optimizer(model, cfg.optim)], None, grad_clip=cfg.optim.grad_clip,
+                          autocast_dtype=None, loss_parallel=False)
 
-        def step() -> None:
-            loss, _ = train_step(model, optimizer, [(inputs, targets)], lr=lr, grad_clip=cfg.optim.grad_clip)
+        def step() -> None:  # the Trainer's step: forward/backward, the global norm, clip and update
+            loss = stepper.forward_backward([(inputs, targets)])
+            norm = stepper.grad_norm()
+            stepper.update(lr, norm)
             loss.item()  # the trainer reads the loss at each logged step
         return step
 

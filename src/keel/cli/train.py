@@ -111,7 +111,7 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
                           shutdown_grace_s=cfg.health.shutdown_grace_s,
                           no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.drill.faults import as_callbacks
-        from keel.train.trainer import train
+        from keel.train.worker import train
 
         # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
         return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])

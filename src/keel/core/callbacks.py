@@ -54,12 +54,13 @@ class Step:
     batch: int = 0  # the global batch number of `micro_batches`
     data_s: float = 0.0  # the wait for the batch
     compute_s: float = 0.0  # forward and backward, until the report
+    update_s: float = 0.0  # the optimizer step
     loss: torch.Tensor | None = None  # this rank's mean loss (no host synchronisation)
     grad_norm: torch.Tensor | None = None
     report: StepReport | None = None  # the step's one reduction, from `after_backward` on
     action: Action = CONTINUE  # the strongest asked so far
     save_due: bool = False  # a checkpoint of this step will be written (set before the guards' check)
-    metrics: dict[str, float] = field(default_factory=dict)  # what this step logs
+    metrics: dict[str, Any] = field(default_factory=dict)  # what this step logs
 
 
 class Callback:

@@ -35,7 +35,7 @@ import hashlib
 import math
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -50,7 +50,7 @@ _ROUNDING = 1e-6  # float64 error of expected counts up to ~10^9 sequences stays
 class SequenceIndex:
     """Maps a sequence number to its tokens across the shards of one split."""
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int, what: str = "the split") -> None:
+    def __init__(self, shards: Sequence[np.ndarray], seq_len: int, what: str = "the split") -> None:
         self.shards, self.seq_len = shards, seq_len
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -166,7 +166,7 @@ def _source_key(name: str) -> int:
 
 
 class GlobalOrderLoader:
-    def __init__(self, sources: dict[str, list[np.ndarray]] | list[np.ndarray], *,
+    def __init__(self, sources: Mapping[str, Sequence[np.ndarray]] | Sequence[np.ndarray], *,
                  weights: dict[str, float] | None = None,
                  schedule: Sequence[tuple[int, dict[str, float]]] = (), seq_len: int, global_batch: int,
                  micro_batch: int, dp_rank: int, dp_size: int, seed: int, fingerprint: str, prefetch: int = 2,
@@ -175,7 +175,7 @@ class GlobalOrderLoader:
         weight, normalised (None: equal); `schedule`: (first global batch, weights) phases."""
         if global_batch % (micro_batch * dp_size):
             raise ValueError("global_batch must divide by micro_batch × dp_size")
-        if not isinstance(sources, dict):
+        if not isinstance(sources, Mapping):
             sources = {MAIN: sources}
         if not sources:
             raise DataError("the corpus has no training source; prepare one with `keel data prepare`")
@@ -387,7 +387,7 @@ class GlobalOrderLoader:
             self.skip(start, end)
 
 
-def validation_batches(shards: list[np.ndarray], *, seq_len: int, sequences: int, micro_batch: int,
+def validation_batches(shards: Sequence[np.ndarray], *, seq_len: int, sequences: int, micro_batch: int,
                        dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation set: the first `sequences` sequences of the validation split, shared out in
     equal contiguous slices (`sequences` divides by `dp_size`), so every layout measures the same set."""

@@ -358,7 +358,7 @@ class BitFlip(Injector):
             self._flip(optimizer.state[param][self.target])
 
 
-class SkipUpdateAt(Callback):
+class SkipUpdateAt(Injector):
     """A guard that drops the update of step `step`: the clean reference for a skipped step."""
 
     def __init__(self, step: int) -> None:

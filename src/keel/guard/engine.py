@@ -126,6 +126,7 @@ class Guards:
             self.sdc.rolled_back(step)
 
     def _snapshot(self, state: TrainState) -> None:
+        assert self.ring is not None
         started = time.perf_counter()
         self.ring.take(state.step, {"train": state.to_dict()})
         self.snapshot_s = time.perf_counter() - started

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from keel.parallel.mesh import Mesh
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def fingerprint(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+def fingerprint(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """One int64 per tensor: the sum of its elements' bit patterns read as integers. Any single flipped
     bit, in any position, changes it; so does any change of one element. Computed where the tensors
     are and read back once."""
@@ -127,6 +127,7 @@ class SdcGuard:
         keys = [tuple(g.tolist()) for g in gathered]
         majority, votes = Counter(keys).most_common(1)[0]
         differing = sorted({i for k in keys for i, (a, b) in enumerate(zip(k, majority, strict=True)) if a != b})
+        verdict: tuple[str, list[int]]
         if votes == len(keys):
             verdict = ("agree", [])
         elif votes > len(keys) / 2:
@@ -177,6 +178,7 @@ class SdcGuard:
         """In each pair of disagreeing replicas, the suspect is the one whose state had moved far further
         from the re-executed one (a corrupted value, against the small drift the other caught through
         the averaged gradients), or else the one whose loss departed first; otherwise both."""
+        assert self.pending is not None
         suspects, how = [], {}
         for group in self.pending["groups"]:
             deviation = {r: evidence[r][0] for r in group}
@@ -187,7 +189,7 @@ class SdcGuard:
                 how[known[-1][1]] = (f"its state was {known[-1][0]:.3g} from the re-executed one, the other "
                                      f"replica's {known[-2][0]:.3g}")
             elif departed and list(departed.values()).count(min(departed.values())) == 1:
-                first = min(departed, key=departed.get)
+                first = min(departed, key=lambda r: departed[r])
                 suspects.append(first)
                 how[first] = f"its loss departed first from the re-execution, at step {departed[first]}"
             else:

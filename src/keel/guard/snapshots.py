@@ -21,7 +21,8 @@ from keel.core.state import rng_state, set_rng_state
 def live_tensors(optimizers: list[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[tuple[int, tuple]]]:
     """Every tensor the update changes, in a fixed order (each parameter, then its optimizer state),
     and for each parameter the names of the state entries it has (none before its first update)."""
-    tensors, keys = [], []
+    tensors: list[torch.Tensor] = []
+    keys: list[tuple[int, tuple]] = []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -52,7 +52,7 @@ def copies_held(p: torch.Tensor, pp: int) -> int:
     return replicated * max(1, dist.get_world_size() // (mesh.size() * pp))
 
 
-def update_norm_sq(optimizers: list[torch.optim.AdamW], pp: int = 1) -> torch.Tensor:
+def update_norm_sq(optimizers: list[torch.optim.Optimizer], pp: int = 1) -> torch.Tensor:
     """This rank's share of the squared L2 norm of the update AdamW just applied, ‖θ_new − θ_old‖²,
     recovered from θ_new and the moments one tensor at a time (AdamW: θ_new = θ_old·(1 − lr·wd) −
     lr·m̂/(√v̂ + ε)), so no copy of the parameters is kept. Summed over all ranks it is the global one."""

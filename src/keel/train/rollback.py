@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from keel.checkpoint.manager import CheckpointManager
-from keel.checkpoint.manifest import committed, step_of
+from keel.checkpoint.manifest import checkpoint_step, committed
 from keel.core.actions import Action
 from keel.core.state import TrainState
 from keel.data.loader import GlobalOrderLoader
@@ -75,7 +75,7 @@ class Recovery:
         snapshot = guards.ring.newest(target) if guards.ring is not None else None
         # The newest state at or before the target wins: a checkpoint newer than every snapshot in reach
         # (snapshots rarer than checkpoints) is read from storage rather than going back further.
-        on_disk = max((step_of(n) for n in committed(self.manager.storage) if step_of(n) <= target), default=-1)
+        on_disk = max((s for s in map(checkpoint_step, committed(self.manager.storage)) if s <= target), default=-1)
         if snapshot is not None and guards.ring is not None and snapshot.step >= on_disk:
             record = guards.ring.restore(snapshot)["train"]
             source = f"the in-memory snapshot of step {snapshot.step}"
@@ -104,7 +104,7 @@ class Recovery:
 
     def _from_disk(self, target: int) -> tuple[dict, str]:
         storage, ring = self.manager.storage, self.guards.ring
-        names = [n for n in committed(storage) if step_of(n) <= target]
+        names = [n for n in committed(storage) if checkpoint_step(n) <= target]
         if not names:
             raise NothingToRollBackTo(
                 f"no state at or before step {target} to roll back to (the in-memory snapshots reach back to step "

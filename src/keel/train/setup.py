@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +12,10 @@ import torch.distributed as dist
 
 import keel
 from keel.config import Config
-from keel.data.loader import SequenceIndex
+from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
-from keel.errors import KeelError
+from keel.errors import DataError, KeelError
 from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
@@ -85,3 +86,46 @@ def validated_loss(sums: tuple[torch.Tensor, torch.Tensor]) -> float:
     both = torch.stack(sums)
     dist.all_reduce(both)
     return (both[0] / both[1]).item()
+
+
+class LoaderState:
+    """The data cursor as the train state saves it; a resume may accept a corpus change on purpose."""
+
+    def __init__(self, loader: GlobalOrderLoader, allow_corpus_change: bool) -> None:
+        self.loader, self.allow_corpus_change = loader, allow_corpus_change
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state, self.allow_corpus_change)
+
+
+@dataclass
+class Data:
+    """The run's data: the training loader (and its state as the checkpoint saves it), the validation
+    batches, and the token and byte counts bits per byte are computed from."""
+
+    loader: GlobalOrderLoader
+    loader_state: LoaderState
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    val_text: tuple[int, int]
+    train_text: tuple[int, int]
+
+
+def build_data(cfg: Config, mesh: Mesh, corpus: Corpus, accepted: tuple[str, ...]) -> Data:
+    if set(corpus.sources) != set(cfg.data.sources):
+        raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config "
+                        f"names {', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the "
+                        f"corpus again")
+    loader = GlobalOrderLoader(
+        corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
+        schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
+        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
+        dp_size=mesh.layout.dp, seed=cfg.train.seed,
+        fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
+    val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
+                                     micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp)
+    return Data(loader, LoaderState(loader, "data.corpus" in accepted), val_batches,
+                validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences),
+                (corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]))

@@ -1,4 +1,4 @@
-"""One optimizer step: micro-batches → forward/backward → global-norm clip → update."""
+"""The training step, as the Trainer runs it: micro-batches → forward/backward → global-norm clip → update."""
 
 from __future__ import annotations
 
@@ -29,29 +29,10 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = N
     return total
 
 
-def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float,
-                       pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The global gradient norm; clips to `max_norm` unless it is 0."""
-    total = grad_norm(params, pp_group)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
-
-
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-
-
-def apply_update(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], grad_clip: float,
-                 pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip, update, clear the gradients; returns the gradient norm before clipping."""
-    grad_norm = grad_norm_and_clip(params, grad_clip, pp_group)
-    for optimizer in optimizers:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return grad_norm
 
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
@@ -72,16 +53,6 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
             loss.backward()
         loss_sum += plain(loss.detach())
     return loss_sum
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
-               autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward, clip and update in one call: this rank's mean loss and the global gradient norm."""
-    set_lr([optimizer], lr)
-    loss = forward_backward(model, micro_batches, autocast_dtype=autocast_dtype, loss_parallel=loss_parallel)
-    return loss, apply_update([optimizer], list(model.parameters()), grad_clip)
 
 
 class Stepper:
@@ -114,11 +85,15 @@ class Stepper:
     def update(self, lr: float, total_norm: torch.Tensor) -> None:
         """Clip with the norm already computed, step, clear the gradients."""
         set_lr(self.optimizers, lr)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total_norm, foreach=True)
+        self.clip(total_norm)
         for optimizer in self.optimizers:
             optimizer.step()
         self.drop()
+
+    def clip(self, total_norm: torch.Tensor) -> None:
+        """Scale the gradients down to a global norm of `optim.grad_clip` (0: no clipping)."""
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total_norm, foreach=True)
 
     def drop(self) -> None:
         """Skip the update: the gradients are cleared, parameters and optimizer state stay as they are."""

@@ -3,6 +3,7 @@ step's checkpoint; and a pause asked before the first step."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -10,11 +11,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from keel.config import Config
 from keel.core.actions import Action
 from keel.core.callbacks import Step
 from keel.errors import EXIT_PAUSED, EXIT_QUARANTINE
 from keel.health.signals import StopRequests
 from keel.rundir.events import EventLog
+from keel.rundir.progress import Progress, summary_lines
 from keel.rundir.quarantine import quarantined_nodes
 from keel.rundir.status import read_status, write_status
 from keel.train.components import Builtin, Checkpointing, PauseRequests
@@ -88,3 +91,15 @@ def paused_before_training(requests: StopRequests, run_dir: Path, events: EventL
     say(f"paused before training ({reason}); the newest checkpoint is {checkpoint or 'none yet'}; run the same "
         f"command to resume")
     return EXIT_PAUSED
+
+
+def already_finished(cfg: Config, run_dir: Path, step: int, events: EventLog, say: Progress, rank0: bool) -> int:
+    """A resume of a run that has made all its steps: nothing to train."""
+    if rank0:
+        events.emit("finish", step, "already_finished")
+        say(f"run {cfg.name} already finished at step {step} (train.steps = {cfg.train.steps}); nothing to train. "
+            f"Raise train.steps to train further, or use another --run-dir to start over.")
+        summary_path = run_dir / "summary.json"
+        if summary_path.exists():
+            say.lines(summary_lines(json.loads(summary_path.read_text())))
+    return 0

@@ -1,5 +1,6 @@
 """The training loop of one worker process: `Trainer.build` sets the run up, `Trainer.fit` is the loop,
-`Trainer.close` releases what was built. Every feature attaches as a component (keel.train.components)."""
+`Trainer.close` releases what was built. Every feature attaches as a component (keel.train.components);
+`keel.train.worker.train` is the process around it."""
 
 from __future__ import annotations
 
@@ -8,38 +9,38 @@ import os
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-import keel
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, checkpoint_root
-from keel.config import CallbackSpec, Config, check_vocab_size, resolve_layout, to_toml
+from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
 from keel.core.actions import Action
 from keel.core.callbacks import Build, Callback, Hooks, Step
-from keel.core.state import TrainState, seed_everything
+from keel.core.state import Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
-from keel.data.loader import GlobalOrderLoader, validation_batches
-from keel.data.shards import Corpus, open_corpus
+from keel.data.shards import open_corpus
 from keel.data.tokenizer import bits_per_byte
-from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, DataError, KeelError
+from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
 from keel.guard.engine import Guards
 from keel.health.preflight import run_preflight, verdict
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
-from keel.health.watchdog import Watchdog, is_collective_timeout
+from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
+from keel.model.llama import Llama
 from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
-from keel.parallel.mesh import Dist, Mesh, build_mesh, destroy_distributed, init_distributed, pick_device
+from keel.parallel.mesh import Dist, Mesh
 from keel.parallel.pipeline import Pipeline
 from keel.rundir.events import RunLog, host
-from keel.rundir.lock import held_by_launcher, hold_as_worker
 from keel.rundir.progress import summary_lines
-from keel.rundir.status import read_status, write_status
+from keel.rundir.status import write_status
 from keel.train.callbacks import load_callbacks
 from keel.train.components import (
     CheckpointDecision,
@@ -53,81 +54,10 @@ from keel.train.components import (
 )
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.rollback import Recovery
-from keel.train.setup import (
-    attempt_started,
-    build_model_parts,
-    lock_in_rank0,
-    precision_dtype,
-    validated_loss,
-    validation_text,
-)
+from keel.train.setup import build_data, build_model_parts, precision_dtype, validated_loss
 from keel.train.step import Stepper, evaluate
-from keel.train.stopping import Stopping, paused_before_training, rendezvous_timeout, stop_agreed
+from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
-
-
-def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str, ...] = (),
-          callbacks: list[CallbackSpec] | None = None) -> int:
-    """Run (or resume) the training job described by `cfg` in this process. Returns the exit code.
-    `accepted`: identity fields a resume may change on purpose (keel.checkpoint.identity); `callbacks`:
-    the callbacks to attach (the configured ones unless given)."""
-    device = pick_device(cfg.train.device)
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    entered = time.time()
-    ctx = init_distributed(device)
-    times = {"process_started": keel.STARTED, "entered": entered, "group_ready": time.time()}
-    crashed = True
-    lock = None
-    requests = StopRequests(run_dir, ctx.rank)
-    try:
-        if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
-            lock = lock_in_rank0(run_dir, ctx.rank)
-        hold_as_worker(run_dir)
-        mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
-        with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
-            watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
-            watchdog.start()
-            monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
-                                 checkpoint_root(cfg, run_dir).path())
-            try:
-                trainer = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)
-                try:
-                    code = trainer.build(resume, accepted, cfg.callbacks if callbacks is None else callbacks, times)
-                    if code is None:
-                        code = trainer.fit()
-                finally:
-                    trainer.close()
-                monitor.close(ENDED.get(code, "failed"))
-            except Exception as e:
-                if watchdog.cfg.enabled and is_collective_timeout(e):
-                    watchdog.collective_timed_out(e)  # names the stuck ranks, then ends the process
-                raise
-            finally:
-                monitor.stop()
-                watchdog.stop()
-        crashed = False
-        return code
-    except KeelError:
-        crashed = False  # bad input: every rank meets it at the same point
-        raise
-    except BaseException as e:
-        if ctx.rank == 0 and run_dir.is_dir():
-            last = read_status(run_dir)
-            write_status(run_dir, "failed", last.get("step", 0), checkpoint=last.get("checkpoint"),
-                         reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise
-    finally:
-        requests.close()
-        destroy_distributed(wait_for_peers=not crashed)
-        if lock is not None:
-            lock.release()
-
-
-ENDED = {0: "finished", EXIT_PAUSED: "paused", EXIT_QUARANTINE: "stopped", EXIT_GUARD_STOP: "stopped"}
-
-
 
 
 class Trainer:
@@ -139,12 +69,11 @@ class Trainer:
         self.requests, self.watchdog, self.monitor = requests, watchdog, monitor
         self.events, self.say, self.rank0 = log.events, log.say, ctx.rank == 0
         self.state, self.hooks = TrainState(), Hooks()
-        self.loader: GlobalOrderLoader | None = None
 
     # ------------------------------------------------------------------ setup
 
     def build(self, resume: str, accepted: tuple[str, ...], callbacks: list[CallbackSpec],
-              times: dict[str, float]) -> int | None:
+              times: dict[str, Any]) -> int | None:
         """Everything before the first step. Returns an exit code when the run ends before it."""
         cfg, ctx = self.cfg, self.ctx
         if stop_agreed(self.requests, ctx.device):  # asked to stop while starting: nothing to save yet
@@ -156,7 +85,8 @@ class Trainer:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
         self._build_model()
-        self._build_data(corpus, accepted)
+        self.corpus, self.data = corpus, build_data(cfg, self.mesh, corpus, accepted)
+        self.loader, self.loader_state = self.data.loader, self.data.loader_state
         self.manager = CheckpointManager(
             cfg, self.run_dir, self.mesh.layout.describe(), self.events,
             on_write=partial(self.hooks.notify, "on_checkpoint_write"),
@@ -202,34 +132,15 @@ class Trainer:
         self.dtype = precision_dtype(cfg, self.ctx.device)
         autocast = self.dtype if self.dtype != torch.float32 else None
         tp = mesh.layout.tp > 1
-        self.parts, stages = build_model_parts(cfg, mesh, self.dtype)
-        self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
-        self.pipeline = Pipeline(cfg, mesh, self.parts, stages, self.optimizers, tp) if mesh.layout.pp > 1 else None
+        parts, stages = build_model_parts(cfg, mesh, self.dtype)
+        self.parts: list[nn.Module] = list(parts)
+        self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim) for part in parts]
+        self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp) if mesh.layout.pp > 1 else None
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
                                autocast_dtype=autocast, loss_parallel=tp)
         self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
                          partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp))
-
-    def _build_data(self, corpus: Corpus, accepted: tuple[str, ...]) -> None:
-        cfg, mesh = self.cfg, self.mesh
-        if set(corpus.sources) != set(cfg.data.sources):
-            raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config "
-                            f"names {', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the "
-                            f"corpus again")
-        self.loader = GlobalOrderLoader(
-            corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
-            schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
-            global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
-            dp_size=mesh.layout.dp, seed=cfg.train.seed,
-            fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
-        self.loader_state = LoaderState(self.loader, "data.corpus" in accepted)
-        self.val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len,
-                                              sequences=cfg.eval.sequences, micro_batch=cfg.train.micro_batch,
-                                              dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp)
-        self.val_text = validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences)
-        self.train_text = corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]
-        self.corpus = corpus
 
     def _attach(self, users: list[Callback]) -> None:
         """The components in the order their hooks run, and the state each saves with the run."""
@@ -250,8 +161,8 @@ class Trainer:
         pause = PauseRequests(self.requests, straggler, comm, self.sync)
         self.metrics = IntervalMetrics(cfg, monitor, metering, self.loader, self.optimizers, self.mesh.layout.pp,
                                        ckpt, [lambda: comm.last, self.guards.metrics, lambda: straggler.last],
-                                       self.train_text, self.status, ctx.device)
-        self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.val_batches)), self.bpb, watchdog,
+                                       self.data.train_text, self.status, ctx.device)
+        self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
                                      monitor, hooks.notify, self.say)
         for component, every in [
                 (metering, 1), (inspection, 1), (pause, 1), (CheckpointDecision(ckpt, self.sync), 1),
@@ -265,8 +176,9 @@ class Trainer:
             hooks.add(component, every)
         self.recovery = Recovery(self.guards, self.manager, self.loader, self.parts, self.optimizers, self.state,
                                  self.hosts, self.events, self.say, self.run_dir, self.rank0)
-        for name, stateful in [("loader", self.loader_state), ("callbacks", hooks), ("guards", self.guards),
-                               ("health", watchdog)]:
+        registered: list[tuple[str, Stateful]] = [("loader", self.loader_state), ("callbacks", hooks),
+                                                  ("guards", self.guards), ("health", watchdog)]
+        for name, stateful in registered:
             self.state.register(name, stateful)
 
     def _resume(self, resume: str, accepted: tuple[str, ...]) -> int | None:
@@ -281,6 +193,7 @@ class Trainer:
             from keel.checkpoint.export import load_hf_weights
 
             for part in self.parts:
+                assert isinstance(part, Llama)
                 load_hf_weights(part, Path(cfg.model.init_from.removeprefix("hf:")))
             self.say(f"initialised the weights from {cfg.model.init_from}")
         if restored is not None:
@@ -295,7 +208,7 @@ class Trainer:
             self.say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
         if state.step >= cfg.train.steps:
             self.status("finished")
-            return self._already_finished()
+            return already_finished(cfg, self.run_dir, state.step, self.events, self.say, self.rank0)
         if stop_agreed(self.requests, self.ctx.device):  # asked while loading: the checkpoint loaded is the newest
             return paused_before_training(self.requests, self.run_dir, self.events, self.say, self.rank0,
                                           state.step, self.manager.latest())
@@ -320,7 +233,6 @@ class Trainer:
         """Each step: a batch, forward and backward, the step's one reduction, the components' verdict after
         the backward, update or skip, advance, the step-end components; then what the strongest action asks."""
         state, hooks, stepper, cfg = self.state, self.hooks, self.stepper, self.cfg
-        assert self.loader is not None
         while state.step < cfg.train.steps:
             step = Step(state.step + 1, state, last=state.step + 1 == cfg.train.steps,
                         lr=lr_at(state.step, cfg.optim, cfg.train.steps))
@@ -390,7 +302,7 @@ class Trainer:
 
     def close(self) -> None:
         """A save still in flight after an error is abandoned: its .tmp is cleaned at the next start."""
-        if self.loader is not None:
+        if hasattr(self, "loader"):
             self.loader.close()
 
     # ------------------------------------------------------------------ helpers
@@ -401,28 +313,4 @@ class Trainer:
             write_status(self.run_dir, kind, self.state.step, checkpoint=latest, **detail)
 
     def bpb(self, loss: float) -> float:
-        return bits_per_byte(loss, *self.val_text)
-
-    def _already_finished(self) -> int:
-        cfg, state, say = self.cfg, self.state, self.say
-        if self.rank0:
-            self.events.emit("finish", state.step, "already_finished")
-            say(f"run {cfg.name} already finished at step {state.step} (train.steps = {cfg.train.steps}); nothing "
-                f"to train. Raise train.steps to train further, or use another --run-dir to start over.")
-            summary_path = self.run_dir / "summary.json"
-            if summary_path.exists():
-                say.lines(summary_lines(json.loads(summary_path.read_text())))
-        return 0
-
-
-class LoaderState:
-    """The data cursor as the train state saves it; a resume may accept a corpus change on purpose."""
-
-    def __init__(self, loader: GlobalOrderLoader, allow_corpus_change: bool) -> None:
-        self.loader, self.allow_corpus_change = loader, allow_corpus_change
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state, self.allow_corpus_change)
+        return bits_per_byte(loss, *self.data.val_text)

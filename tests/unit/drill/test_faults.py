@@ -3,10 +3,13 @@ changes one bit of one element."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from keel.config import load_config
+from keel.core.callbacks import Build
 from keel.drill.faults import BitFlip, NanInGradients, PoisonedBatch, SkipUpdateAt, check_injections, parse_injection
 from keel.errors import ConfigError
 from tests.unit.guard.test_guards import tiny_model_and_optimizer
@@ -35,7 +38,7 @@ def test_bad_injection_specs_are_config_errors(spec: str, message: str) -> None:
 def test_bit_flip_changes_one_bit_of_one_element() -> None:
     model, optimizer = tiny_model_and_optimizer()
     flip = BitFlip(step=1, rank=0, target="params", tensor=0, element=5, bit=30)
-    flip.on_build([model], [optimizer])
+    flip.on_build(Build([model], [optimizer], rank=0, world_size=1, run_dir=Path("."), emit=print, say=print))
     before = model[0].weight.detach().clone()
     flip._flip(model[0].weight)
     changed = (before.view(torch.int32) ^ model[0].weight.detach().view(torch.int32)).view(-1)

@@ -13,7 +13,7 @@ from keel.config import ModelConfig, OptimConfig
 from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.train.optim import build_optimizer, lr_at
-from keel.train.step import grad_norm_and_clip, train_step
+from keel.train.step import Stepper
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=16, max_seq_len=16)
 TOTAL, WARMUP, LR, RATIO = 100, 10, 2e-3, 0.1
@@ -98,6 +98,27 @@ def test_weight_decay_only_on_matrices() -> None:
 
 
 # ---------------------------------------------------------------- train step
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Trainer's step on one model: forward/backward, the global norm, clip and update; this rank's
+    loss and the norm before clipping."""
+    stepper = Stepper([model], [optimizer], None, grad_clip=grad_clip, autocast_dtype=None, loss_parallel=False)
+    loss = stepper.forward_backward(micro_batches)
+    norm = stepper.grad_norm()
+    stepper.update(lr, norm)
+    return loss, norm
+
+
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The Trainer's global norm and clip of `params`' gradients."""
+    stepper = Stepper([torch.nn.ParameterList(params)], [], None, grad_clip=max_norm, autocast_dtype=None,
+                      loss_parallel=False)
+    norm = stepper.grad_norm()
+    stepper.clip(norm)
+    return norm
+
 
 class RecordingSGD(torch.optim.SGD):
     """SGD that keeps a copy of the gradients it was asked to apply (train_step zeroes them afterwards)."""

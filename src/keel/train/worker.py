@@ -1,0 +1,93 @@
+"""One worker process of a run: its process group, the run directory's lock and logs, the watchdog and
+the monitor around the Trainer, and the status left behind on every exit path."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import keel
+from keel.checkpoint.manager import checkpoint_root
+from keel.config import CallbackSpec, Config, resolve_layout
+from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, KeelError
+from keel.health.signals import StopRequests
+from keel.health.watchdog import Watchdog, is_collective_timeout
+from keel.monitor.run_monitor import RunMonitor
+from keel.parallel.mesh import Dist, build_mesh, destroy_distributed, init_distributed, pick_device
+from keel.rundir.events import RunLog
+from keel.rundir.lock import held_by_launcher, hold_as_worker
+from keel.rundir.status import read_status, write_status
+from keel.train.setup import attempt_started, lock_in_rank0
+from keel.train.trainer import Trainer
+
+ENDED = {0: "finished", EXIT_PAUSED: "paused", EXIT_QUARANTINE: "stopped", EXIT_GUARD_STOP: "stopped"}
+
+
+def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str, ...] = (),
+          callbacks: list[CallbackSpec] | None = None) -> int:
+    """Run (or resume) the training job described by `cfg` in this process. Returns the exit code.
+    `accepted`: identity fields a resume may change on purpose (keel.checkpoint.identity); `callbacks`:
+    the callbacks to attach (the configured ones unless given)."""
+    device = pick_device(cfg.train.device)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    entered = time.time()
+    ctx = init_distributed(device)
+    times = {"process_started": keel.STARTED, "entered": entered, "group_ready": time.time()}
+    crashed = True
+    lock = None
+    requests = StopRequests(run_dir, ctx.rank)
+    try:
+        if not held_by_launcher(run_dir):  # started by torchrun itself: rank 0 holds the run directory
+            lock = lock_in_rank0(run_dir, ctx.rank)
+        hold_as_worker(run_dir)
+        code = _run(cfg, run_dir, ctx, requests, resume, accepted, cfg.callbacks if callbacks is None else callbacks,
+                    times)
+        crashed = False
+        return code
+    except KeelError:
+        crashed = False  # bad input: every rank meets it at the same point
+        raise
+    except BaseException as e:
+        if ctx.rank == 0 and run_dir.is_dir():
+            last = read_status(run_dir)
+            write_status(run_dir, "failed", last.get("step", 0), checkpoint=last.get("checkpoint"),
+                         reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
+    finally:
+        requests.close()
+        destroy_distributed(wait_for_peers=not crashed)
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, run_dir: Path, ctx: Dist, requests: StopRequests, resume: str, accepted: tuple[str, ...],
+         callbacks: list[CallbackSpec], times: dict[str, float]) -> int:
+    """The Trainer inside the run's logs, watchdog and monitor, which outlive it on every path."""
+    mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
+    with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
+        watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
+        watchdog.start()
+        monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
+                             checkpoint_root(cfg, run_dir).path())
+        try:
+            trainer = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)
+            try:
+                code = trainer.build(resume, accepted, callbacks, times)
+                if code is None:
+                    code = trainer.fit()
+            finally:
+                trainer.close()
+            monitor.close(ENDED.get(code, "failed"))
+            return code
+        except Exception as e:
+            if watchdog.cfg.enabled and is_collective_timeout(e):
+                watchdog.collective_timed_out(e)  # names the stuck ranks, then ends the process
+            raise
+        finally:
+            monitor.stop()
+            watchdog.stop()
