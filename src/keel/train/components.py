@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager, SaveOutcome
-from keel.config import Config
+from keel.config import CheckpointConfig
 from keel.core.actions import Action
 from keel.core.callbacks import Callback, Step
 from keel.core.state import TrainState
@@ -142,7 +142,7 @@ class Checkpointing:
     """What the checkpoint decision and the writer share: the manager, the interval policy, the save
     bookkeeping."""
 
-    cfg: Config
+    cfg: CheckpointConfig
     manager: CheckpointManager
     policy: IntervalPolicy
     monitor: RunMonitor
@@ -164,7 +164,7 @@ class Checkpointing:
                      f"{outcome.blocking_s:.3f} s, written in the background in {outcome.write_s:.2f} s")
             self.notify("on_checkpoint_saved", state, outcome.path)
             self.status("running")
-        elif outcome.volume_error and self.cfg.checkpoint.on_storage_error == "stop":
+        elif outcome.volume_error and self.cfg.on_storage_error == "stop":
             self.status("stopped", reason=outcome.error)
             raise StorageError(f"the checkpoint of step {outcome.step} failed: {outcome.error}; stopped "
                                f"(checkpoint.on_storage_error = \"stop\"), the newest checkpoint is "
@@ -246,10 +246,10 @@ class IntervalMetrics(Builtin):
     """Every `monitor.interval` steps (registered with that frequency): the interval's one reduction of
     every metric, published to the sinks, the alert rules and the console."""
 
-    def __init__(self, cfg: Config, monitor: RunMonitor, metering: Metering, loader: GlobalOrderLoader,
+    def __init__(self, steps: int, monitor: RunMonitor, metering: Metering, loader: GlobalOrderLoader,
                  optimizers: list, pp: int, ckpt: Checkpointing, sources: list[Callable[[], dict[str, float]]],
                  train_text: tuple[int, int], status: Callable[..., None], device: object) -> None:
-        self.cfg, self.monitor, self.metering, self.loader = cfg, monitor, metering, loader
+        self.steps, self.monitor, self.metering, self.loader = steps, monitor, metering, loader
         self.optimizers, self.pp = optimizers, pp
         self.train_loss = float("nan")
         self.ckpt, self.sources, self.train_text, self.status, self.device = ckpt, sources, train_text, status, device
@@ -271,10 +271,10 @@ class IntervalMetrics(Builtin):
         # rollback) is no overdue checkpoint, so never less than OVERDUE_FLOOR_S.
         policy = self.ckpt.policy
         expected_s = max(OVERDUE_FLOOR_S, policy.every_s if policy.every_s < float("inf") else
-                         self.cfg.checkpoint.interval * step.metrics["time/step_s"])
+                         self.ckpt.cfg.interval * step.metrics["time/step_s"])
         self.monitor.interval(step.metrics, self.metering.since_log, self.ckpt.seconds_since_save(report.values),
                               expected_s)
         self.metering.since_log = 0
         self.train_loss = report.loss
-        self.monitor.log.say.step(state.step, self.cfg.train.steps, step.metrics)
+        self.monitor.log.say.step(state.step, self.steps, step.metrics)
         self.status("running")

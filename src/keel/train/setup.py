@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,16 +12,21 @@ import torch
 import torch.distributed as dist
 
 import keel
+from keel.checkpoint.manager import checkpoint_root
 from keel.config import Config
+from keel.core.callbacks import Callback
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
 from keel.errors import DataError, KeelError
+from keel.health.preflight import run_preflight, verdict
+from keel.model.flops import param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
-from keel.parallel.mesh import Mesh
+from keel.parallel.mesh import Dist, Mesh
 from keel.parallel.pipeline import stage_ids, stage_module
+from keel.rundir.events import EventLog, host
 from keel.rundir.lock import RunLock
 
 
@@ -46,6 +52,28 @@ def lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
     if shared[0]:
         raise KeelError(shared[0])
     return lock
+
+
+def preflight(cfg: Config, run_dir: Path, ctx: Dist, users: list[Callback], events: EventLog,
+              say: Callable[[str], None]) -> int | None:
+    """The preflight checks (keel.health.preflight); an exit code when this node must be left out."""
+    if cfg.health.preflight == "off":
+        return None
+    probes = [cb.corrupt_probe for cb in users if hasattr(cb, "corrupt_probe")]
+    checks = run_preflight(cfg, checkpoint_root(cfg, run_dir).path(), param_count(cfg.model), events, say,
+                           corrupt=probes[0] if probes else None, device=ctx.device)
+    code = verdict(checks, cfg.health.preflight, run_dir, ctx.rank)
+    if code is not None:
+        say(f"error: preflight failed; the nodes at fault are in {run_dir / 'quarantine.json'}; exiting with code "
+            f"{code} so that the job goes on without them")
+    return code
+
+
+def gather_hosts(world_size: int) -> list[str]:
+    """Each rank's host name, by rank."""
+    hosts: list = [None] * world_size
+    dist.all_gather_object(hosts, host())
+    return hosts
 
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:

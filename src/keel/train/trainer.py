@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
-from keel.checkpoint.manager import CheckpointManager, checkpoint_root
+from keel.checkpoint.manager import CheckpointManager
 from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
 from keel.core.actions import Action
 from keel.core.callbacks import Build, Callback, Hooks, Step
@@ -27,7 +26,6 @@ from keel.data.shards import open_corpus
 from keel.data.tokenizer import bits_per_byte
 from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
 from keel.guard.engine import Guards
-from keel.health.preflight import run_preflight, verdict
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
@@ -54,7 +52,7 @@ from keel.train.components import (
 )
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.rollback import Recovery
-from keel.train.setup import build_data, build_model_parts, precision_dtype, validated_loss
+from keel.train.setup import build_data, build_model_parts, gather_hosts, precision_dtype, preflight, validated_loss
 from keel.train.step import Stepper, evaluate
 from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
@@ -81,7 +79,7 @@ class Trainer:
         corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
         check_vocab_size(cfg, corpus.vocab_size)
         users = load_callbacks(callbacks)
-        if (code := self._preflight(users)) is not None:
+        if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say)) is not None:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
         self._build_model()
@@ -95,9 +93,7 @@ class Trainer:
             identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
         self.guards = Guards(cfg.guard, cfg.train.deterministic, self.mesh, self.optimizers, self.stepper.params,
                              [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
-        hosts: list = [None] * ctx.world_size
-        dist.all_gather_object(hosts, host())
-        self.hosts: list[str] = hosts
+        self.hosts = gather_hosts(ctx.world_size)
         self._attach(users)
         self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                          config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -113,19 +109,6 @@ class Trainer:
         self.monitor.ledger.charge("startup")
         self.meter.restart()
         return None
-
-    def _preflight(self, users: list[Callback]) -> int | None:
-        cfg = self.cfg
-        if cfg.health.preflight == "off":
-            return None
-        probes = [cb.corrupt_probe for cb in users if hasattr(cb, "corrupt_probe")]
-        checks = run_preflight(cfg, checkpoint_root(cfg, self.run_dir).path(), param_count(cfg.model), self.events,
-                               self.say, corrupt=probes[0] if probes else None, device=self.ctx.device)
-        code = verdict(checks, cfg.health.preflight, self.run_dir, self.ctx.rank)
-        if code is not None:
-            self.say(f"error: preflight failed; the nodes at fault are in {self.run_dir / 'quarantine.json'}; "
-                     f"exiting with code {code} so that the job goes on without them")
-        return code
 
     def _build_model(self) -> None:
         cfg, mesh = self.cfg, self.mesh
@@ -152,15 +135,16 @@ class Trainer:
         straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,
                                       self.say, self.run_dir, ctx.device)
         comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type, also_every=straggler.cfg.interval)
-        self.checkpointing = ckpt = Checkpointing(cfg, self.manager, IntervalPolicy(cfg.checkpoint), monitor,
+        self.checkpointing = ckpt = Checkpointing(cfg.checkpoint, self.manager, IntervalPolicy(cfg.checkpoint), monitor,
                                                   self.events, self.say, self.state, self.hooks.notify, self.status,
                                                   self.rank0)
         metering = Metering(monitor, self.meter, comm)
         inspection = GuardInspection(self.guards, monitor, self.stepper,
                                      lambda step: hooks.notify("on_backward", step, True))
         pause = PauseRequests(self.requests, straggler, comm, self.sync)
-        self.metrics = IntervalMetrics(cfg, monitor, metering, self.loader, self.optimizers, self.mesh.layout.pp,
-                                       ckpt, [lambda: comm.last, self.guards.metrics, lambda: straggler.last],
+        self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
+                                       self.mesh.layout.pp, ckpt,
+                                       [lambda: comm.last, self.guards.metrics, lambda: straggler.last],
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
                                      monitor, hooks.notify, self.say)
