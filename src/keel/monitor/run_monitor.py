@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel.config import Config
+from keel.config import MonitorConfig
 from keel.monitor.alerts import Alerts
 from keel.monitor.goodput import GoodputLedger
 from keel.monitor.metrics import MetricsRegistry
@@ -37,9 +37,8 @@ def local_rank() -> int:
 
 
 class RunMonitor:
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: Any, log: RunLog, started: float,
+    def __init__(self, mc: MonitorConfig, run_dir: Path, rank: int, device: Any, log: RunLog, started: float,
                  storage_dir: str) -> None:
-        mc = cfg.monitor
         self.log, self.rank0 = log, rank == 0
         self.step = 0
         self._skipped: float = 0  # steps the guards skipped, at the last interval

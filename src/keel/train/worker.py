@@ -72,7 +72,7 @@ def _run(cfg: Config, run_dir: Path, ctx: Dist, requests: StopRequests, resume: 
     with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
         watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
         watchdog.start()
-        monitor = RunMonitor(cfg, run_dir, ctx.rank, ctx.device, log, attempt_started(),
+        monitor = RunMonitor(cfg.monitor, run_dir, ctx.rank, ctx.device, log, attempt_started(),
                              checkpoint_root(cfg, run_dir).path())
         try:
             trainer = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)

@@ -385,7 +385,7 @@ def test_exporter_per_node_is_local_rank_0_and_per_rank_is_port_plus_local_rank(
                              "monitor.telemetry_interval_s=0"])
     monkeypatch.setenv("LOCAL_RANK", "1")
     with RunLog(tmp_path, rank=1) as log:
-        monitor = RunMonitor(cfg, tmp_path, 1, torch.device("cpu"), log, time.time(), str(tmp_path))
+        monitor = RunMonitor(cfg.monitor, tmp_path, 1, torch.device("cpu"), log, time.time(), str(tmp_path))
         try:
             monitor.begin({})
             monitor.step_done(1)
