@@ -47,8 +47,13 @@ class Action:
 
     @property
     def ends_step(self) -> bool:
-        """Whether the rest of the step is abandoned: it is rolled back, or the run stops."""
-        return self.exit_code is not None or self.kind in ("rollback", "quarantine", "stop")
+        """Whether the rest of the step is abandoned: it is rolled back, or the run ends."""
+        return self.exit_code is not None or self.kind == "stop" or self.rolls_back
+
+    @property
+    def carried_out(self) -> bool:
+        """Whether the loop must carry the action out (a skip is the update's, a pause the stop's)."""
+        return self.kind in ("rollback", "quarantine", "stop")
 
 
 CONTINUE = Action()

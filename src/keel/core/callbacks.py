@@ -54,6 +54,7 @@ class Step:
     batch: int = 0  # the global batch number of `micro_batches`
     data_s: float = 0.0  # the wait for the batch
     compute_s: float = 0.0  # forward and backward, until the report
+    updated: bool = False  # the update was applied (not skipped, not undone)
     update_s: float = 0.0  # the optimizer step
     loss: torch.Tensor | None = None  # this rank's mean loss (no host synchronisation)
     grad_norm: torch.Tensor | None = None

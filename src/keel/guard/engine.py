@@ -23,6 +23,7 @@ from keel.config import GuardConfig
 from keel.core.actions import CONTINUE, Action, strongest
 from keel.core.state import TrainState
 from keel.core.sync import StepReport
+from keel.errors import EXIT_QUARANTINE
 from keel.guard.numerics import NumericsGuard
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
@@ -89,7 +90,7 @@ class Guards:
                 for action in found:
                     if action is not None:
                         self._record(action, report.step)
-        return strongest(actions)
+        return self._exiting(strongest(actions))
 
     def check(self, state: TrainState, save_due: bool) -> Action:
         """After the update of `state.step`."""
@@ -101,6 +102,12 @@ class Guards:
                 self._record(action, state.step)
         if action is CONTINUE and self.ring is not None and state.step % self.g.snapshot_interval == 0:
             self._snapshot(state)
+        return self._exiting(action)
+
+    def _exiting(self, action: Action) -> Action:
+        """A quarantine ends the run (exit 76, once recorded) when `guard.sdc.response` says so."""
+        if action.kind == "quarantine" and action.ranks and self.g.sdc.response == "exit":
+            return dataclasses.replace(action, exit_code=EXIT_QUARANTINE)
         return action
 
     def _escalate(self, action: Action | None, step: int) -> Action | None:

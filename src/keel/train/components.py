@@ -257,7 +257,7 @@ class IntervalMetrics(Builtin):
     def on_step_end(self, step: Step) -> None:
         assert step.report is not None
         state, report, registry = step.state, step.report, self.monitor.registry
-        registry.add("optim/update_norm_sq", update_norm_sq(self.optimizers, self.pp) * step.action.updates,
+        registry.add("optim/update_norm_sq", update_norm_sq(self.optimizers, self.pp) * step.updated,
                      reduce="sum")
         registry.add("memory/peak_bytes_max_rank", peak_memory(self.device), reduce="max")  # type: ignore[arg-type]
         reduced = registry.reduce()  # the interval's one reduction of every metric

@@ -233,12 +233,12 @@ class Trainer:
                                            partial(stepper.nonfinite_here, step.loss), step.data_s,
                                            time.perf_counter() - started)
             step.compute_s = time.perf_counter() - started
-            if hooks.ask("after_backward", step).updates:
-                started = time.perf_counter()
+            step.updated, started = hooks.ask("after_backward", step).updates, time.perf_counter()
+            if step.updated:
                 stepper.update(step.lr, step.grad_norm)
-                step.update_s = time.perf_counter() - started
             else:
                 stepper.drop()
+            step.update_s = time.perf_counter() - started
             if not step.action.ends_step:
                 state.step += 1
                 state.tokens_seen += self.tokens_per_step
@@ -250,7 +250,7 @@ class Trainer:
     def _act(self, action: Action) -> int | None:
         """What the step's strongest action asks once its hooks have run: nothing more, a rollback (once the
         save in flight has finished), or the end of the run with an exit code."""
-        if action.exit_code is not None or not action.ends_step:
+        if not action.carried_out:
             return action.exit_code
         self.checkpointing.finish()
         self.monitor.ledger.spent("productive")
