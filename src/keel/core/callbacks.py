@@ -54,6 +54,7 @@ class Step:
     batch: int = 0  # the global batch number of `micro_batches`
     data_s: float = 0.0  # the wait for the batch
     compute_s: float = 0.0  # forward and backward, until the report
+    update_s: float = 0.0  # the optimizer's update (0 when the step is skipped)
     loss: torch.Tensor | None = None  # this rank's mean loss (no host synchronisation)
     grad_norm: torch.Tensor | None = None
     report: StepReport | None = None  # the step's one reduction, from `after_backward` on
