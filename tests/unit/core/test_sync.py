@@ -3,22 +3,10 @@ ranks and every component's named contribution in one report."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from keel.core.sync import StepSync
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_named_contributions_are_read_at_each_reduction(group: None) -> None:

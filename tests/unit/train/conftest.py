@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from keel.checkpoint.manager import checkpoint_root
 from keel.config import CallbackSpec, load_config, resolve_layout
@@ -26,15 +25,6 @@ STEPS = 6
 # process (the preflight, the watchdog's thread, the Prometheus port shared by everything on the machine).
 IN_PROCESS = [f"train.steps={STEPS}", "checkpoint.interval=2", "eval.interval=0", "health.preflight=off",
               "health.watchdog.enabled=false", "monitor.prometheus_port=0"]
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
