@@ -110,6 +110,18 @@ def tmpfs(mount: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.fixture
+def group() -> Iterator[None]:
+    """A one-process gloo group, for the collectives of code run in the test's own process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from keel.data.prepare import prepare

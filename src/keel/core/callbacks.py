@@ -55,7 +55,7 @@ class Step:
     data_s: float = 0.0  # the wait for the batch
     compute_s: float = 0.0  # forward and backward, until the report
     updated: bool = False  # the update was applied (not skipped, not undone)
-    update_s: float = 0.0  # the optimizer step
+    update_s: float = 0.0  # the optimizer's update, or the clearing of the gradients of a skipped step
     loss: torch.Tensor | None = None  # this rank's mean loss (no host synchronisation)
     grad_norm: torch.Tensor | None = None
     report: StepReport | None = None  # the step's one reduction, from `after_backward` on
