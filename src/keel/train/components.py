@@ -158,6 +158,7 @@ class Checkpointing:
     def after_save(self, outcome: SaveOutcome) -> None:
         """Every rank handles the same outcome at the same step."""
         state = self.state
+        self.final_saved = outcome.committed
         if outcome.committed:
             self.monitor.checkpoint_committed()
             self.say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "
@@ -220,26 +221,28 @@ class CheckpointWriter(Builtin):
         self.ckpt, self.parts, self.optimizers, self.watchdog = ckpt, parts, optimizers, watchdog
         self.started = time.perf_counter()
 
+        self.saved_step = -1  # the step of the last save started
+
     def on_start(self, state: TrainState) -> None:
         self.started = self.ckpt.last_save = time.perf_counter()
 
     def on_step_end(self, step: Step) -> None:
+        seconds = self.save(step, wait=step.last or step.action.kind == "pause") if step.save_due else 0.0
+        self.ckpt.monitor.registry.add("time/checkpoint_s", seconds)  # a step's mean share
+
+    def save(self, step: Step, wait: bool) -> float:
+        """Save the state of `step` (to the end, with `wait`); returns the seconds training was blocked."""
         ckpt, state = self.ckpt, step.state
-        seconds = 0.0
-        if step.save_due:
-            state.train_seconds += time.perf_counter() - self.started
-            self.started = time.perf_counter()
-            self.watchdog.begin("checkpoint", state.step)
-            with ckpt.monitor.phase("checkpoint_blocking", whole_step=False) as saving:
-                wait = step.last or step.action.kind == "pause"
-                for outcome in ckpt.manager.save(self.parts, self.optimizers, state, wait=wait):
-                    ckpt.after_save(outcome)
-                    ckpt.final_saved = outcome.committed
-            self.watchdog.end()
-            ckpt.last_save = time.perf_counter()
-            ckpt.monitor.ledger.flush(state.step)
-            seconds = saving.seconds
-        ckpt.monitor.registry.add("time/checkpoint_s", seconds)  # a step's mean share
+        state.train_seconds += time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        self.watchdog.begin("checkpoint", state.step)
+        with ckpt.monitor.phase("checkpoint_blocking", whole_step=False) as saving:
+            for outcome in ckpt.manager.save(self.parts, self.optimizers, state, wait=wait):
+                ckpt.after_save(outcome)
+        self.watchdog.end()
+        self.saved_step, ckpt.last_save = state.step, time.perf_counter()
+        ckpt.monitor.ledger.flush(state.step)
+        return saving.seconds
 
 
 class IntervalMetrics(Builtin):

@@ -20,7 +20,7 @@ from keel.rundir.events import EventLog
 from keel.rundir.progress import Progress, summary_lines
 from keel.rundir.quarantine import quarantined_nodes
 from keel.rundir.status import read_status, write_status
-from keel.train.components import Builtin, Checkpointing, PauseRequests
+from keel.train.components import Builtin, Checkpointing, CheckpointWriter, PauseRequests
 
 
 def rendezvous_timeout() -> float | None:
@@ -35,20 +35,31 @@ class Stopping(Builtin):
     is quarantined (a straggler, or `keel quarantine`, whose launcher then stopped its workers): the
     other nodes restart without it."""
 
-    def __init__(self, pause: PauseRequests, ckpt: Checkpointing, hosts: list[str], run_dir: Path,
-                 status: Callable[..., None]) -> None:
-        self.pause, self.ckpt, self.hosts, self.run_dir, self.status = pause, ckpt, hosts, run_dir, status
+    def __init__(self, pause: PauseRequests, ckpt: Checkpointing, writer: CheckpointWriter, hosts: list[str],
+                 run_dir: Path, status: Callable[..., None]) -> None:
+        self.pause, self.ckpt, self.writer, self.hosts = pause, ckpt, writer, hosts
+        self.run_dir, self.status = run_dir, status
 
     def on_step_end(self, step: Step) -> Action | None:
         if step.action.kind != "pause" or step.last:
             return None
-        code = self._stop(step.state.step)
+        code = self._stop(step.state.step, step.action.reason)
         return Action("pause", step.action.guard, step.action.reason, exit_code=code)
 
-    def _stop(self, step: int) -> int:
+    def late(self, step: Step) -> int:
+        """A pause asked after this component's turn (by a callback registered after it): the step's
+        checkpoint is written to the end (or the one written in the background finished), then the stop."""
+        if self.writer.saved_step == step.state.step:
+            self.ckpt.finish()
+        else:
+            self.writer.save(step, wait=True)
+        return self._stop(step.state.step, step.action.reason)
+
+    def _stop(self, step: int, asked_for: str) -> int:
         requests, ckpt, rank0 = self.pause.requests, self.ckpt, self.ckpt.rank0
         saved, checkpoint, events, say = ckpt.final_saved, ckpt.manager.latest(), ckpt.events, ckpt.say
-        reason = requests.reason() if requests.pending() else f"asked on {self.pause.asked:.0f} other rank(s)"
+        reason = (requests.reason() if requests.pending() else
+                  f"asked on {self.pause.asked:.0f} other rank(s)" if self.pause.asked else asked_for)
         # Only an elastic job can go on without a node, unless a straggler's node was just listed.
         consult = self.pause.leave or rendezvous_timeout() is not None
         leaving = [sorted(quarantined_nodes(self.run_dir) & set(self.hosts)) if rank0 and consult else None]

@@ -18,7 +18,6 @@ from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
 from keel.checkpoint.manager import CheckpointManager
 from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
-from keel.core.actions import Action
 from keel.core.callbacks import Build, Callback, Hooks, Step
 from keel.core.state import Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
@@ -67,8 +66,6 @@ class Trainer:
         self.requests, self.watchdog, self.monitor = requests, watchdog, monitor
         self.events, self.say, self.rank0 = log.events, log.say, ctx.rank == 0
         self.state, self.hooks = TrainState(), Hooks()
-
-    # ------------------------------------------------------------------ setup
 
     def build(self, resume: str, accepted: tuple[str, ...], callbacks: list[CallbackSpec],
               times: dict[str, Any]) -> int | None:
@@ -148,13 +145,14 @@ class Trainer:
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
                                      monitor, hooks.notify, self.say)
+        writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
+        self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
         for component, every in [
                 (metering, 1), (inspection, 1), (pause, 1), (CheckpointDecision(ckpt, self.sync), 1),
                 (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),
                 (GuardCheck(self.guards, monitor, inspection), 1),
-                (CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog), 1),
-                (Stopping(pause, ckpt, self.hosts, self.run_dir, self.status), 1),
+                (writer, 1), (self.stopping, 1),
                 *[(user, 1) for user in users],
                 (WatchdogPhases(watchdog), 1), (StepEnd(monitor, self.events.emit, self.rank0), 1)]:
             hooks.add(component, every)
@@ -211,8 +209,6 @@ class Trainer:
             self.watchdog.hosts = self.hosts
             self.say(self.watchdog.describe(rendezvous_timeout()))
 
-    # ------------------------------------------------------------------ the loop
-
     def fit(self) -> int:
         """Each step: a batch, forward and backward, the step's one reduction, the components' verdict after
         the backward, update or skip, advance, the step-end components; then what the strongest action asks."""
@@ -243,18 +239,23 @@ class Trainer:
                 state.step += 1
                 state.tokens_seen += self.tokens_per_step
                 hooks.ask("on_step_end", step)
-            if (code := self._act(step.action)) is not None:
+            if (code := self._act(step)) is not None:
                 return code
         return self._finish()
 
-    def _act(self, action: Action) -> int | None:
+    def _act(self, step: Step) -> int | None:
         """What the step's strongest action asks once its hooks have run: nothing more, a rollback (once the
-        save in flight has finished), or the end of the run with an exit code."""
+        save in flight has finished), a pause its components have not carried out yet, or the end of the
+        run with an exit code."""
+        action = step.action
+        if action.kind == "pause" and action.exit_code is None and not step.last:
+            return self.stopping.late(step)
         if not action.carried_out:
             return action.exit_code
         self.checkpointing.finish()
         self.monitor.ledger.spent("productive")
         code = self.recovery.carry_out(action)
+        code = code if action.exit_code is None else action.exit_code  # the code the asker gave wins
         self.monitor.ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
         if code is not None:
             self.status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
@@ -288,8 +289,6 @@ class Trainer:
         """A save still in flight after an error is abandoned: its .tmp is cleaned at the next start."""
         if hasattr(self, "loader"):
             self.loader.close()
-
-    # ------------------------------------------------------------------ helpers
 
     def status(self, kind: str, **detail: object) -> None:
         if self.rank0:

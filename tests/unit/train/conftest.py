@@ -40,7 +40,7 @@ def build(small_corpus: Path, tmp_path: Path, group: None) -> Iterator[Callable[
             requests = StopRequests(run_dir, 0)
             stack.callback(requests.close)
             watchdog = Watchdog(cfg.health.watchdog, run_dir, 0, 1, log.events, log.say)
-            monitor = RunMonitor(cfg, run_dir, 0, ctx.device, log, attempt_started(),
+            monitor = RunMonitor(cfg.monitor, run_dir, 0, ctx.device, log, attempt_started(),
                                  checkpoint_root(cfg, run_dir).path())
             stack.callback(monitor.stop)
             built = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)

@@ -181,8 +181,8 @@ def test_evaluation_runs_every_k_steps_and_at_the_last(build: Build) -> None:
 
 def test_stopping_ends_a_paused_step_with_exit_75_but_not_the_last(build: Build) -> None:
     trainer = build()
-    stopping = Stopping(part(trainer, PauseRequests), trainer.checkpointing, trainer.hosts, trainer.run_dir,
-                        trainer.status)
+    stopping = Stopping(part(trainer, PauseRequests), trainer.checkpointing, part(trainer, CheckpointWriter),
+                        trainer.hosts, trainer.run_dir, trainer.status)
     paused = Action("pause", "health", "asked")
     assert stopping.on_step_end(made(trainer, 1)) is None
     assert stopping.on_step_end(made(trainer, 6, last=True, action=paused)) is None
