@@ -115,7 +115,7 @@ def test_a_hung_rank_1_then_a_stopped_rank_0_are_named_with_stacks_and_the_run_r
     assert 4.0 <= detail["timeouts"]["step"] < 10
     assert detail["where"]["1"]["elapsed_s"] <= detail["timeouts"]["step"] + 2, detail["where"]
     assert detail["where"]["0"]["phase"] == "reduce" and detail["where"]["1"]["phase"] == "forward_backward"
-    assert "drill/faults.py" in stacks[1] and "in deliver" in stacks[1] and "in after_backward" in stacks[1]
+    assert "drill/faults.py" in stacks[1] and "in deliver" in stacks[1] and "in on_backward" in stacks[1]
     assert "_train" in stacks[0]  # rank 0's main thread, waiting in a collective
 
     detail = stopped["detail"]
@@ -128,7 +128,7 @@ def test_a_hung_rank_1_then_a_stopped_rank_0_are_named_with_stacks_and_the_run_r
     assert 4.0 <= step_timeout < 10 and step_timeout - 1 <= stopped["time"] - sigstop["time"] <= step_timeout + 5
     # Rank 1, blocked on rank 0, still wrote its stacks when the launcher asked.
     asked = stacks[1].split("=== rank 1: stacks asked by the launcher")
-    assert len(asked) == 2 and "keel/train/trainer.py" in asked[1], stacks[1][-3000:]
+    assert len(asked) == 2 and "keel/train/worker.py" in asked[1], stacks[1][-3000:]
     # The workers are ended at once (a stopped one takes no SIGTERM) and started again.
     ended = next(e for e in events(run_dir, "failure") if e["time"] >= stopped["time"])
     again = next(e for e in events(run_dir, "start") if e["time"] > stopped["time"] and e["rank"] == 0)
