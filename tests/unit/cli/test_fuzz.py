@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keel.launch
-import keel.train.trainer
+import keel.train.worker
 from keel import cli
 from keel.config import INT_MAX, Config, SourceConfig
 from tests.conftest import SMALL_RUN
@@ -106,7 +106,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     def started(*args: typing.Any, **kwargs: typing.Any) -> typing.NoReturn:
         raise AssertionError("a bad input was accepted and training started")
 
-    monkeypatch.setattr(keel.train.trainer, "train", started)
+    monkeypatch.setattr(keel.train.worker, "train", started)
     monkeypatch.setattr(keel.launch, "launch", started)
     inputs = tmp_path / "inputs"
     inputs.mkdir()

@@ -1,4 +1,4 @@
-"""A Trainer built in this process, as `keel.train.trainer.train` builds it, on a one-process gloo group."""
+"""A Trainer built in this process, as `keel.train.worker.train` builds it, on a one-process gloo group."""
 
 from __future__ import annotations
 
