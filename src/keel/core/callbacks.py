@@ -110,10 +110,6 @@ class Hooks:
     def of_type(self, kind: type) -> list[Any]:
         return [cb for cb in self.callbacks if isinstance(cb, kind)]
 
-    def guards(self) -> list[Any]:
-        """The callbacks that are also guards."""
-        return [cb for cb in self.callbacks if hasattr(cb, "inspect")]
-
     def state_dict(self) -> dict:
         return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.users)
                 if hasattr(cb, "state_dict")}
