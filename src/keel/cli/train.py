@@ -22,6 +22,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "that checkpoint")
     t.add_argument("--nproc", type=int, default=None,
                    help="launch N processes on this machine through torchrun's elastic agent")
+    t.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                   help="R replica groups of --nproc processes each (fault_tolerance.replica_groups): a failed group "
+                        "heals from the live ones while they keep training")
     t.add_argument("--max-restarts", type=int, default=None,
                    help="worker-group restarts the elastic agent may make (default: health.max_restarts)")
     t.add_argument("--nnodes", default="1", help="MIN:MAX nodes of an elastic job: run the same command on every "
@@ -54,6 +57,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from keel.health.signals import stop_signals_kept
 
     worker = in_torchrun_worker()
+    if args.replica_groups is not None:
+        if args.replica_groups < 1:
+            raise KeelError(f"--replica-groups {args.replica_groups}: expected a positive number of groups")
+        args.overrides.append(f"fault_tolerance.replica_groups={args.replica_groups}")
     if worker:
         die_with_launcher()
     with stop_signals_kept():  # from here on a SIGTERM or SIGUSR1 is a pause, whatever the job is doing
@@ -64,6 +71,7 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
+    from keel.groups import GROUP_ENV, launch_groups
     from keel.health.signals import stop_requested_early
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
@@ -79,7 +87,7 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     elastic = not worker and args.nnodes != "1"
     if elastic:
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
-    max_restarts = cfg.health.max_restarts if args.max_restarts is None else args.max_restarts
+    groups, max_restarts = cfg.fault_tolerance.replica_groups, restart_budget(args, cfg)
     if not worker and not elastic:
         resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
@@ -105,7 +113,9 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     # elastic job); torchrun's own workers lock it in rank 0.
     lock = RunLock(run_dir, node_name() if elastic else "")
     with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
-        if nproc > 1 or max_restarts > 0 or elastic:
+        if groups > 1 and GROUP_ENV not in os.environ and not worker:  # one launcher per replica group
+            return launch_groups(cfg, args.argv, run_dir, nproc, max_restarts)
+        if not worker and (nproc > 1 or max_restarts > 0 or elastic or groups > 1):
             return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
                           shutdown_grace_s=cfg.health.shutdown_grace_s,
@@ -115,6 +125,14 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
 
         # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
         return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])
+
+
+def restart_budget(args: argparse.Namespace, cfg: Config) -> int:
+    """The worker-group restarts the agent may make: --max-restarts, else each replica group's own budget,
+    else health.max_restarts."""
+    if args.max_restarts is not None:
+        return int(args.max_restarts)
+    return cfg.fault_tolerance.max_restarts if cfg.fault_tolerance.replica_groups > 1 else cfg.health.max_restarts
 
 
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:

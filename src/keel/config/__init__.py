@@ -16,6 +16,7 @@ from keel.config.schema import (
     DedupConfig,
     DrillConfig,
     EvalConfig,
+    FaultToleranceConfig,
     GuardConfig,
     HealthConfig,
     Layout,
@@ -36,7 +37,8 @@ from keel.config.schema import (
 
 __all__ = [
     "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
-    "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "GuardConfig", "HealthConfig",
+    "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "FaultToleranceConfig", "GuardConfig",
+    "HealthConfig",
     "Layout", "MixturePhase", "ModelConfig", "MonitorConfig", "NumericsConfig", "OptimConfig", "ParallelConfig",
     "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrainConfig", "WatchdogConfig", "option",
     "check_vocab_size", "load_config", "parse_override", "reference", "resolve_layout", "to_toml",

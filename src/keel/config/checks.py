@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from keel.config.schema import Config, DataConfig, Layout, ModelConfig, TrainConfig
+from keel.config.schema import Config, DataConfig, FaultToleranceConfig, Layout, ModelConfig, TrainConfig
 from keel.errors import ConfigError
 
 
@@ -22,9 +22,37 @@ def check_consistency(cfg: Config) -> None:
     if cfg.guard.spike.warmup > cfg.guard.spike.window:
         raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
                           f"{cfg.guard.spike.window}: the window must hold the warm-up steps")
+    _check_fault_tolerance(cfg)
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
+
+
+def _check_fault_tolerance(cfg: Config) -> None:
+    ft = cfg.fault_tolerance
+    if ft.replica_groups == 1:
+        return
+    if ft.min_replicas > ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.min_replicas = {ft.min_replicas} exceeds fault_tolerance.replica_groups "
+                          f"= {ft.replica_groups}: no quorum could ever form")
+    if ft.lighthouse and not (ft.lighthouse.startswith("http://") and ft.lighthouse.rpartition(":")[2].isdigit()):
+        raise ConfigError(f"fault_tolerance.lighthouse = {ft.lighthouse!r}: expected http://HOST:PORT")
+
+
+def check_group_shares(cfg: Config, layout: Layout) -> None:
+    """Every number of live replica groups a step can have must split the global batch into whole
+    micro-batches per rank: the survivors of a failure take the missing groups' share."""
+    ft, t = cfg.fault_tolerance, cfg.train
+    for live in range(ft.min_replicas, ft.replica_groups + 1):
+        if t.global_batch % (t.micro_batch * layout.dp * live):
+            raise ConfigError(f"train.global_batch = {t.global_batch} does not split into micro-batches of "
+                              f"{t.micro_batch} over {live} live replica group(s) of {layout.dp} data-parallel "
+                              f"rank(s); use a multiple of {t.micro_batch * layout.dp * _lcm_upto(ft)} or raise "
+                              f"fault_tolerance.min_replicas")
+
+
+def _lcm_upto(ft: FaultToleranceConfig) -> int:
+    return math.lcm(*range(ft.min_replicas, ft.replica_groups + 1))
 
 
 def _check_model(m: ModelConfig, t: TrainConfig) -> None:
@@ -112,6 +140,7 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     if cfg.eval.sequences % layout.dp:
         raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the data-parallel degree = "
                           f"{layout.dp}")
+    check_group_shares(cfg, layout)
     return layout
 
 

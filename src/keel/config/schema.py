@@ -352,6 +352,27 @@ class HealthConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    replica_groups: int = option(1, "replica groups (torchft): each a full copy of the model in its own torchrun "
+                                 "job; a failed group heals from a live one while the others keep training "
+                                 "(1: off; `keel train --replica-groups` overrides)", ge=1, le=1024)
+    min_replicas: int = option(1, "live replica groups a step needs to commit; with fewer the groups wait",
+                               ge=1, le=1024)
+    lighthouse: str = option("", "address of a running torchft lighthouse, http://HOST:PORT (empty: `keel train` "
+                             "starts one on loopback)")
+    heartbeat_timeout_s: float = option(1.0, "a replica group whose heartbeat is older than this is dead: the "
+                                        "next quorum goes on without it (the survivors' longest stall)", gt=0,
+                                        le=YEAR_S)
+    join_timeout_s: float = option(60.0, "how long a quorum waits for a group that heartbeats but has not "
+                                   "joined yet", gt=0, le=YEAR_S)
+    quorum_timeout_s: float = option(120.0, "how long a step waits for its quorum (and a heal for its state)",
+                                     gt=0, le=YEAR_S)
+    timeout_s: float = option(60.0, "timeout of the cross-group all-reduce, commit vote and state transfer",
+                              gt=0, le=YEAR_S)
+    max_restarts: int = option(10, "restarts each replica group's own agent may make", ge=0)
+
+
+@dataclass
 class DrillConfig:
     inject: list[str] = option([], "faults to inject, `KIND:key=value,...`, e.g. "
                                "\"nan_grads:step=30,rank=1\" (see keel.drill.faults.INJECTORS)")
@@ -376,6 +397,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     drill: DrillConfig = field(default_factory=DrillConfig)
     callbacks: list[CallbackSpec] = field(default_factory=list)
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Weakest first. `skip`: no update this step. `pause`: save and end the run for a later resume.
+# `retry`: the step is made again from the same batch (the replica groups did not commit it).
 # `quarantine` rolls back like `rollback` and also records (and may exclude) a rank.
-KINDS = ("continue", "skip", "pause", "rollback", "quarantine", "stop")
+KINDS = ("continue", "skip", "pause", "retry", "rollback", "quarantine", "stop")
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class Action:
 
     @property
     def ends_step(self) -> bool:
-        """Whether the rest of the step is abandoned: it is rolled back, or the run ends."""
-        return self.exit_code is not None or self.kind == "stop" or self.rolls_back
+        """Whether the rest of the step is abandoned: it is made again, rolled back, or the run ends."""
+        return self.exit_code is not None or self.kind in ("stop", "retry") or self.rolls_back
 
     @property
     def carried_out(self) -> bool:

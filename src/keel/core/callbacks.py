@@ -67,6 +67,7 @@ class Step:
 class Callback:
     def on_build(self, build: Build) -> None: ...
     def on_start(self, state: TrainState) -> None: ...
+    def before_step(self, state: TrainState) -> None: ...  # before the step is made: it may change the state
     def on_step_start(self, step: Step) -> None: ...  # before the batch is read
     def on_batch(self, step: Step) -> None: ...  # the batch is read, before the forward pass
     # Gradients exist, nothing is reduced yet. Called again after a replay's recomputation.

@@ -268,6 +268,16 @@ class GlobalOrderLoader:
         tokens = torch.from_numpy(out)
         return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.micro_batch)]
 
+    def share(self, rank: int, size: int) -> None:
+        """Take slice `rank` of `size` of every later global batch (the data-parallel ranks of the live
+        replica groups, when some are missing): the batches read ahead for another slice are dropped."""
+        if self.global_batch % (self.micro_batch * size) or not 0 <= rank < size:
+            raise ValueError(f"slice {rank} of {size}: global_batch {self.global_batch} does not split into "
+                             f"micro-batches of {self.micro_batch} that way")
+        if (rank, size) != (self.dp_rank, self.dp_size):
+            self.close()
+            self.dp_rank, self.dp_size = rank, size
+
     # ------------------------------------------------------------ iteration with prefetch
 
     def skip(self, start: int, end: int) -> None:

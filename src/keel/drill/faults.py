@@ -21,6 +21,7 @@ from keel.core.dtensor import local
 from keel.core.state import TrainState
 from keel.errors import ConfigError
 from keel.rundir.events import EventLog
+from keel.train.replicas import replica_group
 
 
 class Injector(Callback):
@@ -150,14 +151,19 @@ class _InStep(Injector):
     """A fault delivered inside step `step` on `rank`, after the backward, at most `times` times in the run
     (so that a restarted run gets past it, or meets it again)."""
 
-    def __init__(self, step: int, rank: int = 1, times: int = 1) -> None:
-        self.step, self.rank, self.times = step, rank, times
+    def __init__(self, step: int, rank: int = 1, times: int = 1, group: int = -1) -> None:
+        self.step, self.rank, self.times, self.group = step, rank, times, group
 
     def on_backward(self, step: Step, replaying: bool) -> None:
-        if (not replaying and step.number == self.step and dist.get_rank() == self.rank
-                and self.delivered() < self.times):
+        if not replaying and self.due(step):
             self.fire(self.step, attempt=attempt())
             self.deliver()
+
+    def due(self, step: Step) -> bool:
+        """Step `step` on rank `rank` (-1: every rank) of replica group `group` (-1: any group)."""
+        return (step.number == self.step and self.rank in (-1, dist.get_rank())
+                and self.group in (-1, replica_group())
+                and self.delivered() < self.times)
 
     def deliver(self) -> None:
         raise NotImplementedError
@@ -168,6 +174,25 @@ class KillInStep(_InStep):
 
     def deliver(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillInReduce(_InStep):
+    """Stall this rank before its forward pass for `seconds`, long enough for the other replica groups to
+    be waiting for it inside the gradient all-reduce, then SIGKILL it: the group dies mid-collective, as
+    its peers see it."""
+
+    def __init__(self, step: int, rank: int = -1, times: int = 1, group: int = 1, seconds: float = 3.0) -> None:
+        super().__init__(step, rank, times, group)
+        self.seconds = seconds
+
+    def on_batch(self, step: Step) -> None:
+        if self.due(step):
+            self.fire(self.step, attempt=attempt())
+            time.sleep(self.seconds)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        pass
 
 
 class HangInStep(_InStep):
@@ -374,7 +399,8 @@ INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitfli
              "skip_update": SkipUpdateAt, "sigkill_after_checkpoint": SigkillAfterCheckpoint,
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
              "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint,
-             "read_only_before_checkpoint": ReadOnlyBeforeCheckpoint, "kill": KillInStep, "hang": HangInStep,
+             "read_only_before_checkpoint": ReadOnlyBeforeCheckpoint, "kill": KillInStep,
+             "kill_in_reduce": KillInReduce, "hang": HangInStep,
              "signal": SignalInStep, "slow": SlowRank, "slow_collective": SlowCollective,
              "wrong_allreduce": WrongAllReduce}
 

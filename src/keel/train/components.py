@@ -152,6 +152,7 @@ class Checkpointing:
     notify: Callable[..., None]  # the hooks' on_checkpoint_saved / on_checkpoint_failed
     status: Callable[..., None]
     rank0: bool
+    writer: Callable[[], bool] = lambda: True  # whether this rank's group writes the run's checkpoints
     last_save: float = 0.0
     final_saved: bool = True
 
@@ -210,8 +211,9 @@ class CheckpointDecision(Builtin):
         values, policy = step.report.values, self.ckpt.policy
         if values["checkpoint/done"] == dist.get_world_size():
             self.ckpt.after_save(self.ckpt.manager.finish())  # type: ignore[arg-type]
-        step.save_due = (policy.due_by_step(step.state.step) or step.last or step.action.kind == "pause"
-                         or policy.due_by_time(self.ckpt.seconds_since_save(values)))
+        step.save_due = self.ckpt.writer() and (policy.due_by_step(step.state.step) or step.last or
+                                                step.action.kind == "pause" or
+                                                policy.due_by_time(self.ckpt.seconds_since_save(values)))
 
 
 class CheckpointWriter(Builtin):

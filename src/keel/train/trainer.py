@@ -50,6 +50,7 @@ from keel.train.components import (
     PauseRequests,
 )
 from keel.train.optim import build_optimizer, lr_at
+from keel.train.replicas import ReplicaGroups
 from keel.train.rollback import Recovery
 from keel.train.setup import build_data, build_model_parts, gather_hosts, precision_dtype, preflight, validated_loss
 from keel.train.step import Stepper, evaluate
@@ -88,14 +89,18 @@ class Trainer:
             # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
             tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
             identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
-        self.guards = Guards(cfg.guard, cfg.train.deterministic, self.mesh, self.optimizers, self.stepper.params,
+        # Step replays compare a rank's own gradients, which the replica groups' average replaces.
+        replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
+        self.guards = Guards(cfg.guard, replays, self.mesh, self.optimizers, self.stepper.params,
                              [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
         self.hosts = gather_hosts(ctx.world_size)
         self._attach(users)
         self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                          config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                          **times)
-        if (code := self._resume(resume, accepted)) is not None:
+        # A group that joins live peers further on receives their state instead of reading storage.
+        healed = self.replicas is not None and self.replicas.join()
+        if (code := self._resume(resume, accepted, restore=not healed)) is not None:
             return code
         self._announce()
         self.hooks.notify("on_build", Build(self.parts, self.optimizers, ctx.rank, ctx.world_size, self.run_dir,
@@ -136,19 +141,22 @@ class Trainer:
                                                   self.events, self.say, self.state, self.hooks.notify, self.status,
                                                   self.rank0)
         metering = Metering(monitor, self.meter, comm)
+        self.replicas = self._replica_groups() if cfg.fault_tolerance.replica_groups > 1 else None
         inspection = GuardInspection(self.guards, monitor, self.stepper,
                                      lambda step: hooks.notify("on_backward", step, True))
         pause = PauseRequests(self.requests, straggler, comm, self.sync)
         self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
                                        self.mesh.layout.pp, ckpt,
-                                       [lambda: comm.last, self.guards.metrics, lambda: straggler.last],
+                                       [lambda: comm.last, self.guards.metrics, lambda: straggler.last,
+                                        self.replicas.metrics if self.replicas else dict],
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
                                      monitor, hooks.notify, self.say)
         writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
         self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
         for component, every in [
-                (metering, 1), (inspection, 1), (pause, 1), (CheckpointDecision(ckpt, self.sync), 1),
+                (metering, 1), *([(self.replicas, 1)] if self.replicas else []), (inspection, 1), (pause, 1),
+                (CheckpointDecision(ckpt, self.sync), 1),
                 (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),
                 (GuardCheck(self.guards, monitor, inspection), 1),
@@ -160,18 +168,26 @@ class Trainer:
                                  self.hosts, self.events, self.say, self.run_dir, self.rank0)
         registered: list[tuple[str, Stateful]] = [("loader", self.loader_state), ("callbacks", hooks),
                                                   ("guards", self.guards), ("health", watchdog)]
+        if self.replicas is not None:
+            registered.append(("replicas", self.replicas))
+            ckpt.writer = self.replicas.is_writer
         for name, stateful in registered:
             self.state.register(name, stateful)
 
-    def _resume(self, resume: str, accepted: tuple[str, ...]) -> int | None:
-        """The newest checkpoint of the run that verifies, unless told otherwise."""
+    def _replica_groups(self) -> ReplicaGroups:
+        return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,
+                             self.mesh.dp_rank, self.mesh.layout.dp, self.events, self.say, self.rank0)
+
+    def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
+        """The newest checkpoint of the run that verifies, unless told otherwise (or the state was received
+        from a live replica group)."""
         cfg, state, ledger = self.cfg, self.state, self.monitor.ledger
         loading = time.perf_counter()
         ledger.charge("startup")
-        restored = self.manager.restore(self.parts, self.optimizers, resume, self.say)
+        restored = self.manager.restore(self.parts, self.optimizers, resume, self.say) if restore else None
         ledger.charge("checkpoint_restore")
         load_s = time.perf_counter() - loading
-        if restored is None and cfg.model.init_from:
+        if restored is None and restore and cfg.model.init_from:
             from keel.checkpoint.export import load_hf_weights
 
             for part in self.parts:
@@ -214,6 +230,7 @@ class Trainer:
         the backward, update or skip, advance, the step-end components; then what the strongest action asks."""
         state, hooks, stepper, cfg = self.state, self.hooks, self.stepper, self.cfg
         while state.step < cfg.train.steps:
+            hooks.notify("before_step", state)
             step = Step(state.step + 1, state, last=state.step + 1 == cfg.train.steps,
                         lr=lr_at(state.step, cfg.optim, cfg.train.steps))
             hooks.notify("on_step_start", step)
@@ -289,6 +306,8 @@ class Trainer:
         """A save still in flight after an error is abandoned: its .tmp is cleaned at the next start."""
         if hasattr(self, "loader"):
             self.loader.close()
+        if (replicas := getattr(self, "replicas", None)) is not None:
+            replicas.close()
 
     def status(self, kind: str, **detail: object) -> None:
         if self.rank0:

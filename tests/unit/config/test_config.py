@@ -149,7 +149,8 @@ def test_unknown_key_suggests_the_closest(override: str, key: str, hint: str) ->
 def test_unknown_section_without_close_match_lists_known_keys() -> None:
     message = config_error(["zzz.bar=1"])
     assert "unknown config key 'zzz' in the top level" in message
-    assert ("known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, guard, health, drill, "
+    assert ("known keys: name, model, data, train, optim, eval, parallel, monitor, checkpoint, guard, health, "
+            "fault_tolerance, drill, "
             "callbacks") in message
 
 

@@ -1,0 +1,201 @@
+"""Replica groups (fault_tolerance.replica_groups > 1): this group's part in torchft's quorum.
+
+Each replica group is a whole torchrun job holding a full copy of the model in any layout; the groups
+meet only here, through torchft's `Manager`. Every step begins with a quorum (synchronous, so every
+group knows before it reads data who takes part); a group that is behind — a restarted one — receives
+the model, optimizer and train state of a live peer through torchft's checkpoint transport and joins
+at the live step, never reading storage. The live groups split the global batch between them, so the
+global batch, the loss scale and the data order stay those of the fault-free run whatever the number
+of groups; after the backward, the gradients (and the loss) are averaged over the live groups in one
+flat all-reduce; the update is applied only when torchft commits the step, and an uncommitted step is
+made again from the same batch by the groups of the next quorum.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from keel.config import FaultToleranceConfig
+from keel.core.actions import Action
+from keel.core.callbacks import Step
+from keel.core.dtensor import local
+from keel.core.state import TrainState, rng_state, set_rng_state
+from keel.data.loader import GlobalOrderLoader
+from keel.errors import ConfigError
+from keel.rundir.events import EventLog
+from keel.train.components import Builtin
+
+GROUP_ENV = "KEEL_REPLICA_GROUP"  # which replica group this process belongs to (the group launcher sets it)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse address
+
+
+def replica_group() -> int:
+    return int(os.environ.get(GROUP_ENV, "0"))
+
+
+def heartbeating(lighthouse: str, within_s: float) -> set[int] | None:
+    """The replica groups whose heartbeat the lighthouse saw within `within_s`, read from its status page
+    (None when the page cannot be read or parsed: then nobody waits on it)."""
+    try:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=2) as response:
+            page = response.read().decode()
+    except OSError:
+        return None
+    seen = re.findall(r"keel_group_(\d+):\S*: seen ([0-9.e-]+)s ago", page)
+    if "Heartbeats" not in page:
+        return None
+    return {int(group) for group, ago in seen if float(ago) < within_s}
+
+
+class ReplicaGroups(Builtin):
+    """The quorum at each step's start, the cross-group gradient average after the backward, and the
+    commit vote before the update."""
+
+    def __init__(self, cfg: FaultToleranceConfig, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, events: EventLog,
+                 say: Any, rank0: bool) -> None:
+        try:
+            from torchft import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as e:
+            raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-train[ft]' "
+                              f"({e})") from e
+        self.cfg, self.parts, self.optimizers, self.state, self.loader = cfg, parts, optimizers, state, loader
+        self.dp_rank, self.dp_size, self.events, self.say, self.rank0 = dp_rank, dp_size, events, say, rank0
+        self.group = replica_group()
+        self.address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
+            replica_id=f"keel_group_{self.group}", lighthouse_addr=self.address,
+            init_sync=False)  # every group initialises the same weights from the seed
+        self.manager.register_state_dict_fn("keel", self._load_peer_state, self._peer_state)
+        self.participants, self.replica_rank = 0, -1
+        self.heals, self.heal_s, self.quorums, self.retries = 0, 0.0, 0, 0
+        self.position: dict = {}  # the loader's state before this step's batch: an uncommitted step reads it again
+        self.joined = False
+
+    # ------------------------------------------------------------ what a healing group receives
+
+    def _peer_state(self) -> dict:
+        return {"parts": [part.state_dict() for part in self.parts],
+                "optimizers": [opt.state_dict() for opt in self.optimizers],
+                "train": self.state.to_dict(), "rng": rng_state()}
+
+    def _load_peer_state(self, peer: dict) -> None:
+        for part, saved in zip(self.parts, peer["parts"], strict=True):
+            part.load_state_dict(saved)
+        for opt, saved in zip(self.optimizers, peer["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        self.state.load(peer["train"])
+        set_rng_state(peer["rng"])
+
+    def state_dict(self) -> dict:
+        """The manager's counters, saved with the train state (and so in checkpoints)."""
+        return dict(self.manager.state_dict())
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.manager.load_state_dict(saved)
+
+    # ------------------------------------------------------------ the quorum
+
+    def join(self) -> bool:
+        """The first step's quorum, before anything is restored: True when this group was behind a live
+        peer and received its state (then storage is not read); False when no live group has progressed
+        further, so every member of the quorum restores the same newest checkpoint."""
+        self.joined = True
+        if self.rank0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            self._wait_for_groups()
+        healed = self._quorum()
+        if healed:
+            self.say(f"replica group {self.group} healed from a live peer at step {self.state.step} in "
+                     f"{self.heal_s:.2f} s ({self.participants} group(s) in the quorum)")
+        return healed
+
+    def _wait_for_groups(self) -> None:
+        """At a group's first start, until every replica group's manager heartbeats at the lighthouse (at
+        most `join_timeout_s`): the first quorum then holds them all, instead of the first group to start
+        training alone until the others heal from it."""
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while time.monotonic() < deadline:
+            live = heartbeating(self.address, self.cfg.heartbeat_timeout_s)
+            if live is None or len(live) >= self.cfg.replica_groups:
+                return
+            time.sleep(0.1)
+        self.say(f"warning: not every replica group reached the lighthouse within {self.cfg.join_timeout_s:.0f} s; "
+                 f"training starts without the missing ones, which heal when they join")
+
+    def before_step(self, state: TrainState) -> None:
+        if not self.joined:
+            self._quorum()
+        self.joined = False
+        self.position = self.loader.state_dict()
+
+    def _quorum(self) -> bool:
+        started, step_before = time.perf_counter(), self.manager.current_step()
+        self.manager.start_quorum()  # synchronous: a heal is applied before this returns
+        healed = self.manager.current_step() > step_before
+        if healed:
+            self.heals, self.heal_s = self.heals + 1, time.perf_counter() - started
+        participants, rank = self.manager.num_participants(), self.manager.participating_rank()
+        if rank is None:
+            raise RuntimeError(f"replica group {self.group} is not part of the quorum it joined")
+        if (participants, rank) != (self.participants, self.replica_rank) or healed:
+            self.quorums += 1
+            if self.rank0:
+                self.events.emit("quorum", self.state.step, "heal" if healed else "change", group=self.group,
+                                 participants=participants, replica_rank=rank, heal_s=round(self.heal_s, 3)
+                                 if healed else 0.0, quorum_s=round(time.perf_counter() - started, 3))
+        self.participants, self.replica_rank = participants, rank
+        # The live groups split every global batch: this rank's slice of the live data-parallel ranks.
+        self.loader.share(rank * self.dp_size + self.dp_rank, participants * self.dp_size)
+        return healed
+
+    # ------------------------------------------------------------ average, then commit
+
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        """Average this rank's gradient shards and loss with the same rank of every live group: one flat
+        buffer, one all-reduce (a group lost inside it makes the step uncommitted, not a crash)."""
+        if replaying:
+            return
+        assert step.loss is not None
+        grads = [local(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), step.loss.detach().float().reshape(1)])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        step.loss = flat[-1].clone()
+
+    def after_backward(self, step: Step) -> Action | None:
+        if self.manager.should_commit():
+            return None
+        self.retries += 1
+        if self.rank0:
+            self.events.emit("quorum", step.state.step, "retry", group=self.group, participants=self.participants)
+        self.loader.load_state_dict(self.position)  # the same global batch again, shared by the next quorum
+        return Action("retry", "replica_groups", f"step {step.number} was not committed by the replica groups "
+                      f"(a group was lost during it); made again by the next quorum")
+
+    def metrics(self) -> dict[str, float]:
+        return {"ft/participants": float(self.participants), "ft/heals_total": float(self.heals),
+                "ft/heal_s": self.heal_s, "ft/quorum_changes_total": float(self.quorums),
+                "ft/retries_total": float(self.retries)}
+
+    def is_writer(self) -> bool:
+        """Whether this group writes the run's checkpoints: the first group of the quorum."""
+        return self.replica_rank == 0
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,127 @@
+"""Replica groups (torchft): a group lost mid-run heals from its live peer while the other keeps training,
+and the run computes what the fault-free run computes: the same rows of tokens at every step, the same
+tokens seen, the same final state within the tolerance of another summation order.
+
+Every run is a real `keel train --replica-groups 2`: a torchft lighthouse on loopback, one torchrun agent per
+group, real SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.rundir.events import read_jsonl
+from tests.conftest import SMALL_RUN, run_keel
+
+pytestmark = pytest.mark.dist
+
+STEPS = 40
+FAULT_AT = 10
+# Every group sleeps this long in each step, so that a killed group is back (process start, torchrun, heal)
+# well before the run ends; the sleep changes nothing the run computes.
+PACE = "slow:rank=-1,seconds=0.4"
+TOLERANCE = 1e-4  # float32 sums in another order, compounded over the steps after the fault
+
+
+def ft_cmd(corpus: Path, run_dir: Path, fault: str = "") -> list[str]:
+    probe = f'callbacks=[{{path = "tests.dist.replica_probe:StepLedger", args = {{out = "{run_dir / "probe"}"}}}}]'
+    faults = ", ".join(f'"{f}"' for f in (PACE, fault) if f)
+    return ["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(run_dir), *SMALL_RUN,
+            f"train.steps={STEPS}", f"data.dir={corpus}", "eval.interval=0", "checkpoint.interval=100",
+            "fault_tolerance.max_restarts=2", probe, f"drill.inject=[{faults}]"]
+
+
+def ledger(run_dir: Path, group: int, kind: str = "state") -> dict[int, dict]:
+    """Each step's record of the group's rank 0 (the last, for a step attempted more than once)."""
+    return {r["step"]: r for r in read_jsonl(run_dir / "probe" / f"{group}-0.jsonl") if r["kind"] == kind}
+
+
+def rows_by_step(run_dir: Path) -> dict[int, Counter]:
+    """The rows of tokens each step's update was computed from, over every group that contributed to it."""
+    out: dict[int, Counter] = {}
+    for group in (0, 1):
+        for step, record in ledger(run_dir, group, "rows").items():
+            out.setdefault(step, Counter()).update(record["rows"])
+    return out
+
+
+def final_params(run_dir: Path, group: int) -> list[torch.Tensor]:
+    return torch.load(run_dir / "probe" / f"{group}-0-final.pt")
+
+
+def group_events(run_dir: Path, group: int, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "groups" / str(group) / "events.jsonl") if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def fault_free(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ft") / "clean"
+    done = run_keel(ft_cmd(small_corpus, run_dir), cwd=run_dir.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def assert_same_run(faulted: Path, clean: Path) -> None:
+    """Every step trained on the rows the fault-free run trained on; same tokens seen; final state within
+    the tolerance; the healed group bitwise equal to the survivor at every step both made."""
+    assert rows_by_step(faulted) == rows_by_step(clean)
+    survivor, healed = ledger(faulted, 0), ledger(faulted, 1)
+    assert survivor[STEPS]["tokens_seen"] == ledger(clean, 0)[STEPS]["tokens_seen"]
+    assert survivor[STEPS]["loader_batch"] == ledger(clean, 0)[STEPS]["loader_batch"] == STEPS
+    assert survivor[STEPS]["consumed"] == ledger(clean, 0)[STEPS]["consumed"]
+    heal = group_events(faulted, 1, "quorum")[-1]
+    assert heal["action"] == "heal"
+    later = [s for s in healed if s > heal["step"]]
+    assert later and max(later) == STEPS
+    for s in later:
+        assert (healed[s]["params"], healed[s]["optimizer"]) == (survivor[s]["params"], survivor[s]["optimizer"]), s
+    for a, b in zip(final_params(faulted, 0), final_params(clean, 0), strict=True):
+        assert torch.allclose(a, b, atol=TOLERANCE, rtol=0), (a - b).abs().max()
+    assert abs(survivor[STEPS]["loss"] - ledger(clean, 0)[STEPS]["loss"]) < TOLERANCE
+
+
+def test_fault_free_groups_hold_the_same_state_and_split_every_batch(fault_free: Path) -> None:
+    g0, g1 = ledger(fault_free, 0), ledger(fault_free, 1)
+    both = sorted(set(g0) & set(g1))
+    assert both == list(range(1, STEPS + 1))  # the first quorum waits for every group
+    for s in both:
+        assert (g0[s]["params"], g0[s]["optimizer"]) == (g1[s]["params"], g1[s]["optimizer"])
+    r0, r1 = ledger(fault_free, 0, "rows"), ledger(fault_free, 1, "rows")
+    for s in both:
+        assert len(r0[s]["rows"]) == len(r1[s]["rows"]) == 4  # half of the global batch of 8 each
+        assert not set(r0[s]["rows"]) & set(r1[s]["rows"])
+    checkpoints = sorted(p.name for p in (fault_free / "checkpoints").glob("step-*"))
+    assert checkpoints == [f"step-{STEPS:06d}"]  # one group writes the run's checkpoints
+
+
+def test_group_killed_mid_step_heals_from_its_live_peer(fault_free: Path, small_corpus: Path,
+                                                        tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    done = run_keel(ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1"),
+                    cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(group_events(run_dir, 0, "start")) == 1, "the surviving group must never restart"
+    assert len(group_events(run_dir, 1, "start")) == 2
+    survivor = ledger(run_dir, 0)
+    assert sorted(survivor) == list(range(1, STEPS + 1)), "no step of the survivor is lost or repeated"
+    assert len({r["pid"] for r in survivor.values()}) == 1
+    alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 8]
+    assert alone, "while the other group is missing, the survivor takes its share of the global batch"
+    assert_same_run(run_dir, fault_free)
+
+
+def test_group_killed_inside_the_gradient_all_reduce_leaves_the_survivor_training(
+        fault_free: Path, small_corpus: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "in_reduce"
+    done = run_keel(ft_cmd(small_corpus, run_dir, f"kill_in_reduce:step={FAULT_AT},group=1"),
+                    cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(group_events(run_dir, 0, "start")) == 1, "the surviving group must never restart"
+    retries = [e for e in group_events(run_dir, 0, "quorum") if e["action"] == "retry"]
+    assert [e["step"] for e in retries] == [FAULT_AT - 1], "the step the peer died in is made again, once"
+    assert sorted(ledger(run_dir, 0)) == list(range(1, STEPS + 1))
+    assert_same_run(run_dir, fault_free)
