@@ -125,3 +125,35 @@ def test_group_killed_inside_the_gradient_all_reduce_leaves_the_survivor_trainin
     assert [e["step"] for e in retries] == [FAULT_AT - 1], "the step the peer died in is made again, once"
     assert sorted(ledger(run_dir, 0)) == list(range(1, STEPS + 1))
     assert_same_run(run_dir, fault_free)
+
+
+def test_spike_rollback_is_taken_by_every_group_at_the_same_step(small_corpus: Path, tmp_path: Path) -> None:
+    """A group healed mid-run rolls back with the survivor: the same spike, the same target, the same
+    snapshot (every group takes one when a group joins), and bitwise equal states after it."""
+    run_dir = tmp_path / "spike"
+    guards = ["guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=4",
+              "guard.spike.warmup=20", "guard.spike.window=40"]
+    faults = f'drill.inject=["{PACE}", "kill:step={FAULT_AT},rank=-1,group=1", "poison_batch:batch=34"]'
+    done = run_keel([*ft_cmd(small_corpus, run_dir), *guards, faults], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    heal = group_events(run_dir, 1, "quorum")[-1]
+    assert heal["action"] == "heal" and heal["step"] < 35, "the killed group must be back before the spike"
+    rollbacks = [[(e["step"], e["detail"]["to_step"]) for e in group_events(run_dir, g, "guard")
+                  if e["action"] == "rolled_back"] for g in (0, 1)]
+    # The poisoned batch 34 is step 35's: the event carries the step the run had reached, 34.
+    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1 and rollbacks[0][0][0] == 34
+    survivor, healed = ledger(run_dir, 0), ledger(run_dir, 1)
+    for s in range(rollbacks[0][0][1] + 1, STEPS + 1):
+        assert (healed[s]["params"], healed[s]["optimizer"]) == (survivor[s]["params"], survivor[s]["optimizer"]), s
+
+
+def test_a_replica_group_checkpoint_resumes_as_a_single_job(fault_free: Path, small_corpus: Path,
+                                                            tmp_path: Path) -> None:
+    run_dir = tmp_path / "single"
+    checkpoint = fault_free / "checkpoints" / f"step-{STEPS:06d}"
+    done = run_keel(["train", "--run-dir", str(run_dir), "--resume", str(checkpoint), *SMALL_RUN,
+                     f"train.steps={STEPS + 2}", f"data.dir={small_corpus}", "eval.interval=0"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
+    assert [e["step"] for e in resumed] == [STEPS]
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS + 2

@@ -332,14 +332,15 @@ class CheckpointManager:
         self.events.emit("alert", now, "checkpoint_set_aside", severity="warning",
                          message=f"{name} does not verify ({problem}); kept as {aside}, never resumed or removed")
 
-    def retire_after(self, step: int, events: EventLog, now: int) -> list[str]:
+    def retire_after(self, step: int, events: EventLog, now: int, remove: bool = True) -> list[str]:
         """Remove the checkpoints of steps after `step`: a rollback abandoned them (after a spike they
         lead back into the bad data, after silent corruption they may hold it). Those that do not
         verify are set aside instead, and the checkpoints up to `step` are left alone, so the newest
         verified one the run went back to stays. The save in flight must have been finished. Every
-        rank calls this; rank 0 removes."""
+        rank calls this; rank 0 removes (unless `remove` is False: another replica group writes the run's
+        checkpoints)."""
         retired: list[str] = []
-        if self.rank == 0:
+        if self.rank == 0 and remove:
             for name in checkpoints(self.storage):
                 if checkpoint_step(name) <= step:
                     continue

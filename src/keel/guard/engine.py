@@ -132,6 +132,13 @@ class Guards:
         if self.sdc is not None:
             self.sdc.rolled_back(step)
 
+    def resnapshot(self, state: TrainState) -> None:
+        """Drop the in-memory snapshots and take one of the state now: replica groups do it when a group
+        joins with a ring of its own, so that every group's rollback finds the same snapshots."""
+        if self.ring is not None:
+            self.ring.snapshots.clear()
+            self._snapshot(state)
+
     def _snapshot(self, state: TrainState) -> None:
         assert self.ring is not None
         started = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 LEDGER = "goodput.json"
 HIGH_WATER = ".goodput-high-water"
 BUCKETS = ("productive", "startup", "checkpoint_blocking", "checkpoint_restore", "wasted", "data_wait",
-           "guard_checks", "evaluation", "paused", "failed_down")
+           "guard_checks", "evaluation", "paused", "failed_down", "replica_quorum", "replica_cover")
 BUCKET_HELP = {
     "productive": "training steps done for the first time",
     "startup": "process start, initialisation and preflight until the first step; the exit after the last",
@@ -37,6 +37,9 @@ BUCKET_HELP = {
     "evaluation": "validation passes",
     "paused": "between a pause (or stop) and the next start",
     "failed_down": "between the last sign of life before a crash and the next start",
+    "replica_quorum": "replica groups: waiting for the step's quorum (a lost group's heartbeat timeout included) "
+                      "and receiving a live group's state when healing",
+    "replica_cover": "replica groups: the survivors' extra micro-batches, the share of the missing groups",
 }
 MAX_HISTORY = 2000
 
@@ -101,6 +104,12 @@ class GoodputLedger:
     def spent(self, bucket: str) -> None:
         """Charge the time since the mark to `bucket`, or to `wasted` for all of a recomputed step's time."""
         self.charge("wasted" if self.recomputing else bucket)
+
+    def move(self, seconds: float, source: str, to: str) -> None:
+        """Reassign `seconds` already charged to `source` (at most all of it) to `to`."""
+        seconds = min(max(0.0, seconds), self.buckets[source])
+        self.buckets[source] -= seconds
+        self.buckets[to] += seconds
 
     def step_done(self, step: int) -> None:
         if step <= self.data["high_water"]:

@@ -20,7 +20,7 @@ BLUE, ORANGE, GREEN, PURPLE, RED, CYAN, AMBER, SLATE = ("#2563eb", "#ea580c", "#
                                                         "#0891b2", "#d97706", "#64748b")
 BUCKETS = {"productive": GREEN, "startup": BLUE, "checkpoint_blocking": PURPLE, "checkpoint_restore": "#c084fc",
            "wasted": RED, "data_wait": CYAN, "guard_checks": AMBER, "evaluation": "#0d9488", "paused": "#94a3b8",
-           "failed_down": "#7f1d1d"}
+           "failed_down": "#7f1d1d", "replica_quorum": "#0e7490", "replica_cover": "#67e8f9"}
 STEP_TIME = (("time/data_s", "data", CYAN), ("time/forward_backward_s", "forward/backward", BLUE),
              ("time/optimizer_s", "optimizer", PURPLE), ("time/guard_s", "guard", AMBER),
              ("time/checkpoint_s", "checkpoint", GREEN))

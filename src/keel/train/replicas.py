@@ -17,6 +17,7 @@ import os
 import re
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,7 @@ from keel.core.dtensor import local
 from keel.core.state import TrainState, rng_state, set_rng_state
 from keel.data.loader import GlobalOrderLoader
 from keel.errors import ConfigError
+from keel.monitor.run_monitor import RunMonitor
 from keel.rundir.events import EventLog
 from keel.train.components import Builtin
 
@@ -60,8 +62,8 @@ class ReplicaGroups(Builtin):
     commit vote before the update."""
 
     def __init__(self, cfg: FaultToleranceConfig, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, events: EventLog,
-                 say: Any, rank0: bool) -> None:
+                 state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, monitor: RunMonitor,
+                 events: EventLog, say: Any, rank0: bool) -> None:
         try:
             from torchft import Manager
             from torchft.process_group import ProcessGroupGloo
@@ -70,6 +72,7 @@ class ReplicaGroups(Builtin):
                               f"({e})") from e
         self.cfg, self.parts, self.optimizers, self.state, self.loader = cfg, parts, optimizers, state, loader
         self.dp_rank, self.dp_size, self.events, self.say, self.rank0 = dp_rank, dp_size, events, say, rank0
+        self.monitor = monitor
         self.group = replica_group()
         self.address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -84,6 +87,7 @@ class ReplicaGroups(Builtin):
         self.heals, self.heal_s, self.quorums, self.retries = 0, 0.0, 0, 0
         self.position: dict = {}  # the loader's state before this step's batch: an uncommitted step reads it again
         self.joined = False
+        self.joined_by_peer: Callable[[], None] = lambda: None  # a group joined with its own state
 
     # ------------------------------------------------------------ what a healing group receives
 
@@ -114,9 +118,11 @@ class ReplicaGroups(Builtin):
         peer and received its state (then storage is not read); False when no live group has progressed
         further, so every member of the quorum restores the same newest checkpoint."""
         self.joined = True
+        self.monitor.ledger.charge("startup")
         if self.rank0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._wait_for_groups()
         healed = self._quorum()
+        self.monitor.ledger.charge("replica_quorum")
         if healed:
             self.say(f"replica group {self.group} healed from a live peer at step {self.state.step} in "
                      f"{self.heal_s:.2f} s ({self.participants} group(s) in the quorum)")
@@ -137,7 +143,8 @@ class ReplicaGroups(Builtin):
 
     def before_step(self, state: TrainState) -> None:
         if not self.joined:
-            self._quorum()
+            with self.monitor.phase("replica_quorum"):
+                self._quorum()
         self.joined = False
         self.position = self.loader.state_dict()
 
@@ -150,6 +157,8 @@ class ReplicaGroups(Builtin):
         participants, rank = self.manager.num_participants(), self.manager.participating_rank()
         if rank is None:
             raise RuntimeError(f"replica group {self.group} is not part of the quorum it joined")
+        if participants > self.participants and not healed and self.participants:
+            self.joined_by_peer()
         if (participants, rank) != (self.participants, self.replica_rank) or healed:
             self.quorums += 1
             if self.rank0:
@@ -179,8 +188,14 @@ class ReplicaGroups(Builtin):
         step.loss = flat[-1].clone()
 
     def after_backward(self, step: Step) -> Action | None:
+        ledger = self.monitor.ledger
         if self.manager.should_commit():
+            missing = 1 - self.participants / self.cfg.replica_groups
+            if missing > 0 and not ledger.recomputing:  # this step's share of the groups that are not there
+                ledger.spent("productive")
+                ledger.move(step.compute_s * missing, "productive", "replica_cover")
             return None
+        ledger.charge("wasted")  # the step is made again
         self.retries += 1
         if self.rank0:
             self.events.emit("quorum", step.state.step, "retry", group=self.group, participants=self.participants)

@@ -38,6 +38,7 @@ class Recovery:
     say: Callable[[str], None]
     run_dir: Path
     rank0: bool
+    writer: Callable[[], bool] = lambda: True  # whether this rank's group writes (and retires) the checkpoints
 
     def carry_out(self, action: Action) -> int | None:
         """A rollback, stop or quarantine (skips are the loop's). Returns an exit code when the run ends."""
@@ -86,7 +87,7 @@ class Recovery:
         state.load(record, only=("loader",))
         guards.rolled_back(record.get("guards", {}), state.step)
         state.train_seconds, state.interruptions = train_seconds, interruptions
-        retired = self.manager.retire_after(state.step, self.events, now)
+        retired = self.manager.retire_after(state.step, self.events, now, remove=self.writer())
         skipped: list[int] = []
         if action.skip_batches:
             first = loader.cursor // loader.global_batch

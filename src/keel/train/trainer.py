@@ -170,13 +170,14 @@ class Trainer:
                                                   ("guards", self.guards), ("health", watchdog)]
         if self.replicas is not None:
             registered.append(("replicas", self.replicas))
-            ckpt.writer = self.replicas.is_writer
+            ckpt.writer = self.recovery.writer = self.replicas.is_writer
+            self.replicas.joined_by_peer = lambda: self.guards.resnapshot(self.state)
         for name, stateful in registered:
             self.state.register(name, stateful)
 
     def _replica_groups(self) -> ReplicaGroups:
         return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,
-                             self.mesh.dp_rank, self.mesh.layout.dp, self.events, self.say, self.rank0)
+                             self.mesh.dp_rank, self.mesh.layout.dp, self.monitor, self.events, self.say, self.rank0)
 
     def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
         """The newest checkpoint of the run that verifies, unless told otherwise (or the state was received
