@@ -24,7 +24,7 @@ from keel.config import Config
 from keel.errors import EXIT_PAUSED, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.rundir.events import EventLog
-from keel.train.replicas import GROUP_ENV, LIGHTHOUSE_ENV
+from keel.train.replicas import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
 
 GROUP_FLAGS = ("--replica-groups", "--run-dir", "--nproc", "--max-restarts")
 LIGHTHOUSE_WAIT_S = 30.0
@@ -109,7 +109,7 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         for group in range(groups):
-            env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
+            env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address, ROOT_ENV: str(run_dir.resolve())}
             procs.append(subprocess.Popen([sys.executable, "-m", "keel",
                                            *group_argv(argv, cfg, run_dir, group, nproc, max_restarts)], env=env))
             events.emit("group", 0, "started", group=group, pid=procs[-1].pid, nproc=nproc)

@@ -43,7 +43,7 @@ def ledger(run_dir: Path, group: int, kind: str = "state") -> dict[int, dict]:
 def rows_by_step(run_dir: Path) -> dict[int, Counter]:
     """The rows of tokens each step's update was computed from, over every group that contributed to it."""
     out: dict[int, Counter] = {}
-    for group in (0, 1):
+    for group in sorted(int(p.name.split("-")[0]) for p in (run_dir / "probe").glob("*-0.jsonl")):
         for step, record in ledger(run_dir, group, "rows").items():
             out.setdefault(step, Counter()).update(record["rows"])
     return out
@@ -157,3 +157,45 @@ def test_a_replica_group_checkpoint_resumes_as_a_single_job(fault_free: Path, sm
     resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resume"]
     assert [e["step"] for e in resumed] == [STEPS]
     assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS + 2
+
+
+def test_a_group_whose_state_flipped_a_bit_is_caught_and_both_roll_back(fault_free: Path, small_corpus: Path,
+                                                                        tmp_path: Path) -> None:
+    """Two groups that disagree cannot say which is wrong: both go back to the last state they shared
+    and make the steps again, ending bitwise where the fault-free run ends."""
+    run_dir = tmp_path / "bitflip"
+    done = run_keel([*ft_cmd(small_corpus, run_dir, "bitflip:step=12,rank=0,group=1,target=params,bit=20"),
+                     "guard.sdc.fingerprint_interval=5", "guard.snapshot_interval=5"], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for group in (0, 1):
+        alerts = [e for e in group_events(run_dir, group, "alert") if e["action"] == "sdc_suspect"]
+        assert [(e["step"], e["detail"]["suspects"], e["detail"]["verified_step"]) for e in alerts] == \
+            [(15, [0, 1], 10)]
+        rolled = [e for e in group_events(run_dir, group, "guard") if e["action"] == "rolled_back"]
+        assert [(e["step"], e["detail"]["to_step"]) for e in rolled] == [(15, 10)]
+    for a, b in zip(final_params(run_dir, 1), final_params(fault_free, 0), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_group_outvoted_by_the_others_leaves_the_quorum_named_in_quarantine(small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
+    """Of three groups, the one whose state differs from the other two computed wrong: it leaves for good,
+    named in the run's quarantine.json, and the two others train on without stopping, taking its share."""
+    run_dir = tmp_path / "outvoted"
+    cmd = ft_cmd(small_corpus, run_dir, "bitflip:step=12,rank=0,group=2,target=params,bit=20")
+    cmd[cmd.index("--replica-groups") + 1] = "3"
+    done = run_keel([*cmd, "train.global_batch=24", "guard.sdc.fingerprint_interval=5"], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads((run_dir / "quarantine.json").read_text())
+    assert [(r["source"], r["group"], r["step"]) for r in records] == [("replica_groups", 2, 15)]
+    ended = {e["detail"]["group"]: e["detail"]["exit_code"] for e in read_jsonl(run_dir / "events.jsonl")
+             if e["kind"] == "group" and e["action"] == "ended"}
+    assert ended == {0: 0, 1: 0, 2: 76}
+    # The check at step 15 ends the group's step before the probe's hook sees it.
+    assert max(ledger(run_dir, 2)) == 14 and len(group_events(run_dir, 2, "start")) == 1
+    first, second = ledger(run_dir, 0), ledger(run_dir, 1)
+    assert sorted(first) == sorted(second) == list(range(1, STEPS + 1))
+    assert all(first[s]["params"] == second[s]["params"] for s in first)
+    rows = rows_by_step(run_dir)
+    assert all(len(rows[s]) == 24 and sum(rows[s].values()) == 24 for s in rows)
+    assert len(ledger(run_dir, 0, "rows")[STEPS]["rows"]) == 12

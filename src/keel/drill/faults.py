@@ -342,11 +342,11 @@ class BitFlip(Injector):
     its gradients of step `step` before the update (once: a replay computes them right)."""
 
     def __init__(self, step: int, rank: int = 1, target: str = "params", tensor: int = 0, element: int = 0,
-                 bit: int = 20) -> None:
+                 bit: int = 20, group: int = -1) -> None:
         if target not in BIT_FLIP_TARGETS:
             raise ValueError(f"bitflip target {target!r}: expected one of {', '.join(BIT_FLIP_TARGETS)}")
         self.step, self.rank, self.target = step, rank, target
-        self.tensor, self.element, self.bit = tensor, element, bit
+        self.tensor, self.element, self.bit, self.group = tensor, element, bit, group
         self.params: list = []
         self.optimizers: list = []
 
@@ -363,7 +363,8 @@ class BitFlip(Injector):
 
     def _mine(self, step: int) -> bool:
         """Once in the run: a restart that makes the step again makes it right."""
-        return dist.get_rank() == self.rank and step == self.step and self.delivered() == 0
+        return (dist.get_rank() == self.rank and step == self.step and self.delivered() == 0
+                and self.group in (-1, replica_group()))
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         if self.target == "grads" and not replaying and self._mine(step.number):

@@ -17,12 +17,16 @@ import os
 import re
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 
 from keel.config import FaultToleranceConfig
 from keel.core.actions import Action
@@ -30,17 +34,31 @@ from keel.core.callbacks import Step
 from keel.core.dtensor import local
 from keel.core.state import TrainState, rng_state, set_rng_state
 from keel.data.loader import GlobalOrderLoader
-from keel.errors import ConfigError
+from keel.errors import EXIT_QUARANTINE, ConfigError
+from keel.guard.sdc import fingerprint
 from keel.monitor.run_monitor import RunMonitor
-from keel.rundir.events import EventLog
+from keel.rundir.events import EventLog, host
+from keel.rundir.quarantine import add_to_quarantine
 from keel.train.components import Builtin
 
 GROUP_ENV = "KEEL_REPLICA_GROUP"  # which replica group this process belongs to (the group launcher sets it)
+ROOT_ENV = "KEEL_REPLICA_ROOT"  # the run directory above the groups' own
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse address
 
 
 def replica_group() -> int:
     return int(os.environ.get(GROUP_ENV, "0"))
+
+
+def disagreeing(table: torch.Tensor) -> list[int]:
+    """The rows (replica groups) that differ from the majority's row; every row when there is none."""
+    rows = [tuple(row.tolist()) for row in table]
+    common, count = Counter(rows).most_common(1)[0]
+    if count == len(rows):
+        return []
+    if count * 2 > len(rows):
+        return [i for i, row in enumerate(rows) if row != common]
+    return list(range(len(rows)))
 
 
 def heartbeating(lighthouse: str, within_s: float) -> set[int] | None:
@@ -63,7 +81,7 @@ class ReplicaGroups(Builtin):
 
     def __init__(self, cfg: FaultToleranceConfig, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, monitor: RunMonitor,
-                 events: EventLog, say: Any, rank0: bool) -> None:
+                 run_dir: Path, events: EventLog, say: Any, rank0: bool, check_every: int = 0) -> None:
         try:
             from torchft import Manager
             from torchft.process_group import ProcessGroupGloo
@@ -88,6 +106,8 @@ class ReplicaGroups(Builtin):
         self.position: dict = {}  # the loader's state before this step's batch: an uncommitted step reads it again
         self.joined = False
         self.joined_by_peer: Callable[[], None] = lambda: None  # a group joined with its own state
+        self.check_every, self.verified = check_every, 0
+        self.root = Path(os.environ.get(ROOT_ENV) or run_dir)  # where the run's quarantine.json is
 
     # ------------------------------------------------------------ what a healing group receives
 
@@ -159,6 +179,8 @@ class ReplicaGroups(Builtin):
             raise RuntimeError(f"replica group {self.group} is not part of the quorum it joined")
         if participants > self.participants and not healed and self.participants:
             self.joined_by_peer()
+        if participants > self.participants or healed:  # a heal made the groups' states equal
+            self.verified = self.state.step
         if (participants, rank) != (self.participants, self.replica_rank) or healed:
             self.quorums += 1
             if self.rank0:
@@ -202,6 +224,52 @@ class ReplicaGroups(Builtin):
         self.loader.load_state_dict(self.position)  # the same global batch again, shared by the next quorum
         return Action("retry", "replica_groups", f"step {step.number} was not committed by the replica groups "
                       f"(a group was lost during it); made again by the next quorum")
+
+    # ------------------------------------------------------------ the groups' states compared
+
+    def on_step_end(self, step: Step) -> Action | None:
+        """Every `guard.sdc.fingerprint_interval` steps: every group must hold bitwise the same parameters
+        and optimizer moments (they applied the same averaged gradients). A group that differs from the
+        majority computed wrong — silent data corruption — and leaves the quorum for good, named in
+        quarantine.json, while the others train on; with no majority (two groups), every group rolls back
+        to the last state they were seen to share."""
+        number = step.state.step
+        if not self.check_every or number % self.check_every or self.participants < 2:
+            return None
+        checked = [*(p for part in self.parts for p in part.parameters()),
+                   *(v for opt in self.optimizers for s in opt.state.values() for k, v in sorted(s.items())
+                     if isinstance(v, torch.Tensor) and k != "step")]
+        table = torch.zeros(self.participants, len(checked), dtype=torch.int64)
+        table[self.replica_rank] = fingerprint(checked)
+        self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:  # a group was lost during the check: the next one decides
+            return None
+        flags = torch.zeros(self.participants)
+        flags[list(disagreeing(table))] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a suspect seen from any rank is the group's verdict
+        suspects = [g for g, f in enumerate(flags.tolist()) if f]
+        if not suspects:
+            self.verified = number
+            return None
+        return self._suspected(number, suspects)
+
+    def _suspected(self, number: int, suspects: list[int]) -> Action | None:
+        reason = (f"replica group(s) at quorum rank {', '.join(map(str, suspects))} hold other parameters or optimizer "
+                  f"moments than the others at step {number}")
+        if self.rank0:
+            self.events.emit("alert", number, "sdc_suspect", severity="critical", message=reason, group=self.group,
+                             suspects=suspects, verified_step=self.verified)
+        if len(suspects) == self.participants:  # no majority: nobody can be named, everyone goes back
+            return Action("rollback", "replica_groups", reason + "; no majority, every group rolls back to step "
+                          f"{self.verified}", to_step=self.verified)
+        if self.replica_rank not in suspects:
+            return None  # the suspects leave; this group trains on
+        if self.rank0:
+            add_to_quarantine(self.root, [host()], source="replica_groups", reason=reason, step=number,
+                              group=self.group)
+        self.say(f"error: replica group {self.group} computed wrong ({reason}); it leaves the quorum with exit code "
+                 f"{EXIT_QUARANTINE}, the other groups train on")
+        return Action("stop", "replica_groups", reason, exit_code=EXIT_QUARANTINE)
 
     def metrics(self) -> dict[str, float]:
         return {"ft/participants": float(self.participants), "ft/heals_total": float(self.heals),

@@ -177,7 +177,8 @@ class Trainer:
 
     def _replica_groups(self) -> ReplicaGroups:
         return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,
-                             self.mesh.dp_rank, self.mesh.layout.dp, self.monitor, self.events, self.say, self.rank0)
+                             self.mesh.dp_rank, self.mesh.layout.dp, self.monitor, self.run_dir, self.events, self.say,
+                             self.rank0, self.cfg.guard.sdc.fingerprint_interval if self.cfg.guard.enabled else 0)
 
     def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
         """The newest checkpoint of the run that verifies, unless told otherwise (or the state was received
