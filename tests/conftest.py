@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
 import sysconfig
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +146,47 @@ def reference_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) 
                       cwd=run_dir.parent)
     assert result.returncode == 0, result.stderr
     return run_dir
+
+
+@dataclasses.dataclass
+class ReplicaRun:
+    """A finished run of 2 replica groups whose group 1 was SIGKILLed and healed, with what was read from it
+    while it ran: each group's last exporter page, and `keel status` of the run while group 1 was down."""
+    run_dir: Path
+    pages: dict[int, str]
+    while_down: dict
+
+
+@pytest.fixture(scope="session")
+def replica_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaRun]:
+    from keel.report.status import summary
+
+    run_dir = tmp_path_factory.mktemp("replicas") / "ft"
+    port = free_port()  # group G serves port + G
+    faults = '"slow:rank=-1,seconds=0.4", "kill:step=5,rank=-1,group=1"'
+    args = ["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
+            f"data.dir={small_corpus}", "fault_tolerance.max_restarts=2", f"monitor.prometheus_port={port}",
+            f"drill.inject=[{faults}]"]
+    log = run_dir.parent / "keel.log"
+    with open(log, "w") as out:
+        proc, tag = spawn_keel(args, run_dir.parent, stdout=out, stderr=subprocess.STDOUT)
+    pages: dict[int, str] = {}
+    while_down: dict = {}
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            for group in (0, 1):
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port + group}/metrics", timeout=2) as page:
+                        text = page.read().decode()
+                    if "keel_ft_participants" in text:
+                        pages[group] = text
+            if not while_down and re.search(r"^keel_ft_participants\{.*\} 1\.0$", pages.get(0, ""), re.M):
+                while_down = summary(run_dir)
+            time.sleep(0.3)
+        if proc.poll() is None:
+            pytest.fail("the replica-group run did not end within 300 s")
+        assert proc.returncode == 0, log.read_text()[-3000:]
+    finally:
+        kill_tagged(tag)
+    yield ReplicaRun(run_dir, pages, while_down)

@@ -1,15 +1,17 @@
 """The run report of a real run in a real headless Chromium: it loads offline, without a console error,
 a page error or a request for anything but itself, and draws its charts. The full-page screenshot is
-kept as test-artifacts/report.png."""
+kept as test-artifacts/report.png (and that of a run of replica groups as test-artifacts/report-replicas.png)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from keel.report.html import write_report
-from tests.conftest import REPO
+from tests.conftest import REPO, ReplicaRun
 from tests.unit.report.test_report import train_spiking_run
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,11 +33,12 @@ def report(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return write_report(train_spiking_run(small_corpus, tmp_path_factory.mktemp("browser") / "run"))
 
 
-def test_report_renders_in_chromium(report: Path) -> None:
-    image_module = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
+def open_in_chromium(report: Path, screenshot: Path, inspect: Callable[[Any], dict]) -> dict:
+    """Load the report in Chromium, check it loaded offline without an error, keep its full-page screenshot
+    and return what `inspect` read from the page."""
     problems: list[str] = []
     requests: list[str] = []
-    ARTIFACT.parent.mkdir(exist_ok=True)
+    screenshot.parent.mkdir(exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         try:
@@ -45,13 +48,21 @@ def test_report_renders_in_chromium(report: Path) -> None:
             page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
             page.on("request", lambda r: requests.append(r.url))
             page.goto(report.as_uri(), wait_until="load")
-            widths = page.eval_on_selector_all("svg", "svgs => svgs.map(s => s.getBoundingClientRect().width)")
-            tooltips = page.locator("circle.event title").count()
-            page.screenshot(path=str(ARTIFACT), full_page=True)
+            found = inspect(page)
+            page.screenshot(path=str(screenshot), full_page=True)
         finally:
             browser.close()
     assert not problems
     assert requests == [report.as_uri()]  # the page needs nothing but itself
+    return found
+
+
+def test_report_renders_in_chromium(report: Path) -> None:
+    image_module = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
+    found = open_in_chromium(report, ARTIFACT, lambda page: {
+        "widths": page.eval_on_selector_all("svg", "svgs => svgs.map(s => s.getBoundingClientRect().width)"),
+        "tooltips": page.locator("circle.event title").count()})
+    widths, tooltips = found["widths"], found["tooltips"]
     assert len(widths) >= 8 and min(widths) > 100  # every chart laid out at a readable size
     assert tooltips >= 4  # start, checkpoints, the rollback, the finish
 
@@ -65,3 +76,17 @@ def test_report_renders_in_chromium(report: Path) -> None:
     assert ink > 0.02 * pixels
     blue = sum(n for n, (r, g, b) in colours if abs(r - 37) + abs(g - 99) + abs(b - 235) < 60)
     assert blue > 300  # the train loss curve (and the other blue series) were drawn
+
+
+def test_replica_groups_section_renders_in_chromium(replica_run: ReplicaRun) -> None:
+    report = write_report(replica_run.run_dir)
+    found = open_in_chromium(report, REPO / "test-artifacts" / "report-replicas.png", lambda page: {
+        "chart": page.locator('svg[aria-label="live replica groups"]').bounding_box(),
+        "line": page.locator('svg[aria-label="live replica groups"] path.series').bounding_box(),
+        "bars": page.eval_on_selector_all('svg[aria-label="goodput of each group"] rect',
+                                          "rs => rs.map(r => r.getBoundingClientRect().width)"),
+        "heals": page.locator("table.heals tbody tr").all_inner_texts()})
+    assert found["chart"]["width"] > 300 and found["chart"]["height"] > 100
+    assert found["line"]["width"] > 200 and found["line"]["height"] > 20  # the step from 2 live groups to 1 and back
+    assert len(found["bars"]) == 2 and min(found["bars"]) > 1
+    assert any("\theal\t" in row and row.split("\t")[1] == "1" for row in found["heals"])

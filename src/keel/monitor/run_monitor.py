@@ -36,6 +36,33 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def replica_group() -> str | None:
+    """This process's replica group, None outside replica groups."""
+    from keel.train.replicas import GROUP_ENV  # here: keel.train imports this module
+
+    return os.environ.get(GROUP_ENV)
+
+
+def run_labels(run_dir: Path, rank: int) -> dict[str, str]:
+    """The labels of every series and alert: run, node, rank and, in a replica group, the group. A group's
+    directory is RUN_DIR/groups/G: its series carry the run's name, not the group's number."""
+    run_dir, group = run_dir.resolve(), replica_group()
+    labels = {"run": run_dir.name, "node": node_name(), "rank": str(rank)}
+    if group is not None:
+        if run_dir.name == group and run_dir.parent.name == "groups":
+            labels["run"] = run_dir.parent.parent.name
+        labels["replica_group"] = group
+    return labels
+
+
+def exporter_port(mc: MonitorConfig) -> int:
+    """This process's exporter port: replica groups on one host take consecutive blocks of ports, group G
+    the G-th (one port per node, or one per local rank with per = rank)."""
+    per_rank = mc.prometheus_per == "rank"
+    block = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if per_rank else 1
+    return mc.prometheus_port + int(replica_group() or 0) * block + (local_rank() if per_rank else 0)
+
+
 class RunMonitor:
     def __init__(self, mc: MonitorConfig, run_dir: Path, rank: int, device: Any, log: RunLog, started: float,
                  storage_dir: str) -> None:
@@ -44,12 +71,12 @@ class RunMonitor:
         self._skipped: float = 0  # steps the guards skipped, at the last interval
         self.registry = MetricsRegistry(device)
         self.ledger = GoodputLedger(run_dir, started, write=self.rank0)
-        self.labels = {"run": run_dir.resolve().name, "node": node_name(), "rank": str(rank)}
+        self.labels = run_labels(run_dir, rank)
         self.alerts = Alerts(mc.alerts, log.events, log.say, self.labels)
         self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if self.rank0 and mc.tensorboard else None
         self.exporter: PrometheusExporter | None = None
         if mc.prometheus_port and (local_rank() == 0 or mc.prometheus_per == "rank"):
-            port = mc.prometheus_port + (local_rank() if mc.prometheus_per == "rank" else 0)
+            port = exporter_port(mc)
             try:
                 self.exporter = PrometheusExporter(mc.prometheus_host, port, self.labels)
             except OSError as e:  # a port taken is no reason to stop a training run

@@ -1,6 +1,8 @@
 """`keel report RUN_DIR`: one self-contained HTML page (inline CSS and SVG; nothing is fetched, it opens
 offline) with the run's curves, the event timeline on the loss curve's step axis, the step-time and
-goodput breakdowns, the hardware telemetry and the table of events."""
+goodput breakdowns, the hardware telemetry and the table of events. A run of replica groups gets the run
+as a whole, its groups' quorum (live groups over time, heals and retries, each group's goodput), the
+furthest group's curves and every group's events."""
 
 from __future__ import annotations
 
@@ -8,13 +10,36 @@ import json
 import os
 import re
 import time
+from dataclasses import replace
 from html import escape
 from pathlib import Path
 
 from keel.errors import KeelError
 from keel.report.drill import DRILL_FILE, drill_section, load_drill
-from keel.report.status import RUN_FILES, Run, load_run, summarize
-from keel.report.svg import Marker, Series, bar_chart, domain, finite, fmt_duration, fmt_num, line_chart, stacked_chart
+from keel.report.status import (
+    RUN_FILES,
+    Run,
+    by_time,
+    goodput_ratio,
+    group_dirs,
+    load_run,
+    quorum_events,
+    replica_summary,
+    summarize,
+    tagged,
+)
+from keel.report.svg import (
+    Marker,
+    Series,
+    bar_chart,
+    domain,
+    finite,
+    fmt_duration,
+    fmt_num,
+    line_chart,
+    stacked_chart,
+    stepwise,
+)
 
 BLUE, ORANGE, GREEN, PURPLE, RED, CYAN, AMBER, SLATE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626",
                                                         "#0891b2", "#d97706", "#64748b")
@@ -319,16 +344,67 @@ def event_table(events: list[dict]) -> str:
     if not events:
         return "<h2>Events</h2>" + panel("Events", nodata("no events.jsonl"))
     rows = []
+    grouped = any("group" in e for e in events)  # the merged events of a run's replica groups
     for e in events[-MAX_ROWS:]:
         detail = e.get("detail")
         full = json.dumps(detail, default=str)[:1000]
-        rows.append(f'<tr class="{severity(e)}"><td>{_when(e.get("time"))}</td><td class="num">{e.get("step", "")}'
-                    f'</td><td class="num">{e.get("rank", "")}</td><td>{escape(str(e.get("kind", "")))}</td>'
-                    f'<td>{escape(str(e.get("action", "")))}</td><td title="{escape(full)}">'
-                    f'{escape(short_detail(detail))}</td></tr>')
+        group = f'<td class="num">{e.get("group", "")}</td>' if grouped else ""
+        rows.append(f'<tr class="{severity(e)}"><td>{_when(e.get("time"))}</td>{group}<td class="num">'
+                    f'{e.get("step", "")}</td><td class="num">{e.get("rank", "")}</td>'
+                    f'<td>{escape(str(e.get("kind", "")))}</td><td>{escape(str(e.get("action", "")))}</td>'
+                    f'<td title="{escape(full)}">{escape(short_detail(detail))}</td></tr>')
     more = f'<p class="note">{len(events) - MAX_ROWS} earlier events not shown.</p>' if len(events) > MAX_ROWS else ""
-    return (f'<h2>Events</h2>{more}<table><thead><tr><th>time</th><th>step</th><th>rank</th><th>kind</th>'
-            f'<th>action</th><th>detail</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
+    return (f'<h2>Events</h2>{more}<table><thead><tr><th>time</th>{"<th>group</th>" if grouped else ""}'
+            f'<th>step</th><th>rank</th><th>kind</th><th>action</th><th>detail</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table>')
+
+
+def live_groups(groups: list[Run], t0: float) -> str:
+    """The number of live groups over wall time: what each group's quorum found, held until the next one."""
+    found = by_time([e for run in groups for e in run.events if e.get("kind") == "quorum" and finite(e.get("time"))
+                     and finite((e.get("detail") or {}).get("participants"))])
+    if not found:
+        return panel("Live replica groups", nodata("no quorum events"))
+    last = max(e["time"] for run in groups for e in run.events if finite(e.get("time")))
+    xs, ys = stepwise([e["time"] - t0 for e in found], [e["detail"]["participants"] for e in found], last - t0)
+    chart = line_chart([Series("live groups", xs, ys, GREEN)], x_domain=(0.0, max(xs[-1], 1.0)),
+                       y_domain=(0, len(groups)), x_fmt=fmt_duration, seconds=True, label="live replica groups")
+    return panel("Live replica groups", chart, "groups in the quorum",
+                 note="At each quorum of any group; a lost group counts until the survivors' next quorum.")
+
+
+def heal_table(groups: list[dict], runs: list[Run]) -> str:
+    records = by_time(tagged(groups, [quorum_events(r.events, "heal") + quorum_events(r.events, "retry")
+                                      for r in runs]))
+    if not records:
+        return panel("Heals and retries", nodata("no group healed and no step was made again"))
+    rows = []
+    for e in records:
+        detail = e.get("detail") or {}
+        heal_s = fmt_duration(detail["heal_s"]) if e["action"] == "heal" and finite(detail.get("heal_s")) else ""
+        rows.append(f'<tr class="{"warn" if e["action"] == "retry" else ""}"><td>{_when(e.get("time"))}</td>'
+                    f'<td class="num">{e["group"]}</td><td>{escape(str(e["action"]))}</td>'
+                    f'<td class="num">{e.get("step", "")}</td><td class="num">{heal_s}</td>'
+                    f'<td class="num">{detail.get("participants", "")}</td></tr>')
+    return panel("Heals and retries", f'<table class="heals"><thead><tr><th>time</th><th>group</th><th>what</th>'
+                 f'<th>step</th><th>heal time</th><th>groups in the quorum</th></tr></thead><tbody>{"".join(rows)}'
+                 f'</tbody></table>')
+
+
+def group_goodput(groups: list[dict], runs: list[Run]) -> str:
+    items = []
+    for g, run in zip(groups, runs, strict=True):
+        ratio = goodput_ratio(run.goodput)
+        total = sum(v for v in (run.goodput.get("buckets") or {}).values() if finite(v))
+        items.append((f"group {g['group']}", 100 * (ratio or 0.0), GREEN, f"{ratio:.1%} of {fmt_duration(total)}"
+                      if ratio is not None else "no goodput.json"))
+    return panel("Goodput of each group", bar_chart(items, width=600, label="goodput of each group"),
+                 note="Productive time over the group's wall time; a restarted group's time down counts against it.")
+
+
+def replica_section(groups: list[dict], runs: list[Run], t0: float) -> str:
+    return (f'<h2>Replica groups</h2><div class="grid">{live_groups(runs, t0)}{group_goodput(groups, runs)}</div>'
+            f'<div style="margin-top:12px">{heal_table(groups, runs)}</div>')
 
 
 def header(run: Run, info: dict) -> str:
@@ -361,11 +437,28 @@ def header(run: Run, info: dict) -> str:
             f'<div class="cards">{html}</div>')
 
 
+def replica_page(top: Run, dirs: list[Path]) -> str:
+    """A run of replica groups: the run as a whole, its groups' quorum, the furthest group's curves (every
+    live group computes the same) and every group's events; each group's own report has the rest."""
+    info = replica_summary(top.path, dirs, events=0)
+    runs = [load_run(d) for d in dirs]
+    lead = runs[max(range(len(runs)), key=lambda i: info["groups"][i]["step"])]
+    times = [e["time"] for run in (top, *runs) for e in run.events if finite(e.get("time"))]
+    events = by_time(top.events + tagged(info["groups"], [r.events for r in runs]))
+    own = f'<p class="note">Each group\'s own report: keel report {escape(str(dirs[0].parent))}/G.</p>'
+    return (header(replace(lead, path=top.path), info) + replica_section(info["groups"], runs, min(times, default=0.0))
+            + own + training(lead) + event_table(events))
+
+
 def render(run: Run, drill: dict | None = None) -> str:
     """The run's page, with the failure drills' scorecard when `keel drill` left one; a drill's work directory
     alone (no run of its own) gets the scorecard only."""
     drills = drill_section(drill) if drill else ""
-    if drill and not (run.metrics or run.events):
+    dirs = group_dirs(run.path)
+    if dirs:
+        body = replica_page(run, dirs)
+        title = f"{run.config.get('name') or run.path.name} · keel run report"
+    elif drill and not (run.metrics or run.events):
         title = f"{run.path.name} · keel failure drills"
         body = f'<h1>{escape(run.path.name)}</h1><p class="sub">{escape(str(run.path))}</p>{drills}'
     else:

@@ -1,6 +1,7 @@
 """`keel status RUN_DIR` in a few lines (or JSON): the state, step and last checkpoint that
 keel.rundir.status reads, plus the ETA, the last losses, the goodput ratio and the alerts raised since
-the run last started. Also reads the run directory's files for the HTML report."""
+the run last started; for a run of replica groups, the run as a whole and one line per group. Also reads
+the run directory's files for the HTML report."""
 
 from __future__ import annotations
 
@@ -98,9 +99,84 @@ def summarize(run: Run, events: int = 5) -> dict:
             "goodput_ratio": ratio, "wall_s": wall_seconds(run, info["since"]), "alerts": alerts}
 
 
+def group_dirs(run_dir: Path) -> list[Path]:
+    """The groups' own run directories (RUN_DIR/groups/G) of a run of replica groups, in group order; none
+    for any other run directory."""
+    root = run_dir / "groups"
+    found = [p for p in root.iterdir() if p.name.isdigit() and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def quorum_events(events: list[dict], action: str) -> list[dict]:
+    return [e for e in events if e.get("kind") == "quorum" and e.get("action") == action]
+
+
+def group_summary(run: Run, info: dict) -> dict:
+    """One replica group (`info`: its summary as a run): where its own run directory stands, and its part
+    in the quorum (heals and retries over every start of the group, the live groups at its last quorum)."""
+    quorums = [e for e in run.events if e.get("kind") == "quorum" and "participants" in (e.get("detail") or {})]
+    heals = quorum_events(run.events, "heal")
+    last_heal = {"time": heals[-1].get("time"), "step": heals[-1].get("step"),
+                 "heal_s": heals[-1]["detail"].get("heal_s")} if heals else None
+    return {"group": int(run.path.name), "run_dir": str(run.path), "state": info["state"], "step": info["step"],
+            "since": info["since"], "reason": info["reason"],
+            "participants": quorums[-1]["detail"]["participants"] if quorums else None,
+            "heals": len(heals), "last_heal": last_heal, "retries": len(quorum_events(run.events, "retry")),
+            "goodput_ratio": info["goodput_ratio"],
+            "last_checkpoint": info["last_checkpoint"]}
+
+
+def run_state(alive: bool, states: list[str]) -> str:
+    """A run of replica groups runs while its launcher or any group does; once all have ended it finished
+    if any group did (as the launcher's exit code says), else paused if any paused, else as its first group."""
+    if alive or "running" in states:
+        return "running"
+    return next((s for s in ("finished", "paused") if s in states), states[0] if states else "not started")
+
+
+def newest_checkpoint(paths: list[str | None]) -> str | None:
+    """The newest of checkpoint paths named step-NNNNNN (zero-padded: longer names are later steps)."""
+    names = [p for p in paths if p]
+    return max(names, key=lambda p: (len(Path(p).name), Path(p).name)) if names else None
+
+
+def replica_summary(run_dir: Path, dirs: list[Path], events: int = 5) -> dict:
+    """The run as a whole (its furthest group's step, loss and ETA; the shared newest checkpoint; the
+    goodput of all groups' time together), then one entry per group."""
+    top = run_status(run_dir, events)  # the group launcher's lock and events
+    runs = [load_run(d) for d in dirs]
+    infos = [summarize(run, events=0) for run in runs]
+    groups = [group_summary(run, info) for run, info in zip(runs, infos, strict=True)]
+    lead = max(infos, key=lambda i: i["step"])
+    buckets: dict[str, float] = {}
+    for run in runs:
+        for k, v in (run.goodput.get("buckets") or {}).items():
+            buckets[k] = buckets.get(k, 0.0) + (v if finite(v) else 0.0)
+    state = run_state(top["alive"], [g["state"] for g in groups])
+    return {**lead, "run_dir": str(run_dir), "state": state, "alive": top["alive"],
+            "since": max((g["since"] for g in groups if finite(g["since"])), default=None),
+            "reason": next((g["reason"] for g in groups if g["state"] == state and state != "running"), ""),
+            "last_checkpoint": newest_checkpoint([g["last_checkpoint"] for g in groups]),
+            "eta_s": lead["eta_s"] if state != "finished" else None,
+            "goodput_ratio": goodput_ratio({"buckets": buckets}),
+            "alerts": by_time(tagged(groups, [i["alerts"] for i in infos]), newest_first=True)[:5],
+            "events": by_time(top["events"] + tagged(groups, [r.events for r in runs]))[-events:]
+            if events > 0 else [], "groups": groups}
+
+
+def tagged(groups: list[dict], records: list[list[dict]]) -> list[dict]:
+    """Each group's records with its group number."""
+    return [{**r, "group": g["group"]} for g, rs in zip(groups, records, strict=True) for r in rs]
+
+
+def by_time(records: list[dict], newest_first: bool = False) -> list[dict]:
+    return sorted(records, key=lambda r: r["time"] if finite(r.get("time")) else 0.0, reverse=newest_first)
+
+
 def summary(run_dir: Path, events: int = 5) -> dict:
     """What `keel status RUN_DIR` shows, JSON-serialisable (`--json`)."""
-    return json_safe(summarize(load_run(run_dir), events))
+    dirs = group_dirs(run_dir) if run_dir.is_dir() else []
+    return json_safe(replica_summary(run_dir, dirs, events) if dirs else summarize(load_run(run_dir), events))
 
 
 def _loss(entry: dict | None) -> str:
@@ -123,17 +199,37 @@ def summary_lines(info: dict) -> list[str]:
     ratio, wall = info["goodput_ratio"], info["wall_s"]
     lines.append(f"  goodput {f'{ratio:.1%}' if ratio is not None else '-'}"
                  + (f" of {format_duration(wall)} wall time" if wall is not None else ""))
+    lines += group_lines(info.get("groups") or [])
     if info["alerts"]:
         lines.append(f"  alerts since the last start (newest first, {len(info['alerts'])} shown):")
         for e in info["alerts"]:
-            when = time.strftime("%H:%M:%S", time.localtime(e["time"])) if finite(e.get("time")) else "-"
             detail = e.get("detail") or {}
-            lines.append(f"    {when} step {e.get('step')} {e.get('action')} ({detail.get('severity', '?')}): "
-                         f"{detail.get('message', '')}".rstrip())
+            group = f"group {e['group']} " if "group" in e else ""
+            lines.append(f"    {_clock(e.get('time'))} {group}step {e.get('step')} {e.get('action')} "
+                         f"({detail.get('severity', '?')}): {detail.get('message', '')}".rstrip())
     else:
         lines.append("  alerts since the last start: none")
     if info["events"]:
         lines += ["  recent events:", *base[cut:]]
+    return lines
+
+
+def _clock(t: object) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if finite(t) else "-"
+
+
+def group_lines(groups: list[dict]) -> list[str]:
+    """One line per replica group: state, step, live groups at its last quorum, heals, retries, goodput."""
+    lines = [f"  replica groups ({len(groups)}):"] if groups else []
+    for g in groups:
+        heal = g["last_heal"]
+        healed = f", last {_clock(heal['time'])} at step {heal['step']} in {heal['heal_s']:.2f} s" \
+            if heal and finite(heal.get("heal_s")) else ""
+        ratio = g["goodput_ratio"]
+        lines.append(f"    group {g['group']}: {g['state']} at step {g['step']} · "
+                     f"{g['participants'] if g['participants'] is not None else '-'} live at its last quorum · "
+                     f"{g['heals']} heal(s){healed} · {g['retries']} retr{'y' if g['retries'] == 1 else 'ies'} · "
+                     f"goodput {f'{ratio:.1%}' if ratio is not None else '-'}")
     return lines
 
 

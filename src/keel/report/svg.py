@@ -114,6 +114,21 @@ def downsample(xs: Sequence[float], ys: Sequence[float | None], limit: int = MAX
     return out
 
 
+def stepwise(xs: Sequence[float], ys: Sequence[float], until: float | None = None) -> tuple[list[float], list[float]]:
+    """The points of a step chart: each value holds until the next one (and the last until `until`)."""
+    out_x, out_y = [], []
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i:
+            out_x.append(x)
+            out_y.append(ys[i - 1])
+        out_x.append(x)
+        out_y.append(y)
+    if ys and until is not None and until > xs[-1]:
+        out_x.append(until)
+        out_y.append(ys[-1])
+    return out_x, out_y
+
+
 def _extremes(chunk: list[Point]) -> list[Point]:
     if not chunk:
         return []

@@ -75,5 +75,6 @@ def status_lines(info: dict) -> list[str]:
     for e in info["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
         detail = ", ".join(f"{k}={v}" for k, v in e.get("detail", {}).items())
-        lines.append(f"  {when} step {e['step']} rank {e['rank']} {e['kind']} {e['action']} {detail}".rstrip())
+        group = f"group {e['group']} " if "group" in e else ""  # one of a run's replica groups
+        lines.append(f"  {when} {group}step {e['step']} rank {e['rank']} {e['kind']} {e['action']} {detail}".rstrip())
     return lines
