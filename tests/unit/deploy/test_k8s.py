@@ -161,3 +161,29 @@ def test_the_pods_command_is_one_keel_accepts(tmp_path: Path) -> None:
     result = run_keel(args, cwd=REPO)
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
     assert "data directory '/runs/data/llama3' does not exist" in result.stderr
+
+
+REPLICAS = REPO / "deploy/k8s/keel-replicas.yaml"
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_replica_group_example_matches_the_kubernetes_schemas(version: str) -> None:
+    docs = list(yaml.safe_load_all(REPLICAS.read_text()))
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "Job"}
+    validate_all(docs, version)
+
+
+def test_the_replica_group_example_runs_one_group_per_index_under_one_lighthouse() -> None:
+    docs = {d["kind"]: d for d in yaml.safe_load_all(REPLICAS.read_text())}
+    job, service = docs["Job"], docs["Service"]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    command = " ".join(container["args"])
+    assert f"fault_tolerance.replica_groups={job['spec']['completions']}" in command
+    assert f"fault_tolerance.lighthouse=http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}" \
+        in command
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KEEL_REPLICA_GROUP"]["valueFrom"]["fieldRef"]["fieldPath"].endswith("job-completion-index']")
+    assert "groups/$KEEL_REPLICA_GROUP" in command and "checkpoint.dir=" in command
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert pod_failure_action({"rules": rules}, "keel", EXIT_QUARANTINE) == "FailIndex"
+    assert pod_failure_action({"rules": rules}, "keel", 1) == "Count"
