@@ -38,6 +38,9 @@ From the runs' own step records (rank 0's `metrics.jsonl`, one record per step w
              progress, negative while the restarted job is behind). While a group is missing its
              survivors read its share of every global batch, so their steps take longer and the missing
              processes' seconds are counted as lost, as they are.
+  lost by parts  the same from its parts (`lost_by_parts`): on CPU the processes share cores, and a
+             survivor runs faster on the core a dead process freed, which `lost` sees as less lost; on
+             accelerators, each process its own, it does not.
 
 The ratios (non-stop / restart-everything) are taken within each pair of interleaved repeats and
 reported as their median and range. Results: a table, and bench/results/nonstop_recovery.json.
@@ -110,6 +113,16 @@ def account(steps: list[tuple[int, float]], killed: float, healed: float, nproc:
             "lost_accelerator_s": nproc * (sum(window) - (s1 - s0) * pace)}
 
 
+def lost_by_parts(run: dict[str, float], mode: str, nproc: int, kill_at: int, ckpt_every: int) -> float:
+    """`lost` from its parts, for accelerators that a core shared with a dead process does not speed up: the
+    processes that died or were stopped × kill → healed, the survivors × (longest − pace), and every process
+    × the steps made again from the checkpoint × pace."""
+    if mode == "nonstop":
+        return nproc * (run["healed_s"] + run["longest_over_pace_s"])
+    made_again = kill_at - 1 - (kill_at - 1) // ckpt_every * ckpt_every
+    return 2 * nproc * (run["healed_s"] + made_again * run["pace_s"])
+
+
 def kill_time(events: list[dict]) -> float:
     return next(e["time"] for e in events if e["kind"] == "drill" and e["action"] == "inject")
 
@@ -168,14 +181,18 @@ def compare(args: argparse.Namespace, nproc: int) -> dict:
             with tempfile.TemporaryDirectory(prefix="keel-bench-nonstop-") as tmp:
                 started = time.monotonic()
                 got = (nonstop_once if mode == "nonstop" else restart_once)(args, Path(tmp), nproc)
+            got["lost_by_parts_accelerator_s"] = lost_by_parts(got, mode, nproc, args.kill_at, args.ckpt_every)
             runs[mode].append(got)
             print(f"  2 × {nproc}, repeat {repeat} {mode} ({time.monotonic() - started:.0f} s): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
     median = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
     ratios = [n["lost_accelerator_s"] / r["lost_accelerator_s"] for n, r in zip(runs["nonstop"], runs["restart"],
                                                                               strict=True)]
+    by_parts = [n["lost_by_parts_accelerator_s"] / r["lost_by_parts_accelerator_s"]
+                for n, r in zip(runs["nonstop"], runs["restart"], strict=True)]
     return {"nproc_per_group": nproc, "processes": 2 * nproc, "median": median, "lost_ratios": ratios,
-            "lost_ratio": statistics.median(ratios), "runs": runs}
+            "lost_ratio": statistics.median(ratios), "lost_by_parts_ratios": by_parts,
+            "lost_by_parts_ratio": statistics.median(by_parts), "runs": runs}
 
 
 def main() -> None:
