@@ -124,6 +124,24 @@ def recovery() -> str:
                    for key, label in RECOVERY_PHASES.items()])
 
 
+def _median_and_each(row: dict, key: str) -> str:
+    return f"**{row[key]:.2f}** ({', '.join(f'{x:.2f}' for x in row[key + 's'])})"
+
+
+def nonstop_recovery() -> str:
+    rows = []
+    for row in _results("nonstop_recovery")["rows"]:
+        for mode, job, ratios in (("nonstop", f"non-stop, 2 replica groups × {row['nproc_per_group']}",
+                                   [_median_and_each(row, "lost_ratio"), _median_and_each(row, "lost_by_parts_ratio")]),
+                                  ("restart", f"restart-everything, {row['processes']} processes", ["", ""])):
+            m = row["median"][mode]
+            rows.append([job, f"{m['pace_s']:.2f}", f"{m['longest_step_s']:.2f}", f"{m['longest_over_pace_s']:.2f}",
+                         f"{m['healed_s']:.1f}", f"{m['lost_accelerator_s']:.1f}",
+                         f"{m['lost_by_parts_accelerator_s']:.1f}", *ratios])
+    return _table(["recovery", "pace, s/step", "longest step, s", "longest − pace, s", "kill → healed step, s",
+                   "lost accelerator-s", "lost by parts", "lost, non-stop / restart (per pair)", "by parts"], rows)
+
+
 def telemetry_overhead() -> str:
     r = _results("telemetry_overhead")
     return _table(["config", "processes", "on s/step", "off s/step", f"ratio (median of {r['repeats']})",
@@ -160,7 +178,8 @@ def config_reference() -> str:
 
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, checkpoint, detection_matrix,
-                                          guard_overhead, recovery, telemetry_overhead, dedup, prepare)},
+                                          guard_overhead, recovery, nonstop_recovery,
+                                          telemetry_overhead, dedup, prepare)},
     CONFIGURATION: {"config_reference": config_reference},
 }
 
