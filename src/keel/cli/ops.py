@@ -37,7 +37,9 @@ def cmd_pause(args: argparse.Namespace) -> int:
     if not job_alive(args.run_dir):
         raise KeelError(f"no keel job is running in {args.run_dir}; `keel status {args.run_dir}` shows where it "
                         f"stands")
-    path = request_pause(args.run_dir)
+    # A run of replica groups: every group pauses (each is a run directory of its own under groups/).
+    groups = sorted(p for p in (args.run_dir / "groups").glob("*") if (p / "status.json").exists())
+    path = [request_pause(group) for group in groups][0] if groups else request_pause(args.run_dir)
     print(f"asked the job in {args.run_dir} to pause at its next step ({path}); `keel status {args.run_dir}` "
           f"shows when it has")
     return 0

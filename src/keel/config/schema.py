@@ -370,6 +370,8 @@ class FaultToleranceConfig:
     timeout_s: float = option(60.0, "timeout of the cross-group all-reduce, commit vote and state transfer",
                               gt=0, le=YEAR_S)
     max_restarts: int = option(10, "restarts each replica group's own agent may make", ge=0)
+    transport: str = option("http", "how a healing group receives a live group's state: http (torchft's HTTP "
+                            "server on each group) or pg (over the groups' process group)", choices=("http", "pg"))
 
 
 @dataclass

@@ -84,6 +84,7 @@ class ReplicaGroups(Builtin):
                  run_dir: Path, events: EventLog, say: Any, rank0: bool, check_every: int = 0) -> None:
         try:
             from torchft import Manager
+            from torchft.checkpointing.pg_transport import PGTransport
             from torchft.process_group import ProcessGroupGloo
         except ImportError as e:
             raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-train[ft]' "
@@ -94,8 +95,12 @@ class ReplicaGroups(Builtin):
         self.group = replica_group()
         self.address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         timeout = timedelta(seconds=cfg.timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout)
+        device = next(parts[0].parameters()).device
+        # None: torchft's default, an HTTP server on each group's rank 0 that a healing group reads from.
+        transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else None
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
             replica_id=f"keel_group_{self.group}", lighthouse_addr=self.address,
