@@ -22,11 +22,11 @@ from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
-from keel import lighthouse as lighthouse_script
 from keel.config import Config
 from keel.errors import EXIT_PAUSED, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.rundir.events import EventLog
+from keel.train import lighthouse as lighthouse_script
 from keel.train.replicas import GROUP_ENV, LIGHTHOUSE_ENV, heartbeats
 
 GROUP_FLAGS = ("--replica-groups", "--run-dir", "--nproc", "--max-restarts")
