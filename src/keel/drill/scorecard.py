@@ -82,7 +82,7 @@ def fault_lines(r: dict[str, Any]) -> list[str]:
     if r.get("groups", 1) > 1 and r.get("survivor_max_step_s") is not None:
         return [f"{r['scenario']}: {r['groups']} replica groups; the survivors' longest step "
                 f"{r['survivor_max_step_s']:.2f} s (median {r['survivor_median_step_s']:.2f} s), the lost group "
-                f"healed {r['heals']} time(s), final parameters within {r['param_max_abs_diff']:.1g} of the reference"]
+                f"healed {r['heals']} time(s), final parameters {r['param_max_abs_diff']:.2g} from the reference"]
     if not r.get("faults"):
         return []
     lines = [f"{r['scenario']}: {len(r['faults'])} faults"]
