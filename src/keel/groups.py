@@ -11,23 +11,29 @@ restarted by its own agent and heals from the live groups while they keep traini
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
 from keel.config import Config
+from keel.core.replica import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
 from keel.errors import EXIT_PAUSED, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.rundir.events import EventLog
-from keel.train.replicas import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
+from keel.train import lighthouse as lighthouse_script
+from keel.train.replicas import heartbeats
 
 GROUP_FLAGS = ("--replica-groups", "--run-dir", "--nproc", "--max-restarts")
 LIGHTHOUSE_WAIT_S = 30.0
+LIGHTHOUSE_POLL_S = 0.05  # how soon a lighthouse that died is started again
+LIGHTHOUSE_READ_S = 1.0  # how often the groups the lighthouse sees heartbeat are read from it
 
 
 def group_dir(run_dir: Path, group: int) -> Path:
@@ -60,17 +66,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_lighthouse(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse on loopback, its output in RUN_DIR/logs/lighthouse.log."""
+def start_lighthouse(cfg: Config, run_dir: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse on loopback (on `port`, or a free one), its output in RUN_DIR/logs/lighthouse.log."""
     ft = cfg.fault_tolerance
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    if not binary.exists():
-        raise KeelError(f"{binary} not found: fault_tolerance.replica_groups > 1 needs torchft "
-                        f"(pip install 'keel-train[ft]'), or give fault_tolerance.lighthouse")
-    port = free_port()
+    if lighthouse_script.extension() is None:
+        raise KeelError("torchft not found: fault_tolerance.replica_groups > 1 needs torchft "
+                        "(pip install 'keel-train[ft]'), or give fault_tolerance.lighthouse")
+    port = port or free_port()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "logs" / "lighthouse.log", "ab") as log:
-        proc = subprocess.Popen([str(binary), "--min_replicas", str(ft.min_replicas), "--bind", f"127.0.0.1:{port}",
+        proc = subprocess.Popen([sys.executable, lighthouse_script.__file__, "--min_replicas", str(ft.min_replicas),
+                                 "--bind", f"127.0.0.1:{port}",
                                  "--quorum_tick_ms", "100", "--join_timeout_ms", str(int(ft.join_timeout_s * 1000)),
                                  "--heartbeat_timeout_ms", str(int(ft.heartbeat_timeout_s * 1000))],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -88,6 +94,60 @@ def start_lighthouse(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]
     raise KeelError(f"the torchft lighthouse did not listen on 127.0.0.1:{port} within {LIGHTHOUSE_WAIT_S:.0f} s")
 
 
+class KeptLighthouse:
+    """The lighthouse `keel train` started, started again at once on its port when it dies: the groups'
+    managers retry their quorum and heartbeats against the same address, and find it there.
+
+    A fresh lighthouse knows nobody, and would give its first quorum to whichever group asks first,
+    alone, while the others still reconnect. So the restarted one is told, for one heartbeat timeout, of
+    the groups the old one last saw heartbeat (read from its status page while it lived): its first
+    quorum then waits for them, and a group that died meanwhile ages out as it would have."""
+
+    def __init__(self, cfg: Config, run_dir: Path, events: EventLog) -> None:
+        self.cfg, self.run_dir, self.events = cfg, run_dir, events
+        self.proc, self.address = start_lighthouse(cfg, run_dir)
+        self.seen: set[str] = set()
+        self.read_at, self.remind_until = 0.0, 0.0
+        self.client: object = None
+
+    def tend(self) -> None:
+        """Called every LIGHTHOUSE_POLL_S while the groups run."""
+        now, timeout_s = time.monotonic(), self.cfg.fault_tolerance.heartbeat_timeout_s
+        if self.proc.poll() is not None:
+            self.restart(now)
+        elif now < self.remind_until:
+            for replica in self.seen:
+                with contextlib.suppress(Exception):  # the remaining reminders still count
+                    self.client.heartbeat(replica, timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        elif now - self.read_at >= LIGHTHOUSE_READ_S:
+            self.read_at = now
+            self.seen = heartbeats(self.address, timeout_s) or self.seen
+
+    def restart(self, lost_at: float) -> None:
+        from torchft._torchft import LighthouseClient
+
+        died = self.proc.returncode
+        self.proc, _ = start_lighthouse(self.cfg, self.run_dir, int(self.address.rpartition(":")[2]))
+        self.client = LighthouseClient(self.address, timedelta(seconds=self.cfg.fault_tolerance.timeout_s))
+        self.remind_until = time.monotonic() + self.cfg.fault_tolerance.heartbeat_timeout_s
+        self.events.emit("lighthouse", 0, "restarted", address=self.address, pid=self.proc.pid, exit_code=died,
+                         restart_s=round(time.monotonic() - lost_at, 3), groups_seen=sorted(self.seen))
+        self.tend()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], lighthouse: KeptLighthouse | None) -> list[int]:
+    """Every group's exit code, once all have ended, tending the lighthouse meanwhile."""
+    while any(proc.poll() is None for proc in procs):
+        if lighthouse is not None:
+            lighthouse.tend()
+        time.sleep(LIGHTHOUSE_POLL_S)
+    return [proc.wait() for proc in procs]
+
+
 def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_restarts: int, say=print) -> int:
     """Run every replica group until all have ended. Returns 0 when the run finished, 75 when it paused,
     else the first failing group's code."""
@@ -96,9 +156,11 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * groups))))
     os.environ.setdefault("RUST_LOG", "warn")
     events = EventLog(run_dir / "events.jsonl", rank=-1)
-    lighthouse, address = (None, cfg.fault_tolerance.lighthouse) if cfg.fault_tolerance.lighthouse else \
-        start_lighthouse(cfg, run_dir)
-    events.emit("lighthouse", 0, "started" if lighthouse else "given", address=address)
+    given = cfg.fault_tolerance.lighthouse
+    lighthouse = None if given else KeptLighthouse(cfg, run_dir, events)
+    address = lighthouse.address if lighthouse else given
+    events.emit("lighthouse", 0, "started" if lighthouse else "given", address=address,
+                pid=lighthouse.proc.pid if lighthouse else None)
     procs: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -115,7 +177,7 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
             events.emit("group", 0, "started", group=group, pid=procs[-1].pid, nproc=nproc)
         say(f"keel: {groups} replica groups × {nproc} process(es), lighthouse {address}; each group's logs are in "
             f"{run_dir / 'groups'}/G")
-        codes = [proc.wait() for proc in procs]
+        codes = wait_all(procs, lighthouse)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -123,8 +185,7 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
             if proc.poll() is None:
                 proc.kill()
         if lighthouse is not None:
-            lighthouse.terminate()
-            lighthouse.wait()
+            lighthouse.stop()
     for group, code in enumerate(codes):
         events.emit("group", 0, "ended", group=group, exit_code=code)
     events.close()

@@ -74,7 +74,8 @@ def test_the_scorecard_is_a_section_of_the_report(quick) -> None:
     drill = json.loads((cwd / "runs/drill/drill.json").read_text())
     assert [r["scenario"] for r in drill["results"]] == QUICK and drill["baseline"]["restart_s"] > 0
     references = list((cwd / "runs/drill/references").iterdir())
-    assert len(references) == 2, "one clean run per config and layout, and one told to skip the NaN's update"
+    assert len(references) == 3, "one clean run per config and layout (two replica groups are a layout of their " \
+        "own), and one told to skip the NaN's update"
     done = run_keel(["report", "runs/drill"], cwd=cwd, timeout=60)
     assert done.returncode == 0, done.stderr
     page = (cwd / "runs/drill/report.html").read_text()

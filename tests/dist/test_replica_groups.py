@@ -3,19 +3,24 @@ and the run computes what the fault-free run computes: the same rows of tokens a
 tokens seen, the same final state within the tolerance of another summation order.
 
 Every run is a real `keel train --replica-groups 2`: a torchft lighthouse on loopback, one torchrun agent per
-group, real SIGKILLs."""
+group, real SIGKILLs (of a group's processes, and of the lighthouse)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from keel.drill.runner import lighthouse_pid
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN, run_keel
+from tests.conftest import SMALL_RUN, kill_tagged, run_keel, spawn_keel, tagged
 
 pytestmark = pytest.mark.dist
 
@@ -202,3 +207,44 @@ def test_a_group_outvoted_by_the_others_leaves_the_quorum_named_in_quarantine(sm
     rows = rows_by_step(run_dir)
     assert all(len(rows[s]) == 24 and sum(rows[s].values()) == 24 for s in rows)
     assert len(ledger(run_dir, 0, "rows")[STEPS]["rows"]) == 12
+
+
+def test_lighthouse_killed_mid_run_is_restarted_and_the_groups_train_on(fault_free: Path, small_corpus: Path,
+                                                                        tmp_path: Path) -> None:
+    run_dir = tmp_path / "lighthouse"
+    proc, tag = spawn_keel(ft_cmd(small_corpus, run_dir), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while json.loads(_read(run_dir / "groups" / "0" / "status.json") or "{}").get("step", 0) < FAULT_AT:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        killed = lighthouse_pid(run_dir)
+        os.kill(killed, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+        assert not tagged(tag), "nothing outlives the run"
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode == 0, out[-3000:]
+    (restarted,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["action"] == "restarted"]
+    assert restarted["kind"] == "lighthouse" and restarted["detail"]["exit_code"] == -signal.SIGKILL
+    assert restarted["detail"]["pid"] != killed and restarted["detail"]["address"] == \
+        read_jsonl(run_dir / "events.jsonl")[0]["detail"]["address"], "the same port, a new process"
+    assert restarted["detail"]["restart_s"] < 2.0
+    for group in (0, 1):
+        assert len(group_events(run_dir, group, "start")) == 1, f"group {group} kept its processes"
+        assert sorted(ledger(run_dir, group)) == list(range(1, STEPS + 1))
+    assert rows_by_step(run_dir) == rows_by_step(fault_free)
+    survivor, other, clean = ledger(run_dir, 0), ledger(run_dir, 1), ledger(fault_free, 0)
+    for s in range(1, STEPS + 1):
+        assert (survivor[s]["params"], survivor[s]["optimizer"]) == (other[s]["params"], other[s]["optimizer"]), s
+    assert survivor[STEPS]["tokens_seen"] == clean[STEPS]["tokens_seen"]
+    for a, b in zip(final_params(run_dir, 0), final_params(fault_free, 0), strict=True):
+        assert torch.allclose(a, b, atol=TOLERANCE, rtol=0), (a - b).abs().max()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

@@ -70,7 +70,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
                   interval=args.interval, timeout=args.timeout, say=say,
                   shape=list(QUICK_SHAPE) if args.suite == "quick" else [])
     try:
-        ensure_corpus(load_config(config, drill.base(steps)), verbose=not args.json)
+        ensure_corpus(load_config(config, [*drill.base(steps), *drill.overrides]), verbose=not args.json)
         if args.chaos:
             if args.steps is None:  # long enough for `--duration` of training at this config's step time
                 drill.steps = max(3 * args.interval, math.ceil(duration_s / step_seconds(

@@ -71,7 +71,8 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
-    from keel.groups import GROUP_ENV, launch_groups
+    from keel.core.replica import GROUP_ENV
+    from keel.groups import launch_groups
     from keel.health.signals import stop_requested_early
     from keel.launch import launch
     from keel.parallel.mesh import pick_device

@@ -18,10 +18,10 @@ from keel.checkpoint.manifest import step_name
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
 from keel.core.dtensor import local
+from keel.core.replica import replica_group
 from keel.core.state import TrainState
 from keel.errors import ConfigError
 from keel.rundir.events import EventLog
-from keel.train.replicas import replica_group
 
 
 class Injector(Callback):
@@ -195,6 +195,24 @@ class KillInReduce(_InStep):
         pass
 
 
+class KillRejoined(_InStep):
+    """SIGKILL `rank` (-1: every rank) of replica group `group` in the first step it makes after a restart,
+    once it has rejoined the live groups: a group that fails again as soon as it healed."""
+
+    def __init__(self, rank: int = -1, times: int = 1, group: int = 1) -> None:
+        super().__init__(0, rank, times, group)
+        self.made = 0
+
+    def due(self, step: Step) -> bool:
+        self.made += 1
+        self.step = step.number  # the inject event names the step it lands in
+        return (attempt() > 0 and self.made == 1 and self.rank in (-1, dist.get_rank())
+                and self.group in (-1, replica_group()) and self.delivered() < self.times)
+
+    def deliver(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class HangInStep(_InStep):
     """This rank sleeps forever in the middle of a step; the others wait for it in the next collective."""
 
@@ -206,8 +224,8 @@ class HangInStep(_InStep):
 class SignalInStep(_InStep):
     """Send `signal` (SIGTERM, SIGUSR1) to this rank's own process in the middle of a step."""
 
-    def __init__(self, step: int, rank: int = 1, times: int = 1, signal: str = "SIGTERM") -> None:
-        super().__init__(step, rank, times)
+    def __init__(self, step: int, rank: int = 1, times: int = 1, signal: str = "SIGTERM", group: int = -1) -> None:
+        super().__init__(step, rank, times, group)
         self.signal = signal
 
     def deliver(self) -> None:
@@ -401,7 +419,7 @@ INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitfli
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
              "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint,
              "read_only_before_checkpoint": ReadOnlyBeforeCheckpoint, "kill": KillInStep,
-             "kill_in_reduce": KillInReduce, "hang": HangInStep,
+             "kill_in_reduce": KillInReduce, "kill_rejoined": KillRejoined, "hang": HangInStep,
              "signal": SignalInStep, "slow": SlowRank, "slow_collective": SlowCollective,
              "wrong_allreduce": WrongAllReduce}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -15,12 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keel.checkpoint.inspect import state_sha256
+import torch
+
+from keel.checkpoint.inspect import load_full_state, state_sha256
 from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.drill.procs import Launch, kill_tagged
-from keel.drill.scenarios import BITWISE, CLOSE, CLOSE_RTOL, CORRUPT_LATEST, LOSE_MANIFEST, Outside, Scenario
+from keel.drill.scenarios import (
+    BITWISE,
+    CLOSE,
+    CLOSE_RTOL,
+    CORRUPT_LATEST,
+    LIGHTHOUSE,
+    LOSE_MANIFEST,
+    REPLICA_ATOL,
+    Outside,
+    Scenario,
+)
 from keel.errors import KeelError
 from keel.monitor.goodput import ratio
 from keel.rundir.events import read_jsonl
@@ -76,24 +89,30 @@ class Drill:
         return [*self.shape, f"train.steps={steps}", f"checkpoint.interval={self.interval}"]
 
     def train_args(self, run_dir: Path, overrides: list[str], max_restarts: int = 0, nproc: int | None = None,
-                   more: tuple[str, ...] = ()) -> list[str]:
+                   more: tuple[str, ...] = (), groups: int = 1) -> list[str]:
         config = ["--config", str(self.config)] if self.config is not None else []
+        if groups > 1:  # replica groups of one process each
+            nproc, more = 1, (*more, "--replica-groups", str(groups))
         return ["train", "--nproc", str(nproc or self.nproc), "--run-dir", str(run_dir), "--quiet", *config,
                 *overrides, "--max-restarts", str(max_restarts), *more]
 
     def launch(self, run_dir: Path, overrides: list[str], max_restarts: int = 0,
-               outside: Any = None) -> dict[str, Any]:
-        """One launch of `keel train`; with `outside`, its signal goes to the launcher once the run is there."""
+               outside: Any = None, groups: int = 1) -> dict[str, Any]:
+        """One launch of `keel train`; with `outside`, its signal goes to the launcher (or the lighthouse) once
+        the run (its first replica group) is there."""
         run_dir.mkdir(parents=True, exist_ok=True)
         sent: dict[str, Any] = {}
-        with Launch(self.train_args(run_dir, overrides, max_restarts), self.workdir, run_dir / "drill.log") as job:
+        args = self.train_args(run_dir, overrides, max_restarts, groups=groups)
+        watched = run_dir / "groups" / "0" if groups > 1 else run_dir
+        with Launch(args, self.workdir, run_dir / "drill.log") as job:
             if outside is not None:
                 while job.proc.poll() is None and time.time() - job.started < self.timeout:
-                    step = _status(run_dir).get("step", 0)
+                    step = _status(watched).get("step", 0)
                     if _workers_started(run_dir, job.started, self.nproc) if outside.while_starting else \
                             step >= outside.at_step:
-                        job.proc.send_signal(getattr(signal, outside.signal))
-                        sent = {"time": time.time(), "step": step}
+                        pid = lighthouse_pid(run_dir) if outside.target == LIGHTHOUSE else job.proc.pid
+                        os.kill(pid, getattr(signal, outside.signal))
+                        sent = {"time": time.time(), "step": step, "target": outside.target, "pid": pid}
                         break
                     time.sleep(0.05)
             code = job.wait(self.timeout)
@@ -103,26 +122,28 @@ class Drill:
 
     # ------------------------------------------------------------ the clean reference
 
-    def reference_key(self, overrides: list[str]) -> str:
+    def reference_key(self, overrides: list[str], groups: int = 1) -> str:
         cfg = load_config(self.config, overrides)
-        key = {"config": cfg.digest(), "nproc": self.nproc}
+        key = {"config": cfg.digest(), "nproc": self.nproc} if groups == 1 else \
+            {"config": cfg.digest(), "nproc": 1, "replica_groups": groups}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
-    def reference(self, extra: tuple[str, ...] = (), steps: int | None = None) -> Path:
-        """The clean run of this config with `extra`, made once and reused while its key holds."""
+    def reference(self, extra: tuple[str, ...] = (), steps: int | None = None, groups: int = 1) -> Path:
+        """The clean run of this config with `extra` (as `groups` replica groups of one process when > 1),
+        made once and reused while its key holds."""
         steps = steps or self.steps
         overrides = [*self.base(steps), *extra, *self.overrides]
-        key = self.reference_key(overrides)
+        key = self.reference_key(overrides, groups)
         run_dir = self.workdir / "references" / key
         marker = run_dir / "drill-reference.json"
         if marker.is_file() and _final(run_dir, steps).is_dir():
             return run_dir
         shutil.rmtree(run_dir, ignore_errors=True)
-        self.say(f"reference {key}: {' '.join(extra) or 'clean'}")
-        done = self.launch(run_dir, overrides)
+        self.say(f"reference {key}: {' '.join(extra) or 'clean'}{f', {groups} replica groups' if groups > 1 else ''}")
+        done = self.launch(run_dir, overrides, groups=groups)
         if done["exit"] != 0 or not _final(run_dir, steps).is_dir():
             raise DrillError(f"the reference run {run_dir} failed (exit {done['exit']}); see {run_dir}/drill.log")
-        marker.write_text(json.dumps({"key": key, "overrides": overrides, "nproc": self.nproc,
+        marker.write_text(json.dumps({"key": key, "overrides": overrides, "nproc": self.nproc, "groups": groups,
                                       "seconds": done["seconds"]}, indent=1) + "\n")
         return run_dir
 
@@ -133,7 +154,7 @@ class Drill:
             return not_run(scenario, f"{scenario.nodes} nodes need --nproc divisible by {scenario.nodes}")
         steps = scenario.steps or self.steps
         extra = scenario.config + (scenario.reference_with if scenario.compare == "reference_with" else ())
-        ref_dir = self.reference(extra, steps)
+        ref_dir = self.reference(extra, steps, scenario.groups)
         run_dir = self.workdir / "scenarios" / scenario.name
         _unmount(run_dir / "volume")
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -151,7 +172,7 @@ class Drill:
             if scenario.nodes > 1:
                 launches = [self.launch_nodes(run_dir, faulted, scenario)]
             else:
-                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside)]
+                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups)]
             if scenario.between == CORRUPT_LATEST:
                 launches[0]["outside"] = corrupt_latest(run_dir / "checkpoints")
             elif scenario.between == LOSE_MANIFEST:
@@ -161,6 +182,8 @@ class Drill:
         finally:
             if scenario.volume:
                 _keep_and_unmount(volume, run_dir / "checkpoints")
+        if scenario.groups > 1:
+            return judge_replicas(scenario, run_dir, ref_dir, steps, launches)
         return judge(scenario, run_dir, ref_dir, steps, launches)
 
     def launch_nodes(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
@@ -367,6 +390,109 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     }
 
 
+def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
+                   launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica-group run against the fault-free replica-group run, as the survivor (group 0) lived it:
+    detection is its quorum without the lost group, recovery the last heal of the lost one after it."""
+    events = replica_events(run_dir)
+    survivor, ref_survivor = run_dir / "groups" / "0", ref_dir / "groups" / "0"
+    outcome = _replica_outcome(run_dir, ref_dir, steps)
+    broken = outcome.pop("broken") + _launches_broken(scenario, launches)
+    starts = sum(1 for e in events if e["kind"] == "start" and e["group"] == 0)
+    if starts != 1:
+        broken.append(f"the surviving group started {starts} times: it must never restart")
+    fault_time, fault_step = _replica_fault_point(launches[0], events)
+    detected = _find(events, scenario.detect, after=fault_time) if fault_time is not None else None
+    if fault_time is None:
+        broken.append("the fault was never delivered")
+    elif detected is None:
+        broken.append(f"no {'/'.join(map(str, scenario.detect))} event: the survivors never went on without it")
+    heals = [e for e in events if detected and scenario.recovered_by and _matches(e, scenario.recovered_by)
+             and e["time"] >= detected["time"]]
+    if detected and scenario.recovered_by and not heals:
+        broken.append(f"no {'/'.join(map(str, scenario.recovered_by))} event after the detection: never healed")
+    recover_s = (round(heals[-1]["time"] - detected["time"], 2) if heals and detected else None) \
+        if scenario.recovered_by else 0.0 if detected else None
+    ledger, ref_ledger = _json(survivor / "goodput.json"), _json(ref_survivor / "goodput.json")
+    recomputed = int(ledger.get("recomputed_steps", 0))
+    if recomputed:
+        broken.append(f"the surviving group made {recomputed} committed steps again")
+    step_s = [r["time/step_s"] for r in _read(survivor / "metrics.jsonl") if "time/step_s" in r]
+    return {
+        "scenario": scenario.name, "promise": scenario.promise, "promise_kept": not broken, "broken": broken,
+        "compare": f"{scenario.compare} (atol {REPLICA_ATOL:g})", **outcome, "groups": scenario.groups,
+        "fault_step": fault_step, "steps_made": fault_step if launches[0]["outside"] else fault_step - 1,
+        "detected_by": "/".join(map(str, scenario.detect[:2])) if detected else None,
+        "detect_steps": max(0, detected["step"] - fault_step) if detected else None,
+        "detect_s": round(detected["time"] - fault_time, 2) if detected and fault_time else None,
+        "recover_s": recover_s, "heals": len(heals),
+        "steps_lost": recomputed, "steps_recomputed": recomputed, "updates_skipped": 0,
+        "steps_retried": sum(1 for e in events if _matches(e, ("quorum", "retry", {"group": 0}))),
+        "survivor_max_step_s": round(max(step_s), 2) if step_s else None,
+        "survivor_median_step_s": round(statistics.median(step_s), 2) if step_s else None,
+        "goodput": round(ratio(ledger["buckets"]), 4) if ledger.get("buckets") else None,
+        "reference_goodput": round(ratio(ref_ledger["buckets"]), 4) if ref_ledger.get("buckets") else None,
+        "goodput_buckets": ledger.get("buckets", {}),
+        "launches": [{"exit": launch["exit"], "seconds": launch["seconds"]} for launch in launches],
+        "events": story(events), "run_dir": str(run_dir), "reference_dir": str(ref_dir),
+    }
+
+
+def _replica_outcome(run_dir: Path, ref_dir: Path, steps: int) -> dict[str, Any]:
+    """The final parameters, every loss and the tokens seen of the run's first group against the reference's."""
+    final, ref_final = _final(run_dir, steps), _final(ref_dir, steps)
+    if not final.is_dir():
+        return {"broken": [f"no final checkpoint at step {steps}"], "state_equal": False}
+    mine, ref = load_full_state(final), load_full_state(ref_final)
+    params = sorted(k for k in ref if k.startswith("model."))
+    param_diff = max(((mine[k] - ref[k]).abs().max().item() if k in mine else float("inf")) for k in params)
+    losses = _losses(_read(run_dir / "groups" / "0" / "metrics.jsonl"))
+    ref_losses = _losses(_read(ref_dir / "groups" / "0" / "metrics.jsonl"))
+    loss_diff = max((abs(losses[s] - ref_losses[s]) if s in losses else float("inf") for s in ref_losses),
+                    default=None)
+    tokens = _json(run_dir / "groups" / "0" / "summary.json").get("tokens_seen")
+    ref_tokens = _json(ref_dir / "groups" / "0" / "summary.json").get("tokens_seen")
+    broken = []
+    if param_diff > REPLICA_ATOL:
+        broken.append(f"final parameters differ from the reference by {param_diff:.3g} > {REPLICA_ATOL:g}")
+    if loss_diff is None or loss_diff > REPLICA_ATOL:
+        broken.append(f"losses differ from the reference by {loss_diff} > {REPLICA_ATOL:g} (or a step is missing)")
+    if tokens != ref_tokens:
+        broken.append(f"{tokens} tokens seen, the reference {ref_tokens}: not the same global batches")
+    return {"broken": broken, "state_equal": all(torch.equal(mine[k], ref[k]) for k in ref if k in mine),
+            "param_max_abs_diff": param_diff, "loss_max_abs_diff": loss_diff, "losses_equal": losses == ref_losses,
+            "tokens_seen": tokens}
+
+
+def replica_events(run_dir: Path) -> list[dict]:
+    """The launcher's events and every group's, each marked with its group (None: the launcher's), by time."""
+    events = [{**e, "group": None} for e in _read(run_dir / "events.jsonl")]
+    for path in sorted((run_dir / "groups").glob("*/events.jsonl")):
+        events += [{**e, "group": int(path.parent.name)} for e in _read(path)]
+    return sorted(events, key=lambda e: e["time"])
+
+
+def _replica_fault_point(first: dict[str, Any], events: list[dict]) -> tuple[float | None, int]:
+    """When and where the fault landed: an injected fault's first `drill/inject` event, the pace left out."""
+    if first["outside"]:
+        return first["outside"]["time"], first["outside"]["step"]
+    fired = next((e for e in events if _matches(e, ("drill", "inject"))
+                  and not e["detail"].get("fault", "").startswith("slow:")), None)
+    return (fired["time"], fired["step"]) if fired else (None, 0)
+
+
+def lighthouse_pid(run_dir: Path) -> int:
+    """The process of the lighthouse `keel train --replica-groups` started (or last started again)."""
+    ours = [e for e in _read(run_dir / "events.jsonl") if e["kind"] == "lighthouse" and e["detail"].get("pid")]
+    if not ours:
+        raise DrillError(f"{run_dir / 'events.jsonl'} names no lighthouse process")
+    return int(ours[-1]["detail"]["pid"])
+
+
+def _read(path: Path) -> list[dict]:
+    return read_jsonl(path) if path.exists() else []
+
+
 def _outcome_broken(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int, final_exists: bool,
                     state_equal: bool, losses: dict[int, float], ref_losses: dict[int, float]) -> list[str]:
     """How the run's final state or losses break the promise, compared with the reference as the scenario says."""
@@ -431,6 +557,8 @@ def story(events: list[dict]) -> list[str]:
         if (e["kind"], e["action"]) in ROUTINE or e["kind"] == "telemetry":
             continue
         line = f"{e['kind']}/{e['action']}@{e['step']}" if e["action"] else f"{e['kind']}@{e['step']}"
+        if e.get("group") is not None:  # a replica group's own event
+            line = f"[{e['group']}] {line}"
         if not told or told[-1] != line:
             told.append(line)
     return told
@@ -445,11 +573,16 @@ def _fault_point(scenario: Scenario, first: dict[str, Any], events: list[dict]) 
     return (fired["time"], fired["step"]) if fired else (None, scenario.fault_step)
 
 
-def _find(events: list[dict], match: tuple[str, str], after: float | None = None, from_step: int = 0) -> dict | None:
-    kind, action = match
+def _matches(e: dict, match: tuple) -> bool:
+    """`match` is (kind, action[, detail]): "" matches any action, and the event's detail holds `detail`."""
+    kind, action, *detail = match
+    return e["kind"] == kind and (not action or e["action"] == action) and \
+        all(e["detail"].get(k) == v for k, v in (detail[0] if detail else {}).items())
+
+
+def _find(events: list[dict], match: tuple, after: float | None = None, from_step: int = 0) -> dict | None:
     for e in events:
-        if e["kind"] == kind and (not action or e["action"] == action) and e["step"] >= from_step and \
-                (after is None or e["time"] >= after):
+        if _matches(e, match) and e["step"] >= from_step and (after is None or e["time"] >= after):
             return e
     return None
 

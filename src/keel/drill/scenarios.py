@@ -13,6 +13,11 @@ REFERENCE_WITH = "reference_with"  # the final state equals a clean run told to 
 # rounding (one process sums the micro-batches in another order), the tokens seen exactly equal.
 CLOSE = "close"
 CLOSE_RTOL = 2e-3
+# Replica groups: while a group is missing the survivors sum its share of the global batch themselves, in
+# another order: the final parameters and every step's loss within REPLICA_ATOL of the fault-free
+# replica-group run (float32 over the steps after the fault), the tokens seen exactly equal.
+REPLICAS = "replicas"
+REPLICA_ATOL = 1e-4
 
 # What the drill does from outside between the first launch and the rerun.
 CORRUPT_LATEST = "corrupt_latest_checkpoint"
@@ -27,6 +32,10 @@ class Outside:
     signal: str = "SIGTERM"
     at_step: int = 0
     while_starting: bool = False
+    target: str = "launcher"  # or LIGHTHOUSE: the torchft lighthouse `keel train --replica-groups` started
+
+
+LIGHTHOUSE = "lighthouse"
 
 
 @dataclass(frozen=True)
@@ -50,13 +59,15 @@ class Scenario:
     first_exit: int | None = None  # the exit code the first launch must end with when `rerun` (None: non-zero)
     compare: str = BITWISE
     reference_with: tuple[str, ...] = ()  # REFERENCE_WITH: overrides of the clean run to compare with
-    detect: tuple[str, str] = ("", "")  # (kind, action) of the event that counts as detection; "" matches any
-    recovered_by: tuple[str, str] | None = ("step", "first")  # the event that ends recovery; None: immediate
+    # (kind, action[, detail]) of the event that counts as detection; "" matches any, detail must be contained
+    detect: tuple = ("", "")
+    recovered_by: tuple | None = ("step", "first")  # the event that ends recovery; None: immediate
     steps: int | None = None  # the run's length, when the scenario needs another than the suite's
     between: str = ""  # an action from outside after the first launch, before the rerun (CORRUPT_LATEST)
     volume: bool = False  # checkpoints on a small volume of their own (a tmpfs the drill mounts; needs root)
     nodes: int = 1  # launchers of an elastic job (--nnodes 1:N), each with nproc // N processes
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
+    groups: int = 1  # replica groups (`--replica-groups`, one process each); the reference has as many
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -99,6 +110,39 @@ def _poisoned(steps: int = 80, snapshot: int = 10, rollback: int = 5, skip: int 
         inject=(f"poison_batch:batch={batch}",), fault_step=batch + 1, config=SPIKE_GUARDS, compare=REFERENCE_WITH,
         reference_with=(f"data.skip_batches=[{skipped}]",), detect=("guard", "rollback"),
         recovered_by=("guard", "rolled_back"), steps=steps)
+
+
+# Every group sleeps this long in each step, so that a killed group is back (process start, torchrun, heal)
+# well before the run ends; the sleep changes nothing the run computes.
+PACE = "slow:rank=-1,seconds=0.4"
+SURVIVOR_ALONE = ("quorum", "change", {"group": 0, "participants": 1})  # group 0 goes on without group 1
+HEALED = ("quorum", "heal", {"group": 1})
+REPLICA_PROMISE = ("survivors lose no step; the run ends as the fault-free replica-group run (within "
+                   f"{REPLICA_ATOL:g}), the same tokens seen")
+
+
+def _replica_groups(plan: Plan) -> list[Scenario]:
+    at = plan.interval // 2 + 1  # early: the lost group has most of the run to come back and heal
+    lost: dict[str, Any] = dict(fault_step=at, groups=2, max_restarts=1, compare=REPLICAS, detect=SURVIVOR_ALONE,
+                                recovered_by=HEALED)
+    return [
+        Scenario("group_loss", f"a replica group SIGKILLed mid-step heals from the live one; {REPLICA_PROMISE}",
+                 inject=(PACE, f"kill:step={at},rank=-1,group=1"), **lost),
+        Scenario("group_loss_in_allreduce", "a replica group SIGKILLed while its peer waits for it in the gradient "
+                 f"all-reduce: that step is made again, the group heals; {REPLICA_PROMISE}",
+                 inject=(PACE, f"kill_in_reduce:step={at},group=1"), **lost),
+        Scenario("group_hang", "a replica group stopped (SIGSTOP) is left behind after the heartbeat timeout, "
+                 f"restarted by its own launcher and heals; {REPLICA_PROMISE}",
+                 inject=(PACE, f"signal:step={at},rank=-1,group=1,signal=SIGSTOP"), tuning=FAST_WATCHDOG, **lost),
+        Scenario("flapping_group", "a replica group killed again in its first step after it healed heals a "
+                 f"second time; {REPLICA_PROMISE}",
+                 inject=("slow:rank=-1,seconds=0.8", f"kill:step={at},rank=-1,group=1", "kill_rejoined:group=1"),
+                 **{**lost, "max_restarts": 2}),
+        Scenario("lighthouse_restart", "a SIGKILLed lighthouse is started again on its port; the groups keep "
+                 f"their processes and reconnect; {REPLICA_PROMISE}",
+                 inject=(PACE,), outside=Outside("SIGKILL", at_step=at, target=LIGHTHOUSE),
+                 **{**lost, "detect": ("lighthouse", "restarted"), "recovered_by": None}),
+    ]
 
 
 def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
@@ -175,14 +219,15 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  inject=(f"slow_collective:rank={r},seconds=0.05,from_step={plan.interval}",),
                  fault_step=plan.interval, tuning=FAST_THROUGHPUT, detect=("alert", "throughput_drop"),
                  recovered_by=None),
+        *_replica_groups(plan),
     ]
     return {s.name: s for s in scenarios}
 
 
-# The quick suite: one scenario of each way recovery works (restart, rerun, rollback, skip, replay), on a
-# model and batch small enough that each run takes seconds.
+# The quick suite: one scenario of each way recovery works (restart, rerun, rollback, skip, replay, a replica
+# group healing from a live one), on a model and batch small enough that each run takes seconds.
 QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "preemption",
-         "corrupt_checkpoint"]
+         "corrupt_checkpoint", "group_loss"]
 QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
                "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "eval.interval=0",
                "monitor.interval=5", "health.preflight_probe_mib=4")

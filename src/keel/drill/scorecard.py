@@ -31,6 +31,8 @@ def lost(r: dict[str, Any]) -> str:
         parts.append(f"{r['steps_recomputed']} recomputed")
     if r.get("updates_skipped"):
         parts.append(f"{r['updates_skipped']} skipped")
+    if r.get("steps_retried"):  # replica groups: a step no group committed, made again from the same batch
+        parts.append(f"{r['steps_retried']} retried")
     return ", ".join(parts) or "0 steps"
 
 
@@ -75,7 +77,12 @@ def format_scorecard(results: list[dict[str, Any]], baseline: dict[str, Any] | N
 
 
 def fault_lines(r: dict[str, Any]) -> list[str]:
-    """One line per fault of a run that had many (chaos): where it landed, what saw it, how fast."""
+    """One line per fault of a run that had many (chaos): where it landed, what saw it, how fast; for replica
+    groups, how long the survivors' longest step took and how often the lost group healed."""
+    if r.get("groups", 1) > 1 and r.get("survivor_max_step_s") is not None:
+        return [f"{r['scenario']}: {r['groups']} replica groups; the survivors' longest step "
+                f"{r['survivor_max_step_s']:.2f} s (median {r['survivor_median_step_s']:.2f} s), the lost group "
+                f"healed {r['heals']} time(s), final parameters {r['param_max_abs_diff']:.2g} from the reference"]
     if not r.get("faults"):
         return []
     lines = [f"{r['scenario']}: {len(r['faults'])} faults"]

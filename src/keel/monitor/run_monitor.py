@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.config import MonitorConfig
+from keel.core.replica import GROUP_ENV
 from keel.monitor.alerts import Alerts
 from keel.monitor.goodput import GoodputLedger
 from keel.monitor.metrics import MetricsRegistry
@@ -38,8 +39,6 @@ def local_rank() -> int:
 
 def replica_group() -> str | None:
     """This process's replica group, None outside replica groups."""
-    from keel.train.replicas import GROUP_ENV  # here: keel.train imports this module
-
     return os.environ.get(GROUP_ENV)
 
 

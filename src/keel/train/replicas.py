@@ -32,6 +32,7 @@ from keel.config import FaultToleranceConfig
 from keel.core.actions import Action
 from keel.core.callbacks import Step
 from keel.core.dtensor import local
+from keel.core.replica import LIGHTHOUSE_ENV, ROOT_ENV, replica_group
 from keel.core.state import TrainState, rng_state, set_rng_state
 from keel.data.loader import GlobalOrderLoader
 from keel.errors import EXIT_QUARANTINE, ConfigError
@@ -41,13 +42,7 @@ from keel.rundir.events import EventLog, host
 from keel.rundir.quarantine import add_to_quarantine
 from keel.train.components import Builtin
 
-GROUP_ENV = "KEEL_REPLICA_GROUP"  # which replica group this process belongs to (the group launcher sets it)
-ROOT_ENV = "KEEL_REPLICA_ROOT"  # the run directory above the groups' own
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse address
-
-
-def replica_group() -> int:
-    return int(os.environ.get(GROUP_ENV, "0"))
+QUORUM_RETRY_S = 0.5
 
 
 def disagreeing(table: torch.Tensor) -> list[int]:
@@ -61,18 +56,25 @@ def disagreeing(table: torch.Tensor) -> list[int]:
     return list(range(len(rows)))
 
 
-def heartbeating(lighthouse: str, within_s: float) -> set[int] | None:
-    """The replica groups whose heartbeat the lighthouse saw within `within_s`, read from its status page
-    (None when the page cannot be read or parsed: then nobody waits on it)."""
+def heartbeats(lighthouse: str, within_s: float) -> set[str] | None:
+    """The replica ids (`keel_group_G:UUID`) whose heartbeat the lighthouse saw within `within_s`, read from
+    its status page (None when the page cannot be read or parsed)."""
     try:
         with urllib.request.urlopen(f"{lighthouse}/status", timeout=2) as response:
             page = response.read().decode()
     except OSError:
         return None
-    seen = re.findall(r"keel_group_(\d+):\S*: seen ([0-9.e-]+)s ago", page)
     if "Heartbeats" not in page:
         return None
-    return {int(group) for group, ago in seen if float(ago) < within_s}
+    return {replica for replica, ago in re.findall(r"(keel_group_\d+:\S*?): seen ([0-9.e-]+)s ago", page)
+            if float(ago) < within_s}
+
+
+def heartbeating(lighthouse: str, within_s: float) -> set[int] | None:
+    """The replica groups whose heartbeat the lighthouse saw within `within_s` (None: the page cannot be read,
+    then nobody waits on it)."""
+    seen = heartbeats(lighthouse, within_s)
+    return None if seen is None else {int(replica.split(":")[0].removeprefix("keel_group_")) for replica in seen}
 
 
 class ReplicaGroups(Builtin):
@@ -103,6 +105,9 @@ class ReplicaGroups(Builtin):
             pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
+            # A quorum the lighthouse failed (it died, or is starting again) is asked again every
+            # QUORUM_RETRY_S within the quorum timeout: torchft's default, no retry, waits out the timeout.
+            quorum_retries=max(1, int(cfg.quorum_timeout_s / QUORUM_RETRY_S)),
             replica_id=f"keel_group_{self.group}", lighthouse_addr=self.address,
             init_sync=False)  # every group initialises the same weights from the seed
         self.manager.register_state_dict_fn("keel", self._load_peer_state, self._peer_state)
