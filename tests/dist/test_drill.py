@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from keel.drill.scenarios import QUICK, catalog
+from keel.drill.scenarios import QUICK, REPLICA_ATOL, catalog
+from keel.drill.scorecard import format_scorecard
 from tests.conftest import run_keel
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
@@ -103,3 +104,24 @@ def test_every_scenario_delivers_a_fault_and_names_its_detector() -> None:
     for s in catalog().values():
         assert s.inject or s.outside or s.lose_node_at, s.name
         assert s.detect[0], s.name
+
+
+def test_a_lost_replica_group_heals_while_the_survivor_loses_no_step(quick) -> None:
+    r = quick[1]["group_loss"]
+    assert r["promise_kept"], (r["broken"], r["events"])
+    assert r["detected_by"] == "quorum/change" and 0 < r["detect_s"] and r["recover_s"] > 0 and r["heals"] == 1
+    assert r["steps_lost"] == 0 and r["param_max_abs_diff"] <= REPLICA_ATOL
+    assert "[1] drill/inject@6" in r["events"] and "[1] quorum/heal" in " ".join(r["events"])
+    assert r["restart_steps_lost"] == 5, "a plain restart would have made the steps since the start again"
+    assert "group_loss: 2 replica groups; the survivors' longest step" in format_scorecard([r])
+
+
+def test_a_killed_lighthouse_is_back_at_once_and_nothing_is_lost(quick, small_corpus: Path) -> None:
+    cwd, _ = quick  # the quick suite's cached references, the fault-free replica-group run among them
+    done = run_keel(["drill", "--scenario", "lighthouse_restart", "--json", "--workdir", "runs/drill",
+                     f"data.dir={small_corpus}"], cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (r,) = json.loads(done.stdout)
+    assert r["promise_kept"], (r["broken"], r["events"])
+    assert r["detected_by"] == "lighthouse/restarted" and r["detect_s"] < 2.0
+    assert r["steps_lost"] == 0 and r["heals"] == 0 and r["param_max_abs_diff"] <= REPLICA_ATOL

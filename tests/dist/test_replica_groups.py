@@ -248,3 +248,26 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_pipeline_groups_heal_and_run_more_micro_batches_while_one_is_missing(small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
+    """Each group a 2-stage pipeline: the survivor runs twice the pipeline micro-batches of the same size
+    while the other is missing, and the healed group's stages equal the survivor's, bitwise."""
+    run_dir = tmp_path / "pipeline"
+    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1")
+    cmd[cmd.index("--nproc") + 1] = "2"
+    done = run_keel([*cmd, "parallel.pp=2", "parallel.dp_shard=1", "train.global_batch=16"], cwd=tmp_path,
+                    timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(group_events(run_dir, 0, "start")) == 2, "the surviving group's two ranks start once"
+    heal = group_events(run_dir, 1, "quorum")[-1]
+    assert heal["action"] == "heal"
+    for rank in (0, 1):
+        survivor = {r["step"]: r for r in read_jsonl(run_dir / "probe" / f"0-{rank}.jsonl") if r["kind"] == "state"}
+        healed = {r["step"]: r for r in read_jsonl(run_dir / "probe" / f"1-{rank}.jsonl") if r["kind"] == "state"}
+        assert sorted(survivor) == list(range(1, STEPS + 1))
+        for s in range(heal["step"] + 1, STEPS + 1):
+            assert healed[s]["params"] == survivor[s]["params"], (rank, s)
+    alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 16]
+    assert alone and all(len(r["rows"]) in (8, 16) for r in ledger(run_dir, 0, "rows").values())

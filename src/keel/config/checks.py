@@ -43,12 +43,20 @@ def check_group_shares(cfg: Config, layout: Layout) -> None:
     """Every number of live replica groups a step can have must split the global batch into whole
     micro-batches per rank: the survivors of a failure take the missing groups' share."""
     ft, t = cfg.fault_tolerance, cfg.train
+    # A pipeline micro-batch keeps its size (the stages' buffers have it); a step runs more or fewer of them.
+    chunk = t.global_batch // layout.dp // layout.pp_microbatches if layout.pp > 1 else t.micro_batch
     for live in range(ft.min_replicas, ft.replica_groups + 1):
-        if t.global_batch % (t.micro_batch * layout.dp * live):
+        per_rank = t.global_batch // (layout.dp * live) if t.global_batch % (layout.dp * live) == 0 else 0
+        if not per_rank or per_rank % t.micro_batch or per_rank % chunk:
             raise ConfigError(f"train.global_batch = {t.global_batch} does not split into micro-batches of "
-                              f"{t.micro_batch} over {live} live replica group(s) of {layout.dp} data-parallel "
-                              f"rank(s); use a multiple of {t.micro_batch * layout.dp * _lcm_upto(ft)} or raise "
+                              f"{max(t.micro_batch, chunk)} over {live} live replica group(s) of {layout.dp} "
+                              f"data-parallel rank(s); use a multiple of "
+                              f"{max(t.micro_batch, chunk) * layout.dp * _lcm_upto(ft)} or raise "
                               f"fault_tolerance.min_replicas")
+        if layout.pp > 1 and per_rank // chunk < layout.pp:
+            raise ConfigError(f"with {live} live replica group(s) each pipeline rank runs {per_rank // chunk} "
+                              f"micro-batch(es) of {chunk}, fewer than parallel.pp = {layout.pp}; raise "
+                              f"train.global_batch or parallel.pp_microbatches")
 
 
 def _lcm_upto(ft: FaultToleranceConfig) -> int:

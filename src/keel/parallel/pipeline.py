@@ -65,12 +65,14 @@ class Pipeline:
         self.has_first, self.has_last = 0 in stages, n_stages - 1 in stages
         pipeline_stages = [PipelineStage(part, stage, n_stages, device, group=group)
                            for part, stage in zip(parts, stages, strict=True)]
-        cls = SCHEDULES[cfg.parallel.pp_schedule]
+        self.cls = SCHEDULES[cfg.parallel.pp_schedule]
+        self.stages = pipeline_stages[0] if cfg.parallel.pp_stages_per_rank == 1 else pipeline_stages
         n_micro = mesh.layout.pp_microbatches
-        if cfg.parallel.pp_stages_per_rank == 1:
-            self.schedule = cls(pipeline_stages[0], n_microbatches=n_micro, loss_fn=_mean_loss)
-        else:
-            self.schedule = cls(pipeline_stages, n_microbatches=n_micro, loss_fn=_mean_loss)
+        # Every pipeline micro-batch holds this many sequences. A step with more or fewer sequences on this
+        # rank (replica groups: the survivors of a lost group take its share) runs more or fewer of them.
+        self.chunk = cfg.train.global_batch // mesh.layout.dp // n_micro
+        self.schedules = {n_micro: self.cls(self.stages, n_microbatches=n_micro, loss_fn=_mean_loss)}
+        self.schedule = self.schedules[n_micro]
         self.ranks_with_loss = mesh.layout.dp * mesh.layout.tp  # ranks holding the last stage
 
     def _run(self, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -90,7 +92,10 @@ class Pipeline:
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run the schedule's forward and backward; gradients accumulate in this rank's stages."""
-        return self._run(self.schedule.step, micro_batches)
+        n = sum(len(x) for x, _ in micro_batches) // self.chunk
+        if n not in self.schedules:
+            self.schedules[n] = self.cls(self.stages, n_microbatches=n, loss_fn=_mean_loss)
+        return self._run(self.schedules[n].step, micro_batches)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
