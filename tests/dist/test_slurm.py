@@ -1,7 +1,8 @@
-"""deploy/slurm/keel.sbatch on a real Slurm: a one-node cluster (this machine) with its own munged,
-slurmctld and slurmd, configured and started here and stopped at the end. The time limit's warning
-signal pauses the run, the script requeues the job, and the next allocation resumes the run to the
-state of one that was never interrupted."""
+"""deploy/slurm/keel.sbatch and keel-replicas.sbatch on a real Slurm: a one-node cluster (this machine)
+with its own munged, slurmctld and slurmd, configured and started once for the module and stopped at
+the end. The time limit's warning signal pauses the run, the script requeues the job, and the next
+allocation resumes the run to the state of one that was never interrupted; two replica groups share
+the node as two job steps, and a group killed mid-run heals while the other trains on."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 40
 SCRIPT = REPO / "deploy/slurm/keel.sbatch"
+REPLICAS_SCRIPT = REPO / "deploy/slurm/keel-replicas.sbatch"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # the daemons live in sbin
 # slurmctld checks time limits every 30 s from its start, and sends the warning at the first check
@@ -43,6 +45,10 @@ def wait_for(what: str, ready: Callable[[], bool], timeout: float, log: Callable
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {timeout} s\n{log()}")
         time.sleep(0.5)
+
+
+def finished(state: str) -> bool:
+    return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 
 
 class SlurmCluster:
@@ -143,7 +149,7 @@ PartitionName=keel Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         kill_tagged(self.tag)  # slurmstepd and anything a job left behind
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def slurm() -> Iterator[SlurmCluster]:
     missing = [p for p in PROGRAMS if not shutil.which(p, path=SEARCH_PATH)]
     if missing:
@@ -181,8 +187,7 @@ def test_time_limit_pauses_requeues_and_resumes_bitwise(slurm: SlurmCluster, ref
         wait_for("the requeue", lambda: slurm.job(job).get("Restarts") == "1", 150, story)
         # The next allocation gets the time to finish rather than another warning.
         slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
-        wait_for("the job's end", lambda: slurm.job(job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED",
-                                                                           "TIMEOUT"), 150, story)
+        wait_for("the job's end", lambda: finished(slurm.job(job)["JobState"]), 150, story)
     finally:
         kill_tagged(tag)
     final = slurm.job(job)
@@ -199,3 +204,44 @@ def test_time_limit_pauses_requeues_and_resumes_bitwise(slurm: SlurmCluster, ref
     assert [e["step"] for e in events if e["kind"] == "resume"] == [pause["step"]]
     final_checkpoint = f"checkpoints/step-{STEPS:06d}"
     assert state_sha256(run_dir / final_checkpoint) == state_sha256(reference_run / final_checkpoint)
+
+
+REPLICA_STEPS = 30
+# After the kill the groups sleep in every step, so that the killed group is back (torchrun's restart,
+# a fresh Python importing torch: over 30 s on a loaded machine, and its heal) before the survivor's
+# last step.
+REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,from_step=11"]'
+
+
+def test_replica_groups_share_a_node_and_a_killed_group_heals(slurm: SlurmCluster, small_corpus: Path,
+                                                              tmp_path: Path) -> None:
+    run_dir, config, tag = tmp_path / "run", tmp_path / "defaults.toml", uuid.uuid4().hex
+    config.write_text("# every option at its default\n")
+    env = {**keel_env(), **slurm.env, TAG: tag, "RUN_DIR": str(run_dir), "REPLICA_GROUPS": "2", "NPROC": "1",
+           "LIGHTHOUSE_PORT": str(free_port()),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), SEARCH_PATH])}
+    job = slurm.run("sbatch", "--parsable", "--time=5", "--gpus-per-node=0", f"--cpus-per-task={slurm.cpus}",
+                    f"--output={tmp_path}/keel-%j.out", str(REPLICAS_SCRIPT), str(config), *SMALL_RUN,
+                    f"train.steps={REPLICA_STEPS}", f"data.dir={small_corpus}", "eval.interval=0",
+                    "checkpoint.interval=100", REPLICA_FAULTS, env=env, cwd=tmp_path).strip()
+    output = tmp_path / f"keel-{job}.out"
+
+    def story() -> str:
+        return (output.read_text() if output.exists() else "(no output yet)") + "\n" + slurm.logs()
+
+    try:
+        wait_for("the job's end", lambda: finished(slurm.job(job)["JobState"]), 150, story)
+    finally:
+        kill_tagged(tag)
+    final = slurm.job(job)
+    assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), story()
+    assert "keel-replicas.sbatch: exit 0: job ends" in output.read_text(), story()
+    assert sorted(p.name for p in (run_dir / "groups").iterdir()) == ["0", "1"]
+
+    def events(group: int, kind: str) -> list[dict]:
+        return [e for e in read_jsonl(run_dir / "groups" / str(group) / "events.jsonl") if e["kind"] == kind]
+
+    assert len(events(0, "start")) == 1, "the surviving group must never restart"
+    heals = [e["step"] for e in events(1, "quorum") if e["action"] == "heal"]
+    assert heals and 10 <= heals[0] < REPLICA_STEPS, story()
+    assert (run_dir / "checkpoints" / f"step-{REPLICA_STEPS:06d}").is_dir()
