@@ -66,7 +66,9 @@ class Stopping(Builtin):
         dist.broadcast_object_list(leaving, src=0)  # every rank exits with the same code
         dist.barrier()  # no rank leaves while another still commits: the agent would stop it half-way
         requests.consume()
-        where = f"checkpoint {checkpoint} committed" if saved else f"its checkpoint failed, the newest is {checkpoint}"
+        where = (f"checkpoint {checkpoint} committed" if saved and ckpt.writer() else
+                 f"another replica group writes the run's checkpoints, the newest is {checkpoint}" if saved else
+                 f"its checkpoint failed, the newest is {checkpoint}")
         if leaving[0]:
             if rank0:
                 events.emit("leave", step, "quarantine", nodes=leaving[0], checkpoint=checkpoint, saved=saved)
