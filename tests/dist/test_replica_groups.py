@@ -119,6 +119,10 @@ def test_group_killed_mid_step_heals_from_its_live_peer(fault_free: Path, small_
     alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 8]
     assert alone, "while the other group is missing, the survivor takes its share of the global batch"
     assert_same_run(run_dir, fault_free)
+    buckets = json.loads((run_dir / "groups" / "0" / "goodput.json").read_text())["buckets"]
+    assert buckets["replica_cover"] > 0 and buckets["replica_quorum"] > 0 and buckets["failed_down"] == 0
+    healed_buckets = json.loads((run_dir / "groups" / "1" / "goodput.json").read_text())["buckets"]
+    assert healed_buckets["failed_down"] > 0, "the killed group's downtime is charged to it"
 
 
 def test_group_killed_inside_the_gradient_all_reduce_leaves_the_survivor_training(

@@ -140,6 +140,16 @@ def test_a_crash_gap_is_down_time_and_recomputed_steps_are_wasted(tmp_path: Path
     assert sum(data["buckets"].values()) == pytest.approx(data["updated"] - data["started"])
 
 
+def test_a_survivors_share_of_a_missing_group_moves_to_replica_cover_and_keeps_the_total(tmp_path: Path) -> None:
+    ledger = GoodputLedger(tmp_path, started=0.0, write=False)
+    ledger.charge("replica_quorum", 1.0)
+    ledger.charge("productive", 5.0)
+    ledger.move(2.0, "productive", "replica_cover")  # half of a 4 s step computed the missing group's share
+    ledger.move(99.0, "productive", "replica_cover")  # never more than the bucket holds
+    assert ledger.buckets["replica_cover"] == pytest.approx(4.0) and ledger.buckets["productive"] == 0.0
+    assert sum(ledger.buckets.values()) == pytest.approx(5.0)
+
+
 def test_steps_made_after_the_last_flush_count_as_recomputed_after_a_crash(tmp_path: Path) -> None:
     first = GoodputLedger(tmp_path, started=0.0, write=True)
     make_steps(first, range(1, 15), float, flush_every=5)
