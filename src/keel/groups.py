@@ -26,6 +26,7 @@ from keel.config import Config
 from keel.core.replica import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
 from keel.errors import EXIT_PAUSED, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
+from keel.launch import without_flags
 from keel.rundir.events import EventLog
 from keel.train import lighthouse as lighthouse_script
 from keel.train.replicas import heartbeats
@@ -47,15 +48,7 @@ def shared_checkpoints(cfg: Config, run_dir: Path) -> str:
 
 def group_argv(argv: list[str], cfg: Config, run_dir: Path, group: int, nproc: int, max_restarts: int) -> list[str]:
     """The user's command for one group: its own run directory, the run's checkpoint directory."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in GROUP_FLAGS:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in GROUP_FLAGS)):
-            out.append(arg)
-    return [*out, "--run-dir", str(group_dir(run_dir, group)), "--nproc", str(nproc),
+    return [*without_flags(argv, GROUP_FLAGS), "--run-dir", str(group_dir(run_dir, group)), "--nproc", str(nproc),
             "--max-restarts", str(max_restarts), f"fault_tolerance.replica_groups={cfg.fault_tolerance.replica_groups}",
             f"checkpoint.dir={shared_checkpoints(cfg, run_dir)}"]
 

@@ -41,17 +41,22 @@ KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
 QUARANTINE_POLL_S = 5.0
 
 
-def worker_argv(argv: list[str]) -> list[str]:
-    """The user's command without the flags that only the launcher reads."""
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` without `flags` and their values (`--flag VALUE` or `--flag=VALUE`)."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg in LAUNCHER_FLAGS:
+        elif arg in flags:
             skip = True
-        elif not arg.startswith(tuple(f + "=" for f in LAUNCHER_FLAGS)):
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
             out.append(arg)
     return out
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The user's command without the flags that only the launcher reads."""
+    return without_flags(argv, LAUNCHER_FLAGS)
 
 
 class LeaveJob(SignalException):
