@@ -12,10 +12,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from keel.core.callbacks import Build, Callback, Step
 from keel.core.dtensor import local
 from keel.core.state import TrainState
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as a whole tensor (a collective for a sharded one): FSDP2 leaves the root module's
+    parameters unsharded after an evaluation's forward, a local view would then differ from a sharded one."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def tensors_sha256(tensors: list[torch.Tensor]) -> str:
@@ -46,7 +53,7 @@ class StepLedger(Callback):
             self.file.flush()
 
     def on_step_end(self, step: Step) -> None:
-        params = [p for part in self.parts for p in part.parameters()]
+        params = [whole(p) for part in self.parts for p in part.parameters()]
         moments = [v for opt in self.optimizers for s in opt.state.values() for k, v in sorted(s.items())
                    if isinstance(v, torch.Tensor) and k != "step"]
         loader = step.state.stateful["loader"].state_dict()
@@ -58,5 +65,5 @@ class StepLedger(Callback):
         self.file.flush()
 
     def on_end(self, state: TrainState) -> None:
-        torch.save([local(p).detach().clone() for part in self.parts for p in part.parameters()],
+        torch.save([whole(p).detach().clone() for part in self.parts for p in part.parameters()],
                    self.out / f"{self.name}-final.pt")

@@ -254,15 +254,16 @@ def _read(path: Path) -> str:
         return ""
 
 
-def test_pipeline_groups_heal_and_run_more_micro_batches_while_one_is_missing(small_corpus: Path,
-                                                                              tmp_path: Path) -> None:
-    """Each group a 2-stage pipeline: the survivor runs twice the pipeline micro-batches of the same size
-    while the other is missing, and the healed group's stages equal the survivor's, bitwise."""
-    run_dir = tmp_path / "pipeline"
+@pytest.mark.parametrize("layout", [["parallel.pp=2", "parallel.dp_shard=1"], ["parallel.dp_shard=2"]],
+                         ids=["pipeline", "fsdp2"])
+def test_two_process_groups_heal_and_read_more_micro_batches_while_one_is_missing(
+        layout: list[str], small_corpus: Path, tmp_path: Path) -> None:
+    """Each group a 2-stage pipeline (the survivor runs twice the pipeline micro-batches of the same size
+    while the other is missing) or 2 FSDP2 shards: the healed group's ranks equal the survivor's, bitwise."""
+    run_dir = tmp_path / "two_process"
     cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1")
     cmd[cmd.index("--nproc") + 1] = "2"
-    done = run_keel([*cmd, "parallel.pp=2", "parallel.dp_shard=1", "train.global_batch=16"], cwd=tmp_path,
-                    timeout=400)
+    done = run_keel([*cmd, *layout, "train.global_batch=16"], cwd=tmp_path, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(group_events(run_dir, 0, "start")) == 2, "the surviving group's two ranks start once"
     heal = group_events(run_dir, 1, "quorum")[-1]
@@ -273,5 +274,6 @@ def test_pipeline_groups_heal_and_run_more_micro_batches_while_one_is_missing(sm
         assert sorted(survivor) == list(range(1, STEPS + 1))
         for s in range(heal["step"] + 1, STEPS + 1):
             assert healed[s]["params"] == survivor[s]["params"], (rank, s)
-    alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 16]
-    assert alone and all(len(r["rows"]) in (8, 16) for r in ledger(run_dir, 0, "rows").values())
+    dp = 2 if "parallel.dp_shard=2" in layout else 1  # rank 0 reads 1/dp of its group's share of the 16
+    alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 16 // dp]
+    assert alone and all(len(r["rows"]) in (8 // dp, 16 // dp) for r in ledger(run_dir, 0, "rows").values())
