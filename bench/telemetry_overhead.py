@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from keel.core.net import free_port
+
 RESULTS = Path(__file__).parent / "results" / "telemetry_overhead.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_every_second(port: int, stop: threading.Event, counts: list[int]) -> None:

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
+from keel.core.net import free_port
 from keel.drill import procs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +44,6 @@ SMALL_RUN = [
     "optim.warmup_steps=5", "eval.interval=20", "eval.sequences=8", "checkpoint.interval=20",
     "health.preflight_probe_mib=4",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def keel_env() -> dict[str, str]:

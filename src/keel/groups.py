@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from keel.config import Config
+from keel.core.net import free_port
 from keel.core.replica import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
 from keel.errors import EXIT_PAUSED, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
@@ -51,12 +52,6 @@ def group_argv(argv: list[str], cfg: Config, run_dir: Path, group: int, nproc: i
     return [*without_flags(argv, GROUP_FLAGS), "--run-dir", str(group_dir(run_dir, group)), "--nproc", str(nproc),
             "--max-restarts", str(max_restarts), f"fault_tolerance.replica_groups={cfg.fault_tolerance.replica_groups}",
             f"checkpoint.dir={shared_checkpoints(cfg, run_dir)}"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_lighthouse(cfg: Config, run_dir: Path, port: int = 0) -> tuple[subprocess.Popen, str]:

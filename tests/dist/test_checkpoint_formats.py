@@ -4,7 +4,6 @@ loopback), and Hugging Face safetensors out of a run and back into a new one."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import torch
 
 from keel.checkpoint.inspect import load_full_state
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN, run_keel
+from tests.conftest import SMALL_RUN, free_port, run_keel
 
 pytestmark = pytest.mark.dist
 
@@ -36,9 +35,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("s3fs")
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("moto.server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=log, stderr=log, start_new_session=True)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -22,6 +21,7 @@ from keel.checkpoint.inspect import load_full_state, state_sha256
 from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
+from keel.core.net import free_port
 from keel.drill.procs import Launch, kill_tagged
 from keel.drill.scenarios import (
     BITWISE,
@@ -190,7 +190,7 @@ class Drill:
         """An elastic job of `scenario.nodes` launchers on this machine (node-0 hosts the rendezvous); at step
         `lose_node_at` the last node's launcher and workers are SIGKILLed together, as a machine that dies."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        more = ("--nnodes", f"1:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{_free_port()}")
+        more = ("--nnodes", f"1:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{free_port()}")
         args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
         jobs = []
         sent: dict[str, Any] = {}
@@ -608,12 +608,6 @@ def _world(run_dir: Path) -> int:
         return 0
     starts = [e for e in events if e["kind"] == "start"]
     return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_json(path: Path, record: dict) -> Path:
