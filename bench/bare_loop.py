@@ -94,7 +94,7 @@ def main() -> None:
         torch.use_deterministic_algorithms(True)
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda" if cuda else "cpu", torch.cuda.current_device() if cuda else None)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         train(cfg, device, args.out)
