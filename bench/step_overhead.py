@@ -265,13 +265,18 @@ def main() -> None:
     from keel.cli.data import ensure_corpus
     from keel.config import load_config
 
-    for shape in args.shapes:  # a missing built-in corpus is prepared once here, not inside a timed run
-        config, shape_overrides = SHAPES[shape]
-        ensure_corpus(load_config(config, [*shape_overrides, *args.overrides]), verbose=True)
     plan = [(shape, nproc) for shape in args.shapes for nproc in args.nproc]
     attribution = (args.attribution_shape, args.attribution_nproc)
     if args.attribution_nproc and attribution not in plan:
         plan.append(attribution)
+    for shape in dict.fromkeys(shape for shape, _ in plan):
+        config, shape_overrides = SHAPES[shape]
+        cfg = load_config(config, [*shape_overrides, f"train.steps={args.steps}", *args.overrides])
+        # Both sides' steady state must run between the same two steps, and keel records one in monitor.interval.
+        if args.warmup % cfg.monitor.interval or args.steps <= args.warmup:
+            ap.error(f"--warmup {args.warmup}, --steps {args.steps}: the warm-up must be a multiple of "
+                     f"monitor.interval ({cfg.monitor.interval}) and fewer than the steps")
+        ensure_corpus(cfg, verbose=True)  # a missing built-in corpus is prepared here, not inside a timed run
     cells = []
     for shape, nproc in plan:
         keel_variants = variants(args.features) if (shape, nproc) == attribution else {"defaults": []}
