@@ -7,6 +7,8 @@ TORCH := torch==2.13.0
 # where one is configured). Set e.g. https://download.pytorch.org/whl/cpu or .../whl/cu128 to choose.
 TORCH_INDEX_URL ?=
 NPROC ?= 2
+# Flags of bench/step_overhead.py, e.g. BENCH_ARGS='--shapes tiny --nproc 2 --repeats 1' for a short run.
+BENCH_ARGS ?=
 
 .PHONY: train test test-fast lint bench clean
 
@@ -38,7 +40,7 @@ lint: $(BIN)/keel
 	exit $$failed
 
 bench: $(BIN)/keel
-	$(BIN)/python bench/step_overhead.py
+	$(BIN)/python bench/step_overhead.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/stdlib .pytest_cache

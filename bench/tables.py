@@ -38,11 +38,9 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
 
 
 def step_overhead() -> str:
-    r = _results("step_overhead")
-    return _table(["config", "keel, s/step", "bare PyTorch loop, s/step",
-                   f"ratio of the medians ({r['repeats']} repeats)", "target"],
-                  [[f"`{r['config']}`", f"{r['keel_s_per_step']:.3f}", f"{r['bare_s_per_step']:.3f}",
-                    f"{r['ratio']:.3f}", f"{r['target']:.2f}"]])
+    from bench.step_overhead import markdown
+
+    return markdown(_results("step_overhead"))
 
 
 def parallel_layouts() -> str:
