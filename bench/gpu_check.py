@@ -42,6 +42,7 @@ from keel.errors import KeelError
 from keel.model.flops import flops_per_token, param_count
 from keel.plan.layout import Layout, Workload
 from keel.plan.memory import memory
+from keel.train.setup import precision_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_check.json"
@@ -193,10 +194,12 @@ def table(results: dict) -> str:
 
 def context(cfg: Config, device: str, hw: Accelerator | None, cuda: bool) -> list[str]:
     peak = hw.peak_flops.get("bf16") if hw else None
+    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
+    precision = "bf16 autocast over fp32 weights" if bf16 else "fp32"
     return [f"device: {device}" + (f" = {hw.name}, dense bf16 peak {peak / 1e12:.1f} TFLOP/s ({hw.source})"
                                    if hw and peak else ("" if not cuda else ", not in the accelerator catalog")),
             f"model: {param_count(cfg.model) / 1e9:.3f}B parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
-            f"tokens per step in micro-batches of {cfg.train.micro_batch}, bf16 autocast "
+            f"tokens per step in micro-batches of {cfg.train.micro_batch}, {precision} "
             f"(train.precision = {cfg.train.precision}), one process (keel wraps nothing in FSDP at one rank)",
             f"context: {TORCHTITAN}"]
 
