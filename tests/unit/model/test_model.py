@@ -132,9 +132,10 @@ def test_flops_per_token(cfg: ModelConfig) -> None:
         assert flops_per_token(cfg, seq_len) == expected
 
 
-@pytest.mark.parametrize(("name", "hidden"), [("llama3_8b", 14336), ("llama3_70b", 28672), ("llama3_405b", 53248)])
+@pytest.mark.parametrize(("name", "hidden"), [("llama3_8b", 14336), ("llama3_70b", 28672), ("llama3_405b", 53248),
+                                              ("gpu_1b", 8192)])
 def test_ffn_hidden_dim_of_llama3(name: str, hidden: int) -> None:
-    # The FFN dimensions of "The Llama 3 Herd of Models", Table 3.
+    # The FFN dimensions of "The Llama 3 Herd of Models", Table 3, and of Llama 3.2 1B's model card.
     assert ffn_hidden_dim(load_config(REPO / "configs" / f"{name}.toml").model) == hidden
 
 
@@ -147,6 +148,11 @@ def test_ffn_hidden_dim_rounds_up_to_multiple_of() -> None:
 def test_llama3_8b_param_count() -> None:
     # Published size: 8.03B parameters.
     assert round(param_count(load_config(REPO / "configs" / "llama3_8b.toml").model) / 1e9, 2) == 8.03
+
+
+def test_gpu_1b_param_count() -> None:
+    # Llama 3.2 1B's published size, 1.24B parameters (tied embeddings).
+    assert round(param_count(load_config(REPO / "configs" / "gpu_1b.toml").model) / 1e9, 2) == 1.24
 
 
 # ---------------------------------------------------------------- initialisation
