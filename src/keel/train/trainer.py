@@ -151,7 +151,7 @@ class Trainer:
                                         self.replicas.metrics if self.replicas else dict],
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
-                                     monitor, hooks.notify, self.say)
+                                     monitor, hooks.notify, self.say, cfg.eval.interval, cfg.eval.final)
         writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
         self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
         for component, every in [

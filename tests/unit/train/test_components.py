@@ -180,17 +180,28 @@ def test_interval_metrics_reduce_and_log_every_k_steps_only(build: Build) -> Non
     assert [r["step"] for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "train/loss" in r] == [3, 4]
 
 
-def test_evaluation_runs_every_k_steps_and_at_the_last(build: Build) -> None:
-    trainer = build()
+def evaluated_steps(trainer: Trainer, interval: int, final: bool, steps: int = 5) -> list[tuple[int, float]]:
     evaluated: list[tuple[int, float]] = []
     evaluation = Evaluation(trainer.evaluation.evaluate, trainer.bpb, trainer.watchdog, trainer.monitor,
-                            lambda hook, state, loss: evaluated.append((state.step, loss)), trainer.say)
+                            lambda hook, state, loss: evaluated.append((state.step, loss)), trainer.say,
+                            interval, final)
     hooks = Hooks()
-    hooks.add(evaluation, every=2)
-    steps = drive(hooks, trainer, 5)
+    hooks.add(evaluation, every=interval or steps)
+    done = drive(hooks, trainer, steps)
+    assert [s.number for s in done if "val/loss" in s.metrics] == [n for n, _ in evaluated]
+    return evaluated
+
+
+def test_evaluation_runs_every_k_steps_and_at_the_last(build: Build) -> None:
+    evaluated = evaluated_steps(build(), 2, final=True)
     assert [n for n, _ in evaluated] == [2, 4, 5]
     assert all(loss == evaluated[0][1] > 0 for _, loss in evaluated), "no update between: the same loss"
-    assert [s.number for s in steps if "val/loss" in s.metrics] == [2, 4, 5]
+
+
+def test_evaluation_without_final_runs_only_at_its_interval(build: Build) -> None:
+    trainer = build()
+    assert [n for n, _ in evaluated_steps(trainer, 2, final=False)] == [2, 4]
+    assert evaluated_steps(trainer, 0, final=False) == []
 
 
 def test_stopping_ends_a_paused_step_with_exit_75_but_not_the_last(build: Build) -> None:
