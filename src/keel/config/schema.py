@@ -157,7 +157,9 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = option(50, "steps between validation passes (0: only at the end)", ge=0)
+    interval: int = option(50, "steps between validation passes (0: only the final one)", ge=0)
+    final: bool = option(True, "also a validation pass at the last step, whatever the interval (the summary's "
+                         "val_loss is the last pass's; NaN when there was none)")
     sequences: int = option(64, "validation sequences per pass, shared out over the processes (the same set "
                             "whatever the layout)", ge=1)
 

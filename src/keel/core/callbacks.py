@@ -53,6 +53,7 @@ class Step:
     micro_batches: MicroBatches = field(default_factory=list)
     batch: int = 0  # the global batch number of `micro_batches`
     data_s: float = 0.0  # the wait for the batch
+    own_s: float = 0.0  # forward, backward and their hooks, before the step's first reduction
     compute_s: float = 0.0  # forward and backward, until the report
     updated: bool = False  # the update was applied (not skipped, not undone)
     update_s: float = 0.0  # the optimizer's update, or the clearing of the gradients of a skipped step

@@ -40,6 +40,7 @@ class StepSync:
     def __init__(self, loss_divisor: int) -> None:
         self.loss_divisor = loss_divisor
         self.contributions: dict[str, Callable[[], float]] = {}
+        self._staging: torch.Tensor | None = None  # pinned host memory the contributions go to a GPU from
 
     def contribute(self, name: str, value: Callable[[], float]) -> None:
         """`value()` is this rank's part of `name`, read just before each step's reduction."""
@@ -56,12 +57,11 @@ class StepSync:
         world = dist.get_world_size()
         loss = loss.detach().float().reshape(1)
         grad_norm = grad_norm.detach().float().reshape(1)
-        extras = torch.tensor([float(self.contributions[name]()) for name in names], dtype=torch.float32,
-                              device=loss.device)
-        local = torch.cat([loss, grad_norm / world, extras])
+        local = torch.cat([loss, grad_norm / world, self._on_device(names, loss.device)])
         shared = local.clone()
         dist.all_reduce(shared)
-        mine, total = local.tolist(), shared.tolist()  # the one host synchronisation of the step
+        both = torch.cat([local, shared]).tolist()  # the one host synchronisation of the step
+        mine, total = both[:len(local)], both[len(local):]
         nonfinite: list[int] = []
         if not (math.isfinite(total[0]) and math.isfinite(total[1])):
             # Rare: find out which ranks. Every rank sees the same sums, so every rank reaches this collective.
@@ -71,3 +71,14 @@ class StepSync:
         return StepReport(step=step, loss=total[0] / self.loss_divisor, grad_norm=total[1], local_loss=mine[0],
                           nonfinite_ranks=nonfinite, values=dict(zip(names, total[2:], strict=True)),
                           data_s=data_s, step_s=step_s)
+
+    def _on_device(self, names: list[str], device: torch.device) -> torch.Tensor:
+        """The contributions' values on `device`. A GPU gets them from pinned memory without waiting: a
+        plain copy from the host would wait for the step's queued work, a second synchronisation."""
+        values = torch.tensor([float(self.contributions[name]()) for name in names], dtype=torch.float32)
+        if device.type != "cuda":
+            return values.to(device)
+        if self._staging is None or len(self._staging) != len(values):
+            self._staging = torch.empty(len(values), dtype=torch.float32, pin_memory=True)
+        self._staging.copy_(values)  # the previous step's copy was read by its synchronisation: free to reuse
+        return self._staging.to(device, non_blocking=True)

@@ -1,13 +1,18 @@
 """Stragglers: a rank whose compute is persistently slower than the others'.
 
-Every `interval` steps the step runs under the profiler (keel.monitor.metrics.CommProfiler), which
-gives each rank its compute time: the step's wall time less the time in which its collectives were
-in flight. A rank that waits for a slow peer spends that wait inside a collective, so the slow rank
-has the longest compute time, whichever collective the others waited in. The times are gathered
-with one all-reduce and each is compared with the lower median (for two ranks, the faster one). A
-rank slower by `factor` in `patience` gathers in a row is reported once (an event and an alert with
-rank, host and ratio); with `action = quarantine` its node is also listed in quarantine.json, and
-the run checkpoints and exits 76 so that the agents restart it without that node.
+Every `interval` steps each rank's own time is compared: its forward, backward and their hooks, from
+its batch to the step's first reduction (the gradient norm), timed on the host once the device has
+finished them (one device synchronisation on those steps only). The ranks that wait for a slow peer
+wait in that reduction, after their own time has been taken, so the slow rank has the longest. The
+times are gathered with one all-reduce and each is compared with the lower median (for two ranks,
+the faster one). A rank slower by `factor` in `patience` gathers in a row is reported once (an event
+and an alert with rank, host and ratio); with `action = quarantine` its node is also listed in
+quarantine.json, and the run checkpoints and exits 76 so that the agents restart it without that node.
+
+The measure costs no profiler, and sees what the others wait for at the step's reduction. A rank slow
+at each layer makes its peers wait inside FSDP's own gathers of that layer too, where each rank's
+time holds the others' waits: such a rank is seen by the share of its slowness that reaches the
+reduction, and the profiled steps' `time/comm_s` (`monitor.profile_interval`) tell the rest.
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ class StragglerDetector:
     def due(self, step: int) -> bool:
         return bool(self.cfg.interval) and self.world > 1 and step % self.cfg.interval == 0
 
+    def settle(self) -> None:
+        """On a due step, after the backward: wait for the device's work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def observe(self, step: int, compute_s: float) -> bool:
-        """Every rank, on a due step, with its own compute time. Returns whether the run must leave
-        out a straggler's node now (the same answer on every rank)."""
+        """Every rank, on a due step, with its own time. Returns whether the run must leave out a
+        straggler's node now (the same answer on every rank)."""
         times = torch.zeros(self.world, dtype=torch.float64, device=self.device)
         times[self.rank] = compute_s
         dist.all_reduce(times)

@@ -75,6 +75,7 @@ class Watchdog:
         self.reporter = False
         self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
+        self._promised = -1.0  # the seconds the last beat promised the next within
 
     # ------------------------------------------------------------ what the loop calls
 
@@ -94,7 +95,8 @@ class Watchdog:
         self.section_name, self.section_step, self.phase_index = name, step, 0
         self.section_start = time.monotonic()
         self._arm_backstop(self.timeouts[name])
-        self._beat()  # at once: a beat left from the section before would promise that section's timeout
+        if self.timeouts[name] != self._promised:
+            self._beat()  # at once: a beat left from the section before promises that section's timeout
 
     def end(self) -> None:
         self._observed(self.section_name, time.monotonic() - self.section_start)
@@ -191,9 +193,10 @@ class Watchdog:
         if self.heartbeats is None:
             return
         host = self.hosts[self.rank] if self.rank < len(self.hosts) else node_name()
+        self._promised = valid_s or self.timeouts.get(self.section_name, self.timeouts["step"])
         with contextlib.suppress(OSError):
             beat(self.heartbeats, self.rank, {"where": self._where(), "host": host, "timeouts": self._rounded()},
-                 valid_s or self.timeouts.get(self.section_name, self.timeouts["step"]))
+                 self._promised)
 
     def _rounded(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in self.timeouts.items()}

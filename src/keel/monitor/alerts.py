@@ -111,6 +111,7 @@ class Alerts:
         self._errors: dict[str, float] = {}  # the last telemetry counters seen, for increases
         self.last_step_time = time.time()
         self.stalled = False
+        self.holding = False  # between steps (an evaluation, a blocking save): no step is in progress
         events.subscribe(self._on_event)
 
     # ------------------------------------------------------------------ delivery
@@ -201,6 +202,8 @@ class Alerts:
 
     def check_stall(self, step: int, now: float | None = None) -> None:
         """The step in progress has not finished for `stall_s` (the watchdog acts later, at its timeout)."""
+        if self.holding:
+            return
         waited = (time.time() if now is None else now) - self.last_step_time
         if waited > self.cfg.stall_s and not self.stalled:
             self.stalled = True
@@ -208,8 +211,13 @@ class Alerts:
                       waited_s=round(waited, 1))
 
     def step_done(self) -> None:
+        """A step finished, or the work between two steps did: the next step's stall clock starts now."""
         self.last_step_time = time.time()
-        self.stalled = False
+        self.stalled = self.holding = False
+
+    def hold(self) -> None:
+        """Work between steps begins (its own section of the watchdog times it): no step can stall in it."""
+        self.holding = True
 
     def close(self) -> None:
         self.events.unsubscribe(self._on_event)

@@ -110,22 +110,19 @@ class StepMeter:
 
 
 class CommProfiler:
-    """Every `interval` steps one step runs under the PyTorch profiler; the wall time during which
-    collectives were in flight (gloo or NCCL, pipeline send/recv included) and during which a stage
-    waited to receive from a neighbour (the exposed bubble plus the transfer) become `time/comm_s`
-    and `time/pp_wait_s`, and their shares of that step. The rest of the step is this rank's own
-    work (`compute_s`), which the straggler detector compares across ranks every `also_every` steps."""
+    """Every `interval` steps (0: never) one step runs under the PyTorch profiler; the wall time during
+    which collectives were in flight (gloo or NCCL, pipeline send/recv included) and during which a
+    stage waited to receive from a neighbour (the exposed bubble plus the transfer) become
+    `time/comm_s` and `time/pp_wait_s`, and their shares of that step. A profiled step costs many
+    times an unprofiled one, so no other feature depends on it."""
 
-    def __init__(self, interval: int, device_type: str, also_every: int = 0) -> None:
-        self.interval, self.device_type, self.also_every = interval, device_type, also_every
+    def __init__(self, interval: int, device_type: str) -> None:
+        self.interval, self.device_type = interval, device_type
         self.last: dict[str, float] = {}
-        self.compute_s = 0.0
 
     def profile(self, step: int) -> AbstractContextManager:
         """Context for the step about to run (`step` counts from 1)."""
-        if any(every and step % every == 0 for every in (self.interval, self.also_every)):
-            return self._profiled()
-        return nullcontext()
+        return self._profiled() if self.interval and step % self.interval == 0 else nullcontext()
 
     @contextmanager
     def _profiled(self) -> Iterator[None]:
@@ -144,7 +141,6 @@ class CommProfiler:
                 if "recv" in name:
                     wait.append(span)
         comm_s, wait_s = _covered(comm), _covered(wait)
-        self.compute_s = step_s - comm_s
         self.last = {"time/comm_s": comm_s, "time/comm_share": comm_s / step_s, "time/pp_wait_s": wait_s,
                      "time/pp_wait_share": wait_s / step_s}
 

@@ -112,19 +112,26 @@ class RunMonitor:
         """The loop starts: the first step's stall clock starts now; skips counted before this start
         (restored with the guards) are not this interval's."""
         self._skipped = sum(v for k, v in guard_metrics.items() if k.endswith("_skip_total"))
-        self.alerts.step_done()
-        if self.exporter is not None:
-            self.exporter.set("keel_last_step_timestamp_seconds", time.time())
+        self._stall_clock_starts()
 
     @contextmanager
     def phase(self, bucket: str, metric: str = "", whole_step: bool = True) -> Iterator[Timer]:
         """A part of a step. The time before it is the step's own work (productive); its own time goes
         to the goodput `bucket` and, if named, to the registry's `metric`. In a recomputed step all of
         it is wasted, unless the part is not the step's own (`whole_step = False`: evaluation,
-        checkpoint blocking)."""
+        checkpoint blocking), which runs between two steps: no step is stalled while it runs, and the
+        next step's stall clock starts when it ends."""
         self.ledger.spent("productive")
+        if not whole_step:
+            self.alerts.hold()
+            if self.exporter is not None:  # KeelStepStalled ignores a timestamp of 0
+                self.exporter.set("keel_last_step_timestamp_seconds", 0.0)
         timer = Timer(time.perf_counter())
-        yield timer
+        try:
+            yield timer
+        finally:
+            if not whole_step:
+                self._stall_clock_starts()
         timer.seconds = time.perf_counter() - timer.started
         if metric:
             self.registry.add(metric, timer.seconds)
@@ -136,8 +143,11 @@ class RunMonitor:
     def step_done(self, step: int) -> None:
         """Every step: the heartbeat (what the stalled-step rules watch) and the goodput high-water mark."""
         self.step = step
-        self.alerts.step_done()
         self.ledger.step_done(step)
+        self._stall_clock_starts()
+
+    def _stall_clock_starts(self) -> None:
+        self.alerts.step_done()
         if self.exporter is not None:
             self.exporter.set("keel_last_step_timestamp_seconds", time.time())
 

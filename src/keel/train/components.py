@@ -121,16 +121,19 @@ class PauseRequests(Builtin):
     """A pause asked on any rank (a signal, `keel pause`), or a straggler's node to leave: every rank
     pauses at the same step, after its checkpoint."""
 
-    def __init__(self, requests: StopRequests, straggler: StragglerDetector, comm: CommProfiler,
-                 sync: StepSync) -> None:
-        self.requests, self.straggler, self.comm = requests, straggler, comm
+    def __init__(self, requests: StopRequests, straggler: StragglerDetector, sync: StepSync) -> None:
+        self.requests, self.straggler = requests, straggler
         self.asked, self.leave = 0.0, False
         sync.contribute("pause/asked", lambda: float(requests.pending()))
+
+    def on_backward(self, step: Step, replaying: bool) -> None:
+        if not replaying and self.straggler.due(step.number):
+            self.straggler.settle()  # the step's own time is the device's, not the host's queueing
 
     def on_step_end(self, step: Step) -> Action | None:
         assert step.report is not None
         number = step.state.step
-        self.leave = self.straggler.due(number) and self.straggler.observe(number, self.comm.compute_s)
+        self.leave = self.straggler.due(number) and self.straggler.observe(number, step.own_s)
         self.asked = step.report.values["pause/asked"]
         if self.asked > 0 or self.leave:  # every rank sees the same sum: all stop at this step
             return Action("pause", "health", self.requests.reason() or "asked on another rank")

@@ -136,7 +136,7 @@ class Trainer:
                                * self.tokens_per_step, ctx.world_size, self.peak)
         straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,
                                       self.say, self.run_dir, ctx.device)
-        comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type, also_every=straggler.cfg.interval)
+        comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
         self.checkpointing = ckpt = Checkpointing(cfg.checkpoint, self.manager, IntervalPolicy(cfg.checkpoint), monitor,
                                                   self.events, self.say, self.state, self.hooks.notify, self.status,
                                                   self.rank0)
@@ -144,14 +144,14 @@ class Trainer:
         self.replicas = self._replica_groups() if cfg.fault_tolerance.replica_groups > 1 else None
         inspection = GuardInspection(self.guards, monitor, self.stepper,
                                      lambda step: hooks.notify("on_backward", step, True))
-        pause = PauseRequests(self.requests, straggler, comm, self.sync)
+        pause = PauseRequests(self.requests, straggler, self.sync)
         self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
                                        self.mesh.layout.pp, ckpt,
                                        [lambda: comm.last, self.guards.metrics, lambda: straggler.last,
                                         self.replicas.metrics if self.replicas else dict],
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
-                                     monitor, hooks.notify, self.say)
+                                     monitor, hooks.notify, self.say, cfg.eval.interval, cfg.eval.final)
         writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
         self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
         for component, every in [
@@ -243,6 +243,7 @@ class Trainer:
             started = time.perf_counter()
             step.loss = stepper.forward_backward(step.micro_batches)
             hooks.notify("on_backward", step, False)
+            step.own_s = time.perf_counter() - started
             step.grad_norm = stepper.grad_norm()
             step.report = self.sync.reduce(step.number, step.loss, step.grad_norm,
                                            partial(stepper.nonfinite_here, step.loss), step.data_s,

@@ -43,17 +43,20 @@ class WatchdogPhases(Builtin):
 
 
 class Evaluation(Builtin):
-    """Every `eval.interval` steps (registered with that frequency) and at the last: the validation loss
-    and bits per byte."""
+    """Every `eval.interval` steps (registered with that frequency) and, with `eval.final`, at the last:
+    the validation loss and bits per byte."""
 
     def __init__(self, evaluate: Callable[[], float], bpb: Callable[[float], float], watchdog: Watchdog,
-                 monitor: RunMonitor, notify: Callable[..., None], say: Callable[[str], None]) -> None:
+                 monitor: RunMonitor, notify: Callable[..., None], say: Callable[[str], None], interval: int,
+                 final: bool) -> None:
         self.evaluate, self.bpb, self.watchdog, self.monitor = evaluate, bpb, watchdog, monitor
-        self.notify, self.say = notify, say
+        self.notify, self.say, self.interval, self.final = notify, say, interval, final
         self.val_loss = float("nan")
 
     def on_step_end(self, step: Step) -> None:
         state = step.state
+        if not (self.final or self.interval and state.step % self.interval == 0):
+            return  # the last step, called whatever the frequency
         self.watchdog.begin("eval", state.step)
         with self.monitor.phase("evaluation", whole_step=False):
             self.val_loss = self.evaluate()

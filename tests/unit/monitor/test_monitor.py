@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.config import AlertsConfig
+from keel.config import AlertsConfig, MonitorConfig
 from keel.monitor.alerts import Alerts, Webhook
 from keel.monitor.goodput import BUCKETS, GoodputLedger, account_exit, read_ledger
 from keel.monitor.metrics import MetricsRegistry
+from keel.monitor.run_monitor import RunMonitor
 from keel.monitor.sinks import PrometheusExporter, TensorBoardSink, prometheus_name
 from keel.monitor.telemetry import Reading
-from keel.rundir.events import EventLog, read_jsonl
+from keel.rundir.events import EventLog, RunLog, read_jsonl
 from tests.conftest import free_port
 
 # ---------------------------------------------------------------- registry (one rank; tests/dist has two)
@@ -235,6 +236,29 @@ def test_telemetry_rules_and_a_stalled_step(tmp_path: Path) -> None:
     alerts.check_stall(7, now=alerts.last_step_time + 6)
     alerts.check_stall(7, now=alerts.last_step_time + 9)
     assert fired(tmp_path)[-1] == "step_stalled" and fired(tmp_path).count("step_stalled") == 1
+
+
+
+def test_an_evaluation_or_a_save_between_steps_is_never_a_stalled_step(tmp_path: Path) -> None:
+    mc = MonitorConfig(prometheus_port=free_port(), telemetry_interval_s=0, alerts=AlertsConfig(stall_s=5))
+    with RunLog(tmp_path, 0) as log:
+        monitor = RunMonitor(mc, tmp_path, 0, torch.device("cpu"), log, time.time(), str(tmp_path))
+        try:
+            monitor.begin({})
+            assert monitor.exporter is not None
+            for bucket in ("evaluation", "checkpoint_blocking"):
+                with monitor.phase(bucket, whole_step=False):
+                    monitor.alerts.check_stall(3, now=time.time() + 60)  # far past stall_s, between steps
+                    between = scrape(monitor.exporter.port)["keel_last_step_timestamp_seconds"][0][2]
+                monitor.alerts.check_stall(3, now=time.time() + 4)  # the next step's clock starts after it
+                assert between == 0, "KeelStepStalled ignores a rank between steps"
+                assert scrape(monitor.exporter.port)["keel_last_step_timestamp_seconds"][0][2] > 0
+            assert fired(tmp_path) == []
+            with monitor.phase("guard_checks"):  # a part of the step: its time is the step's
+                monitor.alerts.check_stall(3, now=time.time() + 60)
+            assert fired(tmp_path) == ["step_stalled"]
+        finally:
+            monitor.stop()
 
 
 # ---------------------------------------------------------------- webhook

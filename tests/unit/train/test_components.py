@@ -16,6 +16,7 @@ from keel.core.callbacks import Callback, Hooks, Step
 from keel.core.sync import StepSync
 from keel.errors import EXIT_PAUSED
 from keel.health.watchdog import PHASES, Watchdog
+from keel.monitor.metrics import CommProfiler
 from keel.rundir.events import read_jsonl
 from keel.rundir.status import read_status
 from keel.train.components import (
@@ -64,13 +65,26 @@ def part(trainer: Trainer, kind: type) -> Callback:
 
 def test_metering_logs_the_step_and_its_learning_rate_and_counts_steps_since_the_log(build: Build) -> None:
     trainer = build()
-    metering = Metering(trainer.monitor, trainer.meter, part(trainer, PauseRequests).comm)
+    metering = Metering(trainer.monitor, trainer.meter, part(trainer, Metering).comm)
     hooks = Hooks()
     hooks.add(metering)
     steps = drive(hooks, trainer, 3)
     assert [s.metrics for s in steps] == [{"step": n, "optim/lr": 1e-3} for n in (1, 2, 3)]
     assert metering.since_log == 3 and trainer.monitor.step == 3 and metering.profiling is None
     assert trainer.meter.window()["time/step_s"] > 0
+
+
+def test_a_step_runs_under_the_profiler_only_at_the_profile_interval(build: Build) -> None:
+    trainer = build([], "monitor.profile_interval=0", "health.straggler.interval=1")
+    hooks = Hooks()
+    hooks.add(part(trainer, Metering))
+    drive(hooks, trainer, 2)
+    assert part(trainer, Metering).comm.last == {}, "profile_interval = 0: never, whatever else is due"
+    profiled = Metering(trainer.monitor, trainer.meter, CommProfiler(2, "cpu"))
+    hooks = Hooks()
+    hooks.add(profiled)
+    drive(hooks, trainer, 2)
+    assert profiled.comm.last["time/comm_s"] >= 0
 
 
 def test_guard_inspection_scales_the_lr_and_skips_a_nonfinite_step(build: Build) -> None:
@@ -108,7 +122,7 @@ def test_guard_check_snapshots_the_state_at_its_interval(build: Build) -> None:
 def test_pause_requests_pause_every_rank_once_a_signal_arrived(build: Build) -> None:
     trainer = build()
     own, sync = part(trainer, PauseRequests), StepSync(1)
-    pause = PauseRequests(trainer.requests, own.straggler, own.comm, sync)
+    pause = PauseRequests(trainer.requests, own.straggler, sync)
     assert pause.on_step_end(made(trainer, 1, sync=sync)) is None
     os.kill(os.getpid(), signal.SIGUSR1)  # a real signal: what `kill -USR1` sends
     action = pause.on_step_end(made(trainer, 2, sync=sync))
@@ -166,17 +180,28 @@ def test_interval_metrics_reduce_and_log_every_k_steps_only(build: Build) -> Non
     assert [r["step"] for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "train/loss" in r] == [3, 4]
 
 
-def test_evaluation_runs_every_k_steps_and_at_the_last(build: Build) -> None:
-    trainer = build()
+def evaluated_steps(trainer: Trainer, interval: int, final: bool, steps: int = 5) -> list[tuple[int, float]]:
     evaluated: list[tuple[int, float]] = []
     evaluation = Evaluation(trainer.evaluation.evaluate, trainer.bpb, trainer.watchdog, trainer.monitor,
-                            lambda hook, state, loss: evaluated.append((state.step, loss)), trainer.say)
+                            lambda hook, state, loss: evaluated.append((state.step, loss)), trainer.say,
+                            interval, final)
     hooks = Hooks()
-    hooks.add(evaluation, every=2)
-    steps = drive(hooks, trainer, 5)
+    hooks.add(evaluation, every=interval or steps)
+    done = drive(hooks, trainer, steps)
+    assert [s.number for s in done if "val/loss" in s.metrics] == [n for n, _ in evaluated]
+    return evaluated
+
+
+def test_evaluation_runs_every_k_steps_and_at_the_last(build: Build) -> None:
+    evaluated = evaluated_steps(build(), 2, final=True)
     assert [n for n, _ in evaluated] == [2, 4, 5]
     assert all(loss == evaluated[0][1] > 0 for _, loss in evaluated), "no update between: the same loss"
-    assert [s.number for s in steps if "val/loss" in s.metrics] == [2, 4, 5]
+
+
+def test_evaluation_without_final_runs_only_at_its_interval(build: Build) -> None:
+    trainer = build()
+    assert [n for n, _ in evaluated_steps(trainer, 2, final=False)] == [2, 4]
+    assert evaluated_steps(trainer, 0, final=False) == []
 
 
 def test_stopping_ends_a_paused_step_with_exit_75_but_not_the_last(build: Build) -> None:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+import keel
 from keel.config import CallbackSpec
 from keel.core.actions import Action
 from keel.core.callbacks import Build, Callback, Step
+from keel.core.state import TrainState
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED
 from keel.rundir.events import read_jsonl
 from keel.rundir.status import read_status
@@ -68,6 +73,34 @@ class Signals(Callback):
     def on_step_start(self, step: Step) -> None:
         if step.number == self.at:
             os.kill(os.getpid(), signal.SIGUSR1)
+
+
+KEEL_SOURCES = str(Path(keel.__file__).parent)
+SYNCHRONISING = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+class CountsHostSyncs(Callback):
+    """Counts, from `before_step` of step `first` to `before_step` of step `first + steps`, the calls of the
+    Tensor methods that read a value on the host which keel's own code makes (where each came from).
+    The methods are wrapped, not replaced: each call still does what it did."""
+
+    def __init__(self, first: int, steps: int) -> None:
+        self.first, self.steps = first, steps
+        self.calls: Counter[str] = Counter()
+        self.counting = False
+        for name in SYNCHRONISING:
+            setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
+
+    def _counted(self, name: str, method: Callable) -> Callable:
+        def counted(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            caller = sys._getframe(1).f_code
+            if self.counting and caller.co_filename.startswith(KEEL_SOURCES):
+                self.calls[f"{name} in {caller.co_qualname}"] += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def before_step(self, state: TrainState) -> None:
+        self.counting = self.first <= state.step + 1 < self.first + self.steps
 
 
 def spec(name: str, **args: object) -> CallbackSpec:
@@ -168,3 +201,14 @@ def test_the_stronger_of_two_asked_actions_wins_in_either_order(fit, order: tupl
     # A stop asked first ends the step there: the second is not asked at all.
     assert bool(second.at_step("after_backward", 2)) == (order[0] == "skip")
     assert not first.at_step("on_step_end", 2) and not second.at_step("on_step_end", 2)
+
+
+def test_a_steady_state_step_reads_one_value_on_the_host(fit, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in SYNCHRONISING:  # put back after the test whatever the counter wraps
+        monkeypatch.setattr(torch.Tensor, name, getattr(torch.Tensor, name))
+    # Steps 2 to 4 log nothing, save nothing, evaluate and profile nothing; the guards run as configured.
+    code, trainer = fit([spec("CountsHostSyncs", first=2, steps=3)], "monitor.interval=100", "checkpoint.interval=100",
+                        "monitor.profile_interval=0")
+    (counter,) = trainer.hooks.of_type(CountsHostSyncs)
+    assert code == 0
+    assert counter.calls == {"tolist in StepSync.reduce": 3}, "one host synchronisation a step, the step sync's"
