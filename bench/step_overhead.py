@@ -61,7 +61,7 @@ FEATURES: dict[str, list[str]] = {
     "telemetry": ["monitor.telemetry_interval_s=0"],
     "exporter": ["monitor.prometheus_port=0"],
     "profiler": ["monitor.profile_interval=0"],
-    "eval": ["eval.interval=0"],
+    "eval": ["eval.interval=0", "eval.final=false"],
     "checkpoints": [f"checkpoint.interval={2**62}"],
     "preflight": ["health.preflight=off"],
     "straggler": ["health.straggler.interval=0"],
