@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,6 +45,9 @@ ROUTINE = {("checkpoint", "interval"), ("preflight", "passed"), ("telemetry", "u
            ("checkpoint", "committed"), ("checkpoint", "retired")}
 # Set by the drill itself, for the reference and the faulted run alike.
 OWN_KEYS = ("train.steps", "checkpoint.interval", "checkpoint.dir", "drill.inject")
+# Settings that decide only when a detector looks, never what a run computes (the scenarios' tuning is made
+# of them): clean runs that differ in them alone are the same reference.
+LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_interval"), ("health", "watchdog"))
 
 
 class DrillError(RuntimeError):
@@ -124,6 +128,9 @@ class Drill:
 
     def reference_key(self, overrides: list[str], groups: int = 1) -> str:
         cfg = load_config(self.config, overrides)
+        for *path, name in LOOK_ONLY:
+            section = functools.reduce(getattr, path, cfg)
+            setattr(section, name, getattr(type(section)(), name))
         key = {"config": cfg.digest(), "nproc": self.nproc} if groups == 1 else \
             {"config": cfg.digest(), "nproc": 1, "replica_groups": groups}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
