@@ -118,10 +118,10 @@ def test_layout_trains_like_one_process(name: str, one_process: Path, layout_run
 
 
 @pytest.fixture(scope="module")
-def tp2xdp2_step5(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """5 steps in TP2 × DP2. (They are the warmup, whose learning rates do not depend on train.steps.)"""
-    run_dir = tmp_path_factory.mktemp("layouts") / "tp2xdp2"
-    train(small_corpus, run_dir, 4, "parallel.tp=2", "train.steps=5")
+def tp2xdp2_step5(layout_runs: dict) -> Path:
+    """The TP2 × DP2 layout run's checkpoint of step 5 (RUN saves every 5 steps)."""
+    run_dir, result = layout_runs["tp2xdp2"]
+    assert result.returncode == 0, result.stderr[-3000:]
     return run_dir / "checkpoints" / "step-000005"
 
 
@@ -136,10 +136,13 @@ def test_checkpoint_moves_between_layouts(nproc: int, overrides: list[str], tp2x
 
 
 def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: Path, tmp_path: Path) -> None:
-    """The command of docs/parallel.md for a 4-process TP2 × PP2 run, shortened to 2 steps."""
+    """The command of docs/parallel.md for a 4-process TP2 × PP2 run, shortened to 2 steps of a quarter of the
+    batch: still two micro-batches through the two stages per step (what the pipeline's wait is measured on),
+    with the preflight's probes sized as in tests.conftest.SMALL_RUN."""
     run_dir = tmp_path / "tiny"
     result = run_keel(["train", "--config", str(REPO / "configs" / "tiny.toml"), "parallel.tp=2", "parallel.pp=2",
                        "--nproc", "4", "--run-dir", str(run_dir), f"data.dir={small_corpus}", "train.steps=2",
+                       "train.global_batch=8", "train.micro_batch=4", "health.preflight_probe_mib=4",
                        "monitor.interval=1", "monitor.profile_interval=1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     progress = [line for line in result.stdout.splitlines() if line.startswith("step 2/2 [")]

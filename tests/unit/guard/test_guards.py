@@ -3,7 +3,9 @@ and skipped data."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +92,23 @@ def test_spike_needs_a_real_rise_and_honours_the_response() -> None:
         assert action.kind == kind and action.reason
     cfg.spike.response = "off"
     assert guard.inspect(report(103, loss=9.0)) is None
+
+
+# Every step's loss and gradient norm, as the spike guard was given them, in the clean runs of the soak of
+# tests/dist/test_guards.py with the detectors every 5 steps (the command of each run is recorded beside them).
+CLEAN_STEPS = Path(__file__).with_name("clean_steps.json")
+
+
+def test_the_spike_guard_takes_no_action_over_two_thousand_recorded_clean_steps() -> None:
+    """The guard decides on each step's loss and gradient norm against the history of those alone, and a run
+    is deterministic: these decisions are the ones made live in those runs, at default thresholds."""
+    runs = json.loads(CLEAN_STEPS.read_text())["runs"]
+    for run in runs:
+        guard = SpikeGuard(GuardConfig())
+        for step, (loss, grad_norm) in enumerate(zip(run["loss"], run["grad_norm"], strict=True), start=1):
+            assert guard.inspect(report(step, loss=loss, grad_norm=grad_norm)) is None, (run["layout"], step)
+        assert len(guard.history) == guard.spike.window, "every step entered the window"
+    assert sum(len(run["loss"]) for run in runs) == 2000  # judged after each run's first `warmup` (50)
 
 
 def test_spike_history_survives_a_checkpoint() -> None:
