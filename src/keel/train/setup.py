@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import keel
-from keel.checkpoint.manager import checkpoint_root
+from keel.checkpoint.resume import checkpoint_root
 from keel.config import Config
 from keel.core.callbacks import Callback
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
@@ -25,7 +25,6 @@ from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh
-from keel.parallel.pipeline import stage_ids, stage_module
 from keel.rundir.events import EventLog, host
 from keel.rundir.lock import RunLock
 
@@ -89,6 +88,8 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
     if mesh.layout.pp == 1:
         parts, stages = [model], [0]
     else:
+        from keel.parallel.pipeline import stage_ids, stage_module  # torch's pipelining loads torch._dynamo
+
         n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
         stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
         parts = [stage_module(model, stage, n_stages) for stage in stages]

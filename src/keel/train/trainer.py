@@ -9,7 +9,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
 from keel.parallel.mesh import Dist, Mesh
-from keel.parallel.pipeline import Pipeline
 from keel.rundir.events import RunLog, host
 from keel.rundir.progress import summary_lines
 from keel.rundir.status import write_status
@@ -56,6 +55,9 @@ from keel.train.setup import build_data, build_model_parts, gather_hosts, precis
 from keel.train.step import Stepper, evaluate
 from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
+
+if TYPE_CHECKING:
+    from keel.parallel.pipeline import Pipeline
 
 
 class Trainer:
@@ -120,7 +122,11 @@ class Trainer:
         parts, stages = build_model_parts(cfg, mesh, self.dtype)
         self.parts: list[nn.Module] = list(parts)
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim) for part in parts]
-        self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp) if mesh.layout.pp > 1 else None
+        self.pipeline: Pipeline | None = None
+        if mesh.layout.pp > 1:
+            from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo
+
+            self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp)
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
                                autocast_dtype=autocast, loss_parallel=tp)
         self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
