@@ -1,5 +1,4 @@
-import sys
-
 from keel.cli import main
+from keel.core.process import exit_now
 
-sys.exit(main())
+exit_now(main())

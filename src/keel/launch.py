@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
+import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -134,6 +136,12 @@ class KeelAgent(LocalElasticAgent):
         self._stalled, self._last_step = 0, int(read_status(run_dir).get("step", 0))
 
 
+def _caller_name(depth: int = 2) -> str:
+    """What torch's rendezvous names its log records by, the function `depth` frames up, without the
+    source lines of every frame that its `inspect.stack()` reads (seconds per job with torch loaded)."""
+    return sys._getframe(depth).f_code.co_name
+
+
 def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nnodes: str = "1",
            rdzv_endpoint: str = "", rdzv_timeout_s: int = 900, shutdown_grace_s: int = 120,
            no_progress_restarts: int = 2, say=print) -> int:
@@ -174,7 +182,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
         agents.append(agent)
         return agent
 
-    original = launcher_api.LocalElasticAgent
+    original, method_name = launcher_api.LocalElasticAgent, dynamic_rendezvous.get_method_name
+    dynamic_rendezvous.get_method_name = _caller_name
     # launch_agent builds its agent through this name; mypy sees a class replaced by a function.
     launcher_api.LocalElasticAgent = make_agent  # type: ignore[misc,assignment]
     # Until the agent starts the workers (and installs its own handlers), a stop signal ends the
@@ -189,6 +198,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
         for sig in STOP_SIGNALS:  # the job's outcome is decided; a late signal changes nothing
             signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]  # the class back in its place
+        dynamic_rendezvous.get_method_name = method_name
         if not elastic:  # the workers are gone: their exit (or their crash) until now goes to the ledger
             account_exit(run_dir)
 

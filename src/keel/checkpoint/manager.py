@@ -52,7 +52,6 @@ from keel.checkpoint.manifest import (
     check_files,
     checkpoint_step,
     checkpoints,
-    committed,
     manifest_json,
     read_manifest,
     step_name,
@@ -60,6 +59,7 @@ from keel.checkpoint.manifest import (
     uncommitted,
     verify,
 )
+from keel.checkpoint.resume import checkpoint_root
 from keel.checkpoint.staging import HostStager
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
@@ -69,10 +69,6 @@ from keel.rundir.events import EventLog
 
 TRAIN_STATE = "train_state.json"
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
-
-
-def checkpoint_root(cfg: Config, run_dir: Path) -> Storage:
-    return Storage(cfg.checkpoint.dir or run_dir / "checkpoints")
 
 
 @dataclass
@@ -506,36 +502,3 @@ def _state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer])
         model_sd.update(get_model_state_dict(part))
         optim_sd.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
     return {"model": model_sd, "optim": optim_sd}
-
-
-def check_resume(storage: Storage, resume: str) -> None:
-    """What a start can check before any worker runs: `never` must not overwrite a checkpoint that
-    verifies, and an explicit path must be a committed checkpoint."""
-    if resume == "auto":
-        return
-    if resume == "never":
-        for name in committed(storage)[::-1]:
-            if not verify(storage, name):
-                raise CheckpointError(f"--resume never: {storage} already holds checkpoints (latest verified: "
-                                      f"{name}) that a fresh run would overwrite; use another --run-dir")
-        return
-    if read_manifest(*locate(resume)) is None:
-        raise CheckpointError(f"--resume {resume!r} is not a committed keel checkpoint (a directory holding "
-                              f"{MANIFEST}); pass a checkpoints/step-NNNNNN directory, auto or never")
-
-
-def check_resume_identity(storage: Storage, resume: str, identity: dict, accepted: tuple[str, ...]) -> None:
-    """Refuse, before any worker starts, a resume that would change the run's identity: compared with the
-    checkpoint the workers will load (the newest whose files are all there, for `auto`)."""
-    if resume == "never":
-        return
-    if resume == "auto":
-        names = [n for n in committed(storage)[::-1] if not verify(storage, n, checksums=False)][:1]
-    else:
-        storage, name = locate(resume)
-        names = [name]
-    for name in names:
-        manifest = read_manifest(storage, name)
-        if manifest is not None and "unreadable" not in manifest:
-            check_identity(recorded_identity(manifest), identity, int(manifest["step"]), accepted,
-                           storage.path(name))

@@ -16,13 +16,15 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from keel.errors import CheckpointError
+
+if TYPE_CHECKING:  # DCP is imported by what reads or writes a checkpoint, not by what only lists one
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 LATEST = "latest"
 _CHUNK = 8 << 20
@@ -95,6 +97,8 @@ class Storage:
         return h.hexdigest()
 
     def reader(self, name: str) -> StorageReader:
+        from torch.distributed.checkpoint import FileSystemReader
+
         if self.remote:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -104,6 +108,8 @@ class Storage:
     # ------------------------------------------------------------------ writing
 
     def writer(self, name: str) -> StorageWriter:
+        from torch.distributed.checkpoint import FileSystemWriter
+
         if self.remote:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -243,6 +249,8 @@ def size_text(n: float) -> str:
 def volume_error(e: BaseException) -> OSError | None:
     """The volume's error behind `e`, however it is wrapped: DCP gathers each rank's exception into a
     CheckpointException, and torch's zip writer raises a RuntimeError from the failed write."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     seen: set[int] = set()
     todo: list[BaseException | None] = [e]
     while todo:

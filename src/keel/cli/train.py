@@ -69,10 +69,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_command(args: argparse.Namespace, worker: bool) -> int:
     from keel.checkpoint.identity import run_identity
-    from keel.checkpoint.manager import check_resume, check_resume_identity, checkpoint_root
     from keel.checkpoint.manifest import committed
+    from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
     from keel.core.replica import GROUP_ENV
-    from keel.groups import launch_groups
     from keel.health.signals import stop_requested_early
     from keel.launch import launch
     from keel.parallel.mesh import pick_device
@@ -115,6 +114,8 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     lock = RunLock(run_dir, node_name() if elastic else "")
     with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
         if groups > 1 and GROUP_ENV not in os.environ and not worker:  # one launcher per replica group
+            from keel.groups import launch_groups  # the replica groups' code only where there are groups
+
             return launch_groups(cfg, args.argv, run_dir, nproc, max_restarts)
         if not worker and (nproc > 1 or max_restarts > 0 or elastic or groups > 1):
             return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from keel.checkpoint.manifest import step_name
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
-from keel.core.dtensor import local
 from keel.core.replica import replica_group
 from keel.core.state import TrainState
 from keel.errors import ConfigError
@@ -322,6 +321,8 @@ class NanInGradients(Injector):
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         if step.number == self.step and dist.get_rank() == self.rank and not (replaying and self.transient):
+            from keel.core.dtensor import local  # DTensor only where a fault fires: the launcher checks these specs
+
             self.fire(self.step, replaying=replaying)
             grad = next(p.grad for p in self.params if p.grad is not None)
             with torch.no_grad():
@@ -374,6 +375,8 @@ class BitFlip(Injector):
         self.optimizers = optimizers
 
     def _flip(self, t: torch.Tensor) -> None:
+        from keel.core.dtensor import local
+
         flat = local(t).detach().view(-1)
         bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
         with torch.no_grad():

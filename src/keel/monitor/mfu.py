@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,14 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     return rate.item() / dist.get_world_size()
 
 
-def resolve_peak_flops(setting: str, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+def resolve_peak_flops(setting: str, device: torch.device, dtype: torch.dtype,
+                       measure: Callable[[], float] | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s per device or None when unknown, where it came from). `setting` is
-    monitor.peak_flops: "auto" (catalog; measured on a CPU), "measure", or a number."""
+    monitor.peak_flops: "auto" (catalog; measured on a CPU), "measure", or a number; `measure` measures
+    it (by default `measure_peak_flops` now, on every rank together)."""
     kind = matmul_dtype_name(device, dtype)
     if setting == "measure" or (setting == "auto" and device.type == "cpu"):
-        peak = measure_peak_flops(device, dtype)
+        peak = measure() if measure else measure_peak_flops(device, dtype)
         return peak, f"measured {peak / 1e12:.3f} TFLOP/s {kind} per process" + \
             (f" ({CPU_NOTE})" if device.type == "cpu" else "")
     if setting != "auto":

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import keel
-from keel.checkpoint.manager import checkpoint_root
+from keel.checkpoint.resume import checkpoint_root
 from keel.config import Config
 from keel.core.callbacks import Callback
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
@@ -25,9 +26,9 @@ from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
 from keel.parallel.mesh import Dist, Mesh
-from keel.parallel.pipeline import stage_ids, stage_module
 from keel.rundir.events import EventLog, host
 from keel.rundir.lock import RunLock
+from keel.train.reuse import remember, reused
 
 
 def attempt_started() -> float:
@@ -55,13 +56,28 @@ def lock_in_rank0(run_dir: Path, rank: int) -> RunLock | None:
 
 
 def preflight(cfg: Config, run_dir: Path, ctx: Dist, users: list[Callback], events: EventLog,
-              say: Callable[[str], None]) -> int | None:
-    """The preflight checks (keel.health.preflight); an exit code when this node must be left out."""
+              say: Callable[[str], None], job: list | None) -> int | None:
+    """The preflight checks (keel.health.preflight); an exit code when this node must be left out. A restart
+    of the same job (`job`, keel.train.reuse) reuses the last checks that passed when nothing they depend on
+    changed; a drill's corrupted probe always runs."""
     if cfg.health.preflight == "off":
         return None
     probes = [cb.corrupt_probe for cb in users if hasattr(cb, "corrupt_probe")]
-    checks = run_preflight(cfg, checkpoint_root(cfg, run_dir).path(), param_count(cfg.model), events, say,
+    storage = checkpoint_root(cfg, run_dir).path()
+    depends = None if probes or job is None else {
+        "job": job, "device": str(ctx.device), "checkpoint_dir": storage, "keep_last": cfg.checkpoint.keep_last,
+        "probe_mib": cfg.health.preflight_probe_mib, "min_host_memory_gib": cfg.health.min_host_memory_gib}
+    if (kept := reused(run_dir, "preflight", depends)) is not None:
+        if ctx.rank == 0:
+            events.emit("preflight", 0, "passed", mode=cfg.health.preflight, checks=kept["value"],
+                        reused=kept["time"])
+        say(f"preflight: passed at this job's last start ({time.time() - kept['time']:.0f} s ago) on the same hosts "
+            f"and storage; not repeated")
+        return None
+    checks = run_preflight(cfg, storage, param_count(cfg.model), events, say,
                            corrupt=probes[0] if probes else None, device=ctx.device)
+    if all(c.ok for c in checks):
+        remember(run_dir, "preflight", depends, [asdict(c) for c in checks])
     code = verdict(checks, cfg.health.preflight, run_dir, ctx.rank)
     if code is not None:
         say(f"error: preflight failed; the nodes at fault are in {run_dir / 'quarantine.json'}; exiting with code "
@@ -89,6 +105,8 @@ def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tupl
     if mesh.layout.pp == 1:
         parts, stages = [model], [0]
     else:
+        from keel.parallel.pipeline import stage_ids, stage_module  # torch's pipelining loads torch._dynamo
+
         n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
         stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
         parts = [stage_module(model, stage, n_stages) for stage in stages]

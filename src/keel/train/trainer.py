@@ -9,7 +9,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,10 +31,9 @@ from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama
 from keel.monitor.metrics import CommProfiler, StepMeter
-from keel.monitor.mfu import resolve_peak_flops
+from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
 from keel.parallel.mesh import Dist, Mesh
-from keel.parallel.pipeline import Pipeline
 from keel.rundir.events import RunLog, host
 from keel.rundir.progress import summary_lines
 from keel.rundir.status import write_status
@@ -51,11 +50,15 @@ from keel.train.components import (
 )
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.replicas import ReplicaGroups
+from keel.train.reuse import job_key, remember, reused
 from keel.train.rollback import Recovery
 from keel.train.setup import build_data, build_model_parts, gather_hosts, precision_dtype, preflight, validated_loss
 from keel.train.step import Stepper, evaluate
 from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
+
+if TYPE_CHECKING:
+    from keel.parallel.pipeline import Pipeline
 
 
 class Trainer:
@@ -77,7 +80,8 @@ class Trainer:
         corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
         check_vocab_size(cfg, corpus.vocab_size)
         users = load_callbacks(callbacks)
-        if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say)) is not None:
+        self.job = job_key(ctx.world_size)
+        if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say, self.job)) is not None:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
         self._build_model()
@@ -120,18 +124,33 @@ class Trainer:
         parts, stages = build_model_parts(cfg, mesh, self.dtype)
         self.parts: list[nn.Module] = list(parts)
         self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim) for part in parts]
-        self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp) if mesh.layout.pp > 1 else None
+        self.pipeline: Pipeline | None = None
+        if mesh.layout.pp > 1:
+            from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo
+
+            self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp)
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
                                autocast_dtype=autocast, loss_parallel=tp)
         self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
                          partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp))
 
+    def _measured_peak(self) -> float:
+        """The matmul peak of these processes, measured once per job: a restart on the same hosts reuses it."""
+        depends = None if self.job is None else {"job": self.job, "device": str(self.ctx.device),
+                                                 "dtype": str(self.dtype)}
+        if (kept := reused(self.run_dir, "peak_flops", depends)) is not None:
+            return float(kept["value"])
+        peak = measure_peak_flops(self.ctx.device, self.dtype)
+        remember(self.run_dir, "peak_flops", depends, peak)
+        return peak
+
     def _attach(self, users: list[Callback]) -> None:
         """The components in the order their hooks run, and the state each saves with the run."""
         cfg, ctx, monitor, watchdog, hooks = self.cfg, self.ctx, self.monitor, self.watchdog, self.hooks
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        self.peak, self.peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype)
+        self.peak, self.peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype,
+                                                       measure=self._measured_peak)
         self.meter = StepMeter(self.tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len)
                                * self.tokens_per_step, ctx.world_size, self.peak)
         straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import keel
-from keel.checkpoint.manager import checkpoint_root
+from keel.checkpoint.resume import checkpoint_root
 from keel.config import CallbackSpec, Config, resolve_layout
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, KeelError
 from keel.health.signals import StopRequests

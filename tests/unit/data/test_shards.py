@@ -5,16 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
+from keel.data import shards
 from keel.data.prepare import prepare
-from keel.data.shards import MANIFEST, open_corpus
+from keel.data.shards import MANIFEST, VERIFIED_ENV, open_corpus
 from keel.data.tokenizer import ByteTokenizer
 from keel.errors import DataError
+from tests.conftest import keel_env
 
 BOS, EOS = ByteTokenizer.bos, ByteTokenizer.eos
 
@@ -101,6 +105,42 @@ def test_flipped_byte_fails_sha256(corpus):
     c = open_corpus(out, verify_checksums=False)
     assert bytes(c.splits["train"][0].tobytes()) == bytes(data)
     assert snapshot(out) == before
+
+
+def counted_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The shards hashed from now on, in a job that has verified nothing yet."""
+    monkeypatch.setenv(VERIFIED_ENV, "")
+    hashed: list[str] = []
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    return hashed
+
+
+def test_a_job_hashes_its_corpus_once_and_again_when_a_shard_changes(corpus, monkeypatch):
+    out, _ = corpus
+    hashed = counted_hashes(monkeypatch)
+    open_corpus(out)
+    names = [f["name"] for f in json.loads((out / MANIFEST).read_text())["files"]]
+    assert sorted(hashed) == sorted(names)
+    open_corpus(out)  # the same process again (a one-process run opens it twice)
+    assert sorted(hashed) == sorted(names)
+    # A worker inherits the launcher's environment: it opens the corpus without hashing a shard.
+    opens_without_hashing = "import sys, keel.data.shards as s; s.sha256_file = None; s.open_corpus(sys.argv[1])"
+    worker = subprocess.run([sys.executable, "-c", opens_without_hashing, str(out)], env=keel_env(),
+                            capture_output=True, text=True)
+    assert worker.returncode == 0, worker.stderr
+    unverified = subprocess.run([sys.executable, "-c", opens_without_hashing, str(out)],
+                                env={**keel_env(), VERIFIED_ENV: ""}, capture_output=True, text=True)
+    assert unverified.returncode != 0 and "TypeError" in unverified.stderr  # without the key it hashes
+    # A shard replaced under the job (same size, other bytes) no longer matches the key: hashed, refused.
+    shard = first_shard(out)
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="sha256") as e:
+        open_corpus(out)
+    assert shard.name in str(e.value) and "\n" not in str(e.value)
+    assert hashed.count(shard.name) == 2
 
 
 def test_missing_shard(corpus):
