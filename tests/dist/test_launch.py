@@ -129,6 +129,13 @@ def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus:
     assert not (run_dir / "events.jsonl").exists(), "nothing started"
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` now (the kernel's caught-signals mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
 def _launcher_validating(run_dir: Path, tag: str) -> bool:
     return True
 
@@ -157,7 +164,7 @@ def test_a_stop_signal_while_the_job_starts_is_a_pause(reference_run: Path, smal
            "checkpoint.interval=10", "checkpoint.keep_last=10", "train.steps=60"]
     proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # the launcher's first statements catch the signal
+        wait_for(lambda: catches(proc.pid, sig), 60, "the launcher's first statements to catch the signal", proc)
         wait_for(lambda: moment(run_dir, tag), 120, moment.__name__, proc)
         os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=180)
