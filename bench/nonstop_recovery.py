@@ -199,8 +199,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, nargs="+", default=[1], help="processes per replica group (each a row)")
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=420)
+    ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--kill-at", type=int, default=0, help="the step the kill lands in (default: half an "
                     "interval after the first checkpoint)")
     ap.add_argument("--repeats", type=int, default=3)
