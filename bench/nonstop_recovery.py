@@ -198,7 +198,7 @@ def compare(args: argparse.Namespace, nproc: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
-    ap.add_argument("--nproc", type=int, nargs="+", default=[1], help="processes per replica group (each a row)")
+    ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="processes per replica group (each a row)")
     ap.add_argument("--steps", type=int, default=420)
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--kill-at", type=int, default=0, help="the step the kill lands in (default: half an "
