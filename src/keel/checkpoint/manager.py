@@ -7,16 +7,18 @@ One checkpoint, `step-NNNNNN/`:
   train_state.json      step, tokens seen, data cursor, callback state
   manifest.json         written last: every file with its size and checksum, step, layout, versions
 
-The training loop waits only while the state is copied into reusable host buffers (pinned on CUDA).
-A writer thread per rank then writes the copy with DCP over its own gloo group, checksums what this
-rank wrote, and rank 0 writes the manifest, publishes the checkpoint, moves `latest` and prunes old
-ones. At most one save is in flight: the next one first waits for it.
+A save copies the state into reusable host buffers (pinned on CUDA) while the next step's forward and
+backward run; the loop waits only at the fence before the next optimizer update, for whatever of the copy
+is left (keel.checkpoint.staging). A writer thread per rank then writes the copy with DCP over its own
+gloo group, checksums what this rank wrote, and rank 0 writes the manifest, publishes the checkpoint,
+moves `latest` and prunes old ones. At most one save is in flight: the next one first waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import io
 import json
 import os
@@ -60,7 +62,7 @@ from keel.checkpoint.manifest import (
     verify,
 )
 from keel.checkpoint.resume import checkpoint_root
-from keel.checkpoint.staging import HostStager
+from keel.checkpoint.staging import HostStager, Staging
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
 from keel.core.state import TrainState, rng_state, seed_everything, set_rng_state
@@ -79,7 +81,7 @@ class SaveOutcome:
     path: str
     committed: bool
     error: str = ""
-    blocking_s: float = 0.0  # the longest any rank was blocked staging
+    blocking_s: float = 0.0  # the longest any rank's loop was blocked by the save: starting it, and at the fence
     write_s: float = 0.0  # staging done → committed, in the background
     bytes: int = 0
     pruned: list[str] = field(default_factory=list)
@@ -129,6 +131,8 @@ class CheckpointManager:
         # The writer thread's collectives run beside the training loop's, so they get a group of their own.
         self.group = dist.new_group(backend="gloo")
         self.stager = HostStager(pin_memory=torch.cuda.is_available())
+        self.staging: Staging | None = None  # the copy of the save in flight, until the loop passes its fence
+        self.fenced: set[int] = set()  # the optimizers whose updates wait for the copy
         self.pending: Future[SaveOutcome] | None = None
         self.last_bytes = 0  # the size of the last save, what the next one needs free
         self.verdicts: dict[str, list[str]] = {}  # checkpoints verified by this process: name -> problems
@@ -138,25 +142,41 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
+    def reserve(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Allocate the host buffers of the first save now, in the background, beside the rest of the start."""
+        self.stager.reserve(_state_templates(parts, optimizers))
+
     def save(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], state: TrainState,
              wait: bool = False) -> list[SaveOutcome]:
-        """Stage the state and write it in the background (or to the end, with `wait`). Returns the
-        outcomes of the saves that finished meanwhile: the previous one, and this one with `wait`."""
+        """Start copying the state to the host and write it in the background (or to the end, with
+        `wait`). Returns the outcomes of the saves that finished meanwhile: the previous one, and this one
+        with `wait`. Until the copy is done, the next optimizer update waits for it (the fence)."""
         finished = [o for o in [self.finish()] if o is not None]
         started = time.perf_counter()
-        staged = self.stager.stage(_state_dict(parts, optimizers))
+        for optimizer in optimizers:
+            if id(optimizer) not in self.fenced:
+                optimizer.register_step_pre_hook(lambda *_: self.fence())
+                self.fenced.add(id(optimizer))
+        staging = self.staging = self.stager.start(_state_dict(parts, optimizers))
         rng = io.BytesIO()
         torch.save(rng_state(), rng)
         train_state = json.dumps(state.to_dict(), indent=1).encode()
         blocking_s = time.perf_counter() - started
         pending = self.pending = Future()
-        args = (state.step, state.tokens_seen, staged, rng.getvalue(), train_state, blocking_s, state.train_seconds)
+        args = (state.step, state.tokens_seen, staging, rng.getvalue(), train_state, blocking_s, state.train_seconds)
         # A daemon thread: if a peer dies mid-save, this process can still exit.
         threading.Thread(target=self._run, args=(pending, args), name="keel-checkpoint", daemon=True).start()
         if wait or not self.policy.async_save:
             finished.append(self._wait(pending))
             finished[-1].waited_s = 0.0  # a synchronous save: the wait is the save itself, not a slow previous one
         return finished
+
+    def fence(self) -> None:
+        """Wait until the save in flight has copied the live state: called before anything changes it (every
+        optimizer update, through a step pre-hook; a heal from a peer; a rollback, through `finish`)."""
+        if self.staging is not None:
+            self.staging.fence()
+            self.staging = None
 
     def done(self) -> bool:
         return self.pending is not None and self.pending.done()
@@ -166,6 +186,7 @@ class CheckpointManager:
         return None if self.pending is None else self._wait(self.pending)
 
     def _wait(self, pending: Future[SaveOutcome]) -> SaveOutcome:
+        self.fence()
         started = time.perf_counter()
         outcome = pending.result()
         outcome.waited_s = time.perf_counter() - started
@@ -180,9 +201,10 @@ class CheckpointManager:
         except BaseException as e:  # a bug: surfaces in the loop through finish()
             future.set_exception(e)
 
-    def _write(self, step: int, tokens_seen: int, staged: dict, rng: bytes, train_state: bytes,
+    def _write(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,
                blocking_s: float, train_s: float) -> SaveOutcome:
-        started = time.perf_counter()
+        copied.wait_copied()
+        started, staged = time.perf_counter(), copied.state
         name = step_name(step)
         staging = self.storage.staging_name(name)
         share = len(rng) + len(train_state) + sum(_nbytes(t) for group in staged.values() for t in group.values())
@@ -212,8 +234,9 @@ class CheckpointManager:
                          for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
             except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
                 failure = _failure(e, self.storage, share)
+        copied.fenced.wait()  # the loop's wait at the fence is part of what the save cost it
         reports: list = [None] * self.world_size
-        dist.all_gather_object(reports, (failure, files, blocking_s), group=self.group)
+        dist.all_gather_object(reports, (failure, files, blocking_s + copied.fence_s), group=self.group)
         outcome = SaveOutcome(step, self.storage.path(name), False, blocking_s=max(r[2] for r in reports),
                               train_s=train_s)
         if self.rank == 0:
@@ -491,6 +514,28 @@ class CheckpointManager:
 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state_templates(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Tensors shaped like every tensor a save stages, known before the optimizer has any state: the model's
+    state dict, and for each parameter the state its optimizer's class keeps, found by stepping a
+    throwaway optimizer of that class on a throwaway parameter (the real one is not touched: a step
+    would change its state)."""
+    templates = [t for part in parts for t in get_model_state_dict(part).values() if isinstance(t, torch.Tensor)]
+    for optimizer in optimizers:
+        probe = torch.zeros(2, 3, requires_grad=True)
+        try:
+            takes = inspect.signature(type(optimizer)).parameters
+            trial = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in takes})
+            probe.grad = torch.zeros_like(probe)
+            trial.step()
+        except Exception:  # an optimizer that cannot be probed: its buffers are allocated at the first save
+            continue
+        kept = [v for v in trial.state[probe].values() if isinstance(v, torch.Tensor)]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                templates += [p if v.shape == probe.shape else v for v in kept]
+    return templates
 
 
 def _state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:

@@ -1,51 +1,157 @@
-"""Staging: copy the train state into host buffers that are allocated once and reused by every save.
+"""Staging: copy the train state into host buffers that are allocated once and reused by every save,
+while training goes on.
 
-This copy is the only part of a save the training loop waits for, so it is a plain tensor copy per
-entry (pinned memory and non-blocking copies on CUDA) and nothing else. A DTensor keeps its sharding
-spec around a host copy of its local shard, which is all DCP needs to write it.
+A save starts the copy and returns; the loop waits for it only at the fence, just before the next
+optimizer update (the first thing to change the tensors being copied): the forward and backward of the
+next step run beside the copy. On CPU the copy runs on a worker thread; on CUDA on a side stream, into
+pinned memory, and the fence makes the compute stream wait for it without blocking the host. The buffers
+can be allocated and touched ahead of the first save (`reserve`), so that it costs what the later ones
+cost. A DTensor keeps its sharding spec around a host copy of its local shard, which is all DCP needs to
+write it.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import cast
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
+
+Signature = tuple[Any, ...]
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _signature(value: torch.Tensor) -> Signature:
+    """What a host holder must share with a tensor to stage it: the local shard's shape and dtype, and a
+    DTensor's global shape, placements and mesh."""
+    local = _local(value)
+    if isinstance(value, DTensor):
+        return (tuple(local.shape), local.dtype, tuple(value.shape), value.placements, id(value.device_mesh))
+    return tuple(local.shape), local.dtype
+
+
+class Staging:
+    """One save's copy in flight: `state` is its host state dict, whose tensors are complete once
+    `wait_copied` returns."""
+
+    def __init__(self, state: dict[str, dict], copied: Future[None] | None, event: Any, started: float) -> None:
+        self.state, self._copied, self._event, self.started = state, copied, event, started
+        self.fenced = threading.Event()  # the loop has passed the fence: its wait there is known
+        self.fence_s = 0.0  # how long the loop waited at the fence
+        self.copy_s = 0.0  # start → the host copy complete, as the worker saw it (CPU)
+
+    def fence(self) -> None:
+        """Make what comes next wait for the copy to have read the live tensors (once per save)."""
+        if self.fenced.is_set():
+            return
+        started = time.perf_counter()
+        if self._copied is not None:
+            self._copied.result()
+        elif self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)  # the device waits; the host goes on
+        self.fence_s = time.perf_counter() - started
+        self.fenced.set()
+
+    def wait_copied(self) -> None:
+        """Block until the host buffers hold the whole state (the writer's side)."""
+        if self._copied is not None:
+            self._copied.result()
+        elif self._event is not None:
+            self._event.synchronize()
 
 
 class HostStager:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self.staged: dict[tuple[str, str], torch.Tensor] = {}
+        self.staged: dict[tuple[str, str], torch.Tensor] = {}  # holders by state-dict entry
+        self.spare: dict[Signature, list[torch.Tensor]] = defaultdict(list)  # reserved, not yet given an entry
+        self._reserving: Future[None] | None = None
+        self._copier = None if pin_memory else ThreadPoolExecutor(1, thread_name_prefix="keel-staging")
+        self._stream = torch.cuda.Stream() if pin_memory else None
 
-    def stage(self, state: dict[str, dict]) -> dict[str, dict]:
-        """A host copy of a two-level state dict ({"model": {...}, "optim": {...}})."""
+    def reserve(self, templates: list[torch.Tensor]) -> None:
+        """Allocate and touch, in the background, one holder like each template: the first save then
+        finds its buffers ready instead of allocating them while the loop waits."""
+        def allocate() -> None:
+            for t in templates:
+                holder, buffer = self._new_holder(t)
+                buffer.zero_()  # first touch: the pages exist before the first save copies into them
+                self.spare[_signature(t)].append(holder)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="keel-staging-reserve")
+        self._reserving = pool.submit(allocate)
+        pool.shutdown(wait=False)
+
+    def start(self, state: dict[str, dict]) -> Staging:
+        """Begin copying a two-level state dict ({"model": {...}, "optim": {...}}) to the host. Values
+        other than tensors are copied at once: they may change before the fence (the learning rate)."""
+        started = time.perf_counter()
+        if self._reserving is not None:
+            self._reserving.result()
+            self._reserving = None
         out: dict[str, dict] = {}
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group, entries in state.items():
-            out[group] = {key: self._tensor((group, key), value) if isinstance(value, torch.Tensor)
-                          else copy.deepcopy(value) for key, value in entries.items()}
-        if self.pin_memory:
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
-        return out
+            out[group] = {}
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    holder = out[group][key] = self._holder((group, key), value)
+                    pairs.append((_local(holder), _local(value).detach()))
+                else:
+                    out[group][key] = copy.deepcopy(value)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())  # the update that made this state is done
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_([b for b, _ in pairs], [s for _, s in pairs], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return Staging(out, None, event, started)
+        staging = Staging(out, None, None, started)
+        assert self._copier is not None
+        staging._copied = self._copier.submit(self._copy, pairs, staging)
+        return staging
 
-    def _tensor(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
-        local = value.to_local() if isinstance(value, DTensor) else value
+    @staticmethod
+    def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], staging: Staging) -> None:
+        # One call for every tensor: the interpreter lock is released once for the whole copy, rather than
+        # taken back from the training thread between tensors (up to a switch interval each time).
+        torch._foreach_copy_([b for b, _ in pairs], [s for _, s in pairs])
+        staging.copy_s = time.perf_counter() - staging.started
+
+    def _holder(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+        """The entry's host holder: its own from the last save, a reserved one, or a new one."""
+        signature = _signature(value)
         holder = self.staged.get(key)
-        buffer = holder.to_local() if isinstance(holder, DTensor) else holder
-        if holder is None or buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
-            if isinstance(value, DTensor):
-                # Same spec, host storage: what DCP's own stager builds, without its generic traversal.
-                if local.device.type == "cpu":
-                    holder = DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
-                                                shape=value.shape, stride=value.stride())
-                else:  # a device mesh: from_local would move the buffer to the device
-                    on_host = cast(DTensor, value.detach().to("cpu"))  # a DTensor's copy is a DTensor
-                    on_host._local_tensor = buffer
-                    holder = on_host
-            else:
-                holder = buffer
+        if holder is None or _signature(holder) != signature:
+            spare = self.spare.get(signature)
+            holder = spare.pop() if spare else self._new_holder(value)[0]
             self.staged[key] = holder
-        buffer.copy_(local.detach(), non_blocking=self.pin_memory)
         return holder
+
+    def _new_holder(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host holder shaped like `value` (a DTensor with the same spec for a DTensor) and its buffer."""
+        local = _local(value)
+        buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
+        if not isinstance(value, DTensor):
+            return buffer, buffer
+        if local.device.type == "cpu":
+            # Same spec, host storage: what DCP's own stager builds, without its generic traversal.
+            return DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride()), buffer
+        # A device mesh: from_local would move the buffer to the device; a DTensor's host copy keeps its spec.
+        on_host = cast(DTensor, value.detach().to("cpu"))
+        on_host._local_tensor = buffer
+        return on_host, buffer
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        self.spare.clear()

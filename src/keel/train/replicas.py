@@ -116,6 +116,7 @@ class ReplicaGroups(Builtin):
         self.position: dict = {}  # the loader's state before this step's batch: an uncommitted step reads it again
         self.joined = False
         self.joined_by_peer: Callable[[], None] = lambda: None  # a group joined with its own state
+        self.before_heal: Callable[[], None] = lambda: None  # called before a peer's state replaces this group's
         self.check_every, self.verified = check_every, 0
         self.root = Path(os.environ.get(ROOT_ENV) or run_dir)  # where the run's quarantine.json is
 
@@ -127,6 +128,7 @@ class ReplicaGroups(Builtin):
                 "train": self.state.to_dict(), "rng": rng_state()}
 
     def _load_peer_state(self, peer: dict) -> None:
+        self.before_heal()
         for part, saved in zip(self.parts, peer["parts"], strict=True):
             part.load_state_dict(saved)
         for opt, saved in zip(self.optimizers, peer["optimizers"], strict=True):

@@ -93,6 +93,7 @@ class Trainer:
             # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
             tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
             identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
+        self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
         self.guards = Guards(cfg.guard, replays, self.mesh, self.optimizers, self.stepper.params,
@@ -191,6 +192,7 @@ class Trainer:
             registered.append(("replicas", self.replicas))
             ckpt.writer = self.recovery.writer = self.replicas.is_writer
             self.replicas.joined_by_peer = lambda: self.guards.resnapshot(self.state)
+            self.replicas.before_heal = self.manager.fence  # a save in flight has copied what a heal replaces
         for name, stateful in registered:
             self.state.register(name, stateful)
 
