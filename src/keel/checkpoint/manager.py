@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import keel
+from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
 from keel.checkpoint.manifest import (
     CHECKSUM,
@@ -224,13 +225,15 @@ class CheckpointManager:
         files = {}
         if failure is None:
             try:
-                dcp.save(staged, storage_writer=self.storage.writer(staging), process_group=self.group)
+                writer = self.storage.writer(staging)
+                dcp.save(staged, storage_writer=writer, process_group=self.group)
+                taken = writer.digests if isinstance(writer, DigestingWriter) else {}
                 self.storage.write_durably(f"{staging}/rng-rank-{self.rank:05d}.pt", rng)
                 if self.rank == 0:
                     self.storage.write_durably(f"{staging}/{TRAIN_STATE}", train_state)
                 if self.on_write is not None:
                     self.on_write(step, self.storage.path(staging))
-                files = {f: {"size": size, CHECKSUM: self.storage.digest(f"{staging}/{f}")}
+                files = {f: {"size": size, CHECKSUM: self._checksum(staging, f, size, taken)}
                          for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
             except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
                 failure = _failure(e, self.storage, share)
@@ -246,6 +249,12 @@ class CheckpointManager:
         if shared[0].committed:
             self.last_bytes = shared[0].bytes
         return shared[0]
+
+    def _checksum(self, staging: str, fname: str, size: int, taken: dict[str, tuple[int, str]]) -> str:
+        """A checksum taken as the file was written stands while the file has the size it was written with;
+        any other file is read back."""
+        written = taken.get(fname)
+        return written[1] if written is not None and written[0] == size else self.storage.digest(f"{staging}/{fname}")
 
     def _owner(self, fname: str) -> int:
         """The rank that checksums a file: the one that wrote it (rank 0 for shared files)."""

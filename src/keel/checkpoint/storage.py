@@ -108,13 +108,14 @@ class Storage:
     # ------------------------------------------------------------------ writing
 
     def writer(self, name: str) -> StorageWriter:
-        from torch.distributed.checkpoint import FileSystemWriter
-
+        """DCP's writer for a checkpoint: on a local directory, one that checksums as it writes (`digests`)."""
         if self.remote:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(self.path(name), sync_files=False)
-        return FileSystemWriter(self.path(name), sync_files=True)
+        from keel.checkpoint.digesting import DigestingWriter
+
+        return DigestingWriter(self.path(name))
 
     def makedirs(self, name: str) -> None:
         self.fs.makedirs(self.path(name), exist_ok=True)
