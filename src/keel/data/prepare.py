@@ -24,9 +24,9 @@ import fcntl
 import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -37,7 +37,15 @@ import numpy as np
 
 from keel.config import DataConfig
 from keel.data.clean import Cleaner, merge_stats
-from keel.data.dedup import MinHasher, exact_key, lsh_formula, lsh_params, near_duplicate_roots, ngram_hashes
+from keel.data.dedup import (
+    MinHasher,
+    exact_key,
+    lsh_formula,
+    lsh_params,
+    near_duplicate_roots,
+    ngram_hashes,
+    shingles_batch,
+)
 from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
 from keel.data.stats import STATS
@@ -48,13 +56,17 @@ from keel.errors import DataError
 __all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_files", "unigram_entropy"]
 
 SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call cost, bounds memory
+BATCH_BYTES = 4 << 20  # ... and at most about this much text, whatever the documents' lengths
+TASK_BYTES = 2 << 20  # a task takes consecutive input files of one source until it holds this many bytes: a task's
+# work files and markers cost a few file creations, which would outweigh the work on a corpus of small files
 MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
 SPLITS = ("train", "val")
 COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
 LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
-# One record per kept document in an input's .meta file: text offset, text length, exact key, validation flag.
-META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1")])
+# One record per kept document in a task's .meta file: text offset, text length, exact key, validation flag and the
+# index of its input file.
+META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1"), ("input", "<u4")])
 
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
@@ -105,27 +117,62 @@ def _marked(path: Path) -> dict | None:
 
 
 def _marks(work: Path, stage: str, count: int) -> list[dict]:
-    """The records every input's task of `stage` marked done with (all of them ran)."""
+    """The records every task of `stage` marked done with (all of them ran)."""
     return [json.loads((work / f"{i:06d}.{stage}").read_text()) for i in range(count)]
+
+
+# ---------------------------------------------------------------- tasks
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """Consecutive input files of one source, scanned and encoded together; `first` is the first one's index."""
+
+    index: int
+    first: int
+    files: tuple[InputFile, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def source(self) -> str:
+        return self.files[0].source
+
+
+def tasks_of(inputs: list[InputFile]) -> list[_Task]:
+    """The inputs cut into tasks of about TASK_BYTES, a source's files never mixed with another's. The cut depends
+    on the inputs alone (not on the number of workers), so a resumed prepare finds the tasks it marked done."""
+    tasks: list[_Task] = []
+    start, size = 0, 0
+    for i, f in enumerate(inputs):
+        if i > start and (size >= TASK_BYTES or f.source != inputs[start].source):
+            tasks.append(_Task(len(tasks), start, tuple(inputs[start:i])))
+            start, size = i, 0
+        size += f.size
+    if inputs:
+        tasks.append(_Task(len(tasks), start, tuple(inputs[start:])))
+    return tasks
 
 
 # ---------------------------------------------------------------- stage 1: scan
 
-def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
-    """Clean one input's documents; write their text, metadata and MinHash signatures; mark it done."""
-    marker = work / f"{index:06d}.scan"
+def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
+    """Clean one task's documents; write their text, metadata and MinHash signatures; mark it done."""
+    marker = work / f"{task.index:06d}.scan"
     if marker.is_file():
         return
     cleaner = Cleaner(data.clean)
     malformed: list[str] = []
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
-    paths = {kind: work / f"{index:06d}.{kind}" for kind in ("text", "meta", "sig")}
+    paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig")}
     tmp = {kind: p.with_name(p.name + part) for kind, p in paths.items()}
     documents = source_bytes = 0
     with open(tmp["text"], "wb") as text_out, open(tmp["meta"], "wb") as meta_out, open(tmp["sig"], "wb") as sig_out:
         batch: list[str] = []
         metas: list[tuple] = []
+        batch_bytes = offset = 0
 
         def flush() -> None:
             if batch:
@@ -135,20 +182,24 @@ def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
                 batch.clear()
                 metas.clear()
 
-        offset = 0
-        for number, text in enumerate(read_documents(f, data.text_field, malformed)):
-            documents += 1
-            source_bytes += len(text.encode("utf-8"))
-            cleaned, _ = cleaner.clean(text, f.is_code, f"{f.path}#{number}")
-            if cleaned is None:
-                continue
-            body = cleaned.encode("utf-8")
-            text_out.write(body)
-            metas.append((offset, len(body), exact_key(cleaned), is_validation(body, data.val_fraction)))
-            offset += len(body)
-            batch.append(cleaned)
-            if len(batch) >= SIGNATURE_BATCH:
-                flush()
+        for index, f in enumerate(task.files, task.first):
+            for number, text in enumerate(read_documents(f, data.text_field, malformed)):
+                documents += 1
+                body = text.encode("utf-8")
+                source_bytes += len(body)
+                cleaned, _ = cleaner.clean(text, f.is_code, f"{f.path}#{number}")
+                if cleaned is None:
+                    continue
+                if cleaned is not text:
+                    body = cleaned.encode("utf-8")
+                text_out.write(body)
+                metas.append((offset, len(body), exact_key(cleaned), is_validation(body, data.val_fraction), index))
+                offset += len(body)
+                batch.append(cleaned)
+                batch_bytes += len(body)
+                if len(batch) >= SIGNATURE_BATCH or batch_bytes >= BATCH_BYTES:
+                    flush()
+                    batch_bytes = 0
         flush()
     for kind in paths:
         os.replace(tmp[kind], paths[kind])
@@ -157,11 +208,22 @@ def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
 
 
 def _texts(work: Path, index: int, meta: np.ndarray, rows: np.ndarray) -> Iterator[tuple[int, str]]:
-    """(row, text) of an input's kept documents `rows`, streamed from its text file."""
-    with open(work / f"{index:06d}.text", "rb") as f:
-        for row in rows:
-            f.seek(int(meta["offset"][row]))
-            yield int(row), f.read(int(meta["length"][row])).decode("utf-8", errors="replace")
+    """(row, text) of a task's kept documents `rows`, read from its text file through a memory map (the file may
+    be larger than memory; one read call per document would cost more than the decoding)."""
+    path = work / f"{index:06d}.text"
+    if not len(rows) or not path.stat().st_size:
+        yield from ((int(row), "") for row in rows)
+        return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
+        offsets, lengths = meta["offset"][rows].tolist(), meta["length"][rows].tolist()
+        for row, start, length in zip(rows.tolist(), offsets, lengths, strict=True):
+            yield row, text[start:start + length].decode("utf-8", errors="replace")
+
+
+def _origin(inputs: list[InputFile], meta: np.ndarray, row: int) -> str:
+    """`path#n` of a task's kept document `row`: n counts the kept documents of its input file."""
+    index = int(meta["input"][row])
+    return f"{inputs[index].path}#{row - int(np.searchsorted(meta['input'], index))}"
 
 
 def _read_meta(work: Path, index: int) -> np.ndarray:
@@ -170,13 +232,13 @@ def _read_meta(work: Path, index: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- stage 2: dedup
 
-def _dedup(work: Path, inputs: list[InputFile], data: DataConfig) -> dict:
+def _dedup(work: Path, tasks: list[_Task], inputs: list[InputFile], data: DataConfig) -> dict:
     """Decide which documents survive deduplication: writes `keep.npy` (one flag per scanned document, in input
     order) and the counts. Exact duplicates first; near duplicates among the rest."""
     marker = work / "dedup.done"
     if (done := _marked(marker)) is not None:
         return done
-    metas = [_read_meta(work, i) for i in range(len(inputs))]
+    metas = [_read_meta(work, t.index) for t in tasks]
     keys = np.concatenate([m["key"] for m in metas]) if metas else np.empty(0, dtype="V16")
     total = len(keys)
     alive = np.zeros(total, dtype=bool)
@@ -192,7 +254,7 @@ def _dedup(work: Path, inputs: list[InputFile], data: DataConfig) -> dict:
     bands, rows = (dc.bands, dc.rows) if dc.bands and dc.rows else lsh_params(dc.threshold, dc.num_perm)
     near, near_dup, roots = 0, np.zeros(total, dtype=bool), np.arange(total)
     if dc.near and total:
-        signatures = _signatures(work, len(inputs), total, dc.num_perm)
+        signatures = _signatures(work, len(tasks), total, dc.num_perm)
         roots = near_duplicate_roots(signatures, bands, rows, dc.threshold, alive)
         near_dup = alive & (roots != np.arange(total))
         near = int(near_dup.sum())
@@ -223,29 +285,30 @@ def _samples(work: Path, inputs: list[InputFile], metas: list[np.ndarray], remov
         i, row = locate(int(doc))
         ki, krow = locate(int(kept[doc]))
         (_, text), = _texts(work, i, metas[i], np.array([row]))
-        out.append({"origin": f"{inputs[i].path}#{row}", "kept": f"{inputs[ki].path}#{krow}", "text": text[:2000]})
+        out.append({"origin": _origin(inputs, metas[i], row), "kept": _origin(inputs, metas[ki], krow),
+                    "text": text[:2000]})
     return out
 
 
-def _signatures(work: Path, n_inputs: int, total: int, num_perm: int) -> np.ndarray:
-    """All signatures as one memmap, (documents, num_perm), built by appending the inputs' files."""
+def _signatures(work: Path, n_tasks: int, total: int, num_perm: int) -> np.ndarray:
+    """All signatures as one memmap, (documents, num_perm), built by appending the tasks' files."""
     path = work / "signatures.u4"
     if not path.is_file() or path.stat().st_size != total * num_perm * 4:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         with open(tmp, "wb") as out:
-            for i in range(n_inputs):
+            for i in range(n_tasks):
                 with open(work / f"{i:06d}.sig", "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 22)
         os.replace(tmp, path)
     return np.memmap(path, dtype="<u4", mode="r", shape=(total, num_perm))
 
 
-def _keep_slices(work: Path, inputs: list[InputFile]) -> list[np.ndarray]:
-    """Per input, the rows of its scanned documents that survived deduplication."""
+def _keep_slices(work: Path, tasks: list[_Task]) -> list[np.ndarray]:
+    """Per task, the rows of its scanned documents that survived deduplication."""
     keep = np.load(work / "keep.npy")
-    sizes = [len(_read_meta(work, i)) for i in range(len(inputs))]
+    sizes = [len(_read_meta(work, t.index)) for t in tasks]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return [np.nonzero(keep[bounds[i]:bounds[i + 1]])[0] for i in range(len(inputs))]
+    return [np.nonzero(keep[bounds[i]:bounds[i + 1]])[0] for i in range(len(tasks))]
 
 
 # ---------------------------------------------------------------- stage 3: tokenizer
@@ -277,47 +340,59 @@ def _tokenizer(work: Path, keep: list[np.ndarray], data: DataConfig) -> Tokenize
 
 # ---------------------------------------------------------------- stage 4: encode
 
-def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: np.ndarray) -> None:
-    """Tokenize one input's surviving documents, dropping contaminated training ones; writes per split a token
-    file and the documents' token counts, and marks the input done."""
-    marker = work / f"{index:06d}.encode"
+def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, inputs: list[InputFile]) -> None:
+    """Tokenize one task's surviving documents, dropping contaminated training ones; writes per split a token file
+    and the documents' token counts, and marks the task done."""
+    marker = work / f"{task.index:06d}.encode"
     if marker.is_file():
         return
     tokenizer = _cached_tokenizer(work, (work / "tokenizer.done").read_text())
     banned = np.load(work / "contamination.npy", mmap_mode="r") if data.decontam.enabled else None
-    meta = _read_meta(work, index)
+    meta = _read_meta(work, task.index)
     dtype = token_dtype(tokenizer.vocab_size)
     part = f".{os.getpid()}.tmp"
-    outputs = {split: (work / f"{index:06d}.{split}.tok", work / f"{index:06d}.{split}.len") for split in SPLITS}
+    outputs = {split: (work / f"{task.index:06d}.{split}.tok", work / f"{task.index:06d}.{split}.len")
+               for split in SPLITS}
     contaminated = 0
     samples: list[dict] = []
     with ExitStack() as stack:
         files = {split: (stack.enter_context(open(a.with_name(a.name + part), "wb")),
                          stack.enter_context(open(b.with_name(b.name + part), "wb")))
                  for split, (a, b) in outputs.items()}
-        pending: list[tuple[int, str]] = []
-
-        def flush() -> None:
-            for (row, _), tokens in zip(pending, tokenizer.encode_documents([t for _, t in pending]), strict=True):
-                tok_out, len_out = files["val" if meta["val"][row] else "train"]
-                tok_out.write(tokens.astype(dtype).tobytes())
-                len_out.write(struct.pack("<Q", len(tokens)))
-            pending.clear()
-
-        for row, text in _texts(work, index, meta, rows):
-            if banned is not None and not meta["val"][row] and _contaminated(text, data.decontam.ngram, banned):
-                contaminated += 1
-                if len(samples) < data.clean.samples:
-                    samples.append({"origin": f"{f.path}#{row}", "text": text[:2000]})
-                continue
-            pending.append((row, text))
-            if len(pending) >= SIGNATURE_BATCH:
-                flush()
-        flush()
+        for batch in _batches(_texts(work, task.index, meta, rows)):
+            batch_rows = np.array([row for row, _ in batch], dtype=np.int64)
+            texts = [text for _, text in batch]
+            is_val = meta["val"][batch_rows].astype(bool)
+            dropped = ~is_val & _contaminated(texts, data.decontam.ngram, banned)
+            for i in np.flatnonzero(dropped)[: max(0, data.clean.samples - len(samples))]:
+                samples.append({"origin": _origin(inputs, meta, int(batch_rows[i])), "text": texts[i][:2000]})
+            contaminated += int(dropped.sum())
+            kept = np.flatnonzero(~dropped)
+            encoded = tokenizer.encode_documents([texts[i] for i in kept])
+            for split, chosen in (("train", ~is_val[kept]), ("val", is_val[kept])):
+                docs = [tokens for tokens, take in zip(encoded, chosen, strict=True) if take]
+                if docs:
+                    tok_out, len_out = files[split]
+                    tok_out.write(np.concatenate(docs).astype(dtype).tobytes())
+                    len_out.write(np.array([len(d) for d in docs], dtype="<u8").tobytes())
     for a, b in outputs.values():
         os.replace(a.with_name(a.name + part), a)
         os.replace(b.with_name(b.name + part), b)
     _mark(marker, {"contaminated": contaminated, "samples": samples})
+
+
+def _batches(texts: Iterator[tuple[int, str]]) -> Iterator[list[tuple[int, str]]]:
+    """Consecutive (row, text) pairs in batches of SIGNATURE_BATCH documents or BATCH_BYTES characters."""
+    batch: list[tuple[int, str]] = []
+    size = 0
+    for item in texts:
+        batch.append(item)
+        size += len(item[1])
+        if len(batch) >= SIGNATURE_BATCH or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 @functools.lru_cache(maxsize=2)
@@ -326,12 +401,16 @@ def _cached_tokenizer(work: Path, described: str) -> Tokenizer:
     return open_tokenizer(work, json.loads(described))
 
 
-def _contaminated(text: str, n: int, banned: np.ndarray) -> bool:
-    grams = ngram_hashes(text, n)
-    if not len(grams) or not len(banned):
-        return False
+def _contaminated(texts: list[str], n: int, banned: np.ndarray | None) -> np.ndarray:
+    """Which of `texts` share a word n-gram with `banned` (sorted n-gram hashes)."""
+    if banned is None or not len(banned) or not texts:
+        return np.zeros(len(texts), dtype=bool)
+    grams, counts = shingles_batch(texts, "word", n, whole_short=False)
+    if not len(grams):
+        return np.zeros(len(texts), dtype=bool)
     at = np.searchsorted(banned, grams).clip(max=len(banned) - 1)
-    return bool((banned[at] == grams).any())
+    hits = np.repeat(np.arange(len(texts)), counts)[banned[at] == grams]
+    return np.bincount(hits, minlength=len(texts)) > 0
 
 
 def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile], data: DataConfig) -> dict:
@@ -361,9 +440,9 @@ def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile
 
 # ---------------------------------------------------------------- stage 5: shards
 
-def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConfig, dtype: np.dtype,
+def _write_shards(work: Path, tmp: Path, tasks: list[_Task], data: DataConfig, dtype: np.dtype,
                   tokenizer: Tokenizer) -> tuple[list[dict], dict]:
-    """Cut every source's tokens (inputs in order) into files of `shard_tokens` tokens; returns the file entries
+    """Cut every source's tokens (tasks in order) into files of `shard_tokens` tokens; returns the file entries
     and per source and split: documents, tokens, text bytes, token counts and document lengths."""
     vocab_size, token_bytes = tokenizer.vocab_size, tokenizer.token_bytes()
     entries: list[dict] = []
@@ -373,9 +452,10 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
             counts = np.zeros(vocab_size, dtype=np.int64)
             lengths: list[np.ndarray] = []
             writer = ShardWriter(tmp, f"{source}-{split}", source, split, dtype, data.shard_tokens, entries)
-            for i, f in enumerate(inputs):
-                if f.source != source:
+            for task in tasks:
+                if task.source != source:
                     continue
+                i = task.index
                 lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
                 with open(work / f"{i:06d}.{split}.tok", "rb") as tok_file:
                     while len(tokens := np.fromfile(tok_file, dtype=dtype, count=COPY_TOKENS)):
@@ -459,21 +539,22 @@ class _Stages:
 def _run_stages(work: Path, data: DataConfig, inputs: list[InputFile], evals: list[InputFile],
                 progress: bool) -> _Stages:
     workers = data.workers or min(8, os.cpu_count() or 1)
-    total_bytes = sum(f.size for f in inputs)
+    tasks = tasks_of(inputs)
+    total_bytes = sum(t.size for t in tasks)
     bar = Progress("clean and hash", total_bytes, progress)
-    run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
+    run_tasks(_scan_task, [(t, work, data) for t in tasks], workers, bar)
     bar.finish()
-    scans = _marks(work, "scan", len(inputs))
+    scans = _marks(work, "scan", len(tasks))
     if progress:
         print("deduplicating ...", file=sys.stderr, flush=True)
-    dedup = _dedup(work, inputs, data)
-    keep = _keep_slices(work, inputs)
+    dedup = _dedup(work, tasks, inputs, data)
+    keep = _keep_slices(work, tasks)
     tokenizer = _tokenizer(work, keep, data)
     contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
     bar = Progress("decontaminate and tokenize", total_bytes, progress)
-    run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
+    run_tasks(_encode_task, [(t, work, data, keep[t.index], inputs) for t in tasks], workers, bar)
     bar.finish()
-    return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(inputs)))
+    return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(tasks)))
 
 
 def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFile], stages: _Stages,
@@ -481,7 +562,7 @@ def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFil
     """Stage 5 into `tmp`: the shards, the tokenizer, the stats, the removed samples and the manifest."""
     tokenizer = stages.tokenizer
     dtype = token_dtype(tokenizer.vocab_size)
-    entries, totals = _write_shards(work, tmp, inputs, data, dtype, tokenizer)
+    entries, totals = _write_shards(work, tmp, tasks_of(inputs), data, dtype, tokenizer)
     tokenizer.save(tmp)
     stats = _stats(inputs, stages.scans, stages.dedup, stages.encodes, totals, tokenizer, stages.contamination)
     for split in SPLITS:

@@ -22,9 +22,9 @@ class Progress:
         self.done, self.files, self.start, self.last = 0, 0, time.monotonic(), 0.0
         self.tty = enabled and sys.stderr.isatty()
 
-    def advance(self, nbytes: int) -> None:
+    def advance(self, nbytes: int, files: int = 1) -> None:
         self.done += nbytes
-        self.files += 1
+        self.files += files
         now = time.monotonic()
         if self.enabled and (self.tty or now - self.last >= 10 or self.done >= self.total):
             self.last = now
@@ -46,12 +46,13 @@ def one_thread() -> None:
 
 
 def run_tasks(task: Callable, items: list[tuple], workers: int, progress: Progress) -> None:
-    """Run `task(*item)` for every item, in worker processes when there are several, advancing the progress
-    by each item's first element's size. Results are files with markers, so the order of completion is free."""
+    """Run `task(*item)` for every item, in worker processes when there are several, advancing the progress by
+    each item's first element's size and number of files. Results are files with markers, so the order of
+    completion is free."""
     if workers <= 1 or len(items) <= 1:
         for item in items:
             task(*item)
-            progress.advance(item[0].size)
+            progress.advance(item[0].size, len(item[0].files))
         return
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=one_thread) as pool:
         futures = {pool.submit(task, *item): item for item in items}
@@ -61,4 +62,4 @@ def run_tasks(task: Callable, items: list[tuple], workers: int, progress: Progre
             except BaseException:
                 pool.shutdown(cancel_futures=True)
                 raise
-            progress.advance(futures[future][0].size)
+            progress.advance(futures[future][0].size, len(futures[future][0].files))
