@@ -27,8 +27,9 @@ Then the removal filters, each named; a document is counted under the first one 
   when it occurs at least twice;
 - symbol_fraction (prose, Gopher): words starting with '#' plus '...' and '…', per word;
 - alpha_fraction (prose): letters per non-space character; code_alnum (code): letters and digits
-  per character. Both count characters through a class table over all code points, so the cost
-  is a few numpy passes per document, never a Python loop per character or per word.
+  per character. Both count characters through a class table over all code points, filled a page
+  of 256 code points at a time as documents use them, so the cost is a few numpy passes per
+  document, never a Python loop per character or per word.
 
 Counters of removals and changes, and the first `samples` removed documents of each filter, are
 kept for the report; `merge_stats` combines the stats of several Cleaners (one per worker process) in
@@ -42,7 +43,6 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Iterable
-from functools import cache
 from typing import Literal, cast
 
 import numpy as np
@@ -75,25 +75,38 @@ _COMMENT_START = ("#", "//", "/*", "*", "--", ";", "<!--")
 _SPACE, _LETTER, _DIGIT, _OTHER = 0, 1, 2, 3
 
 
-@cache
-def _char_classes() -> np.ndarray:
-    """Class of every code point (built once per process, ~0.3 s): a per-document count is one gather."""
-    n = 0x110000
-    chars = "".join(map(chr, range(n)))
-    classes = np.full(n, _OTHER, dtype=np.uint8)
-    classes[np.fromiter(map(str.isalnum, chars), bool, count=n)] = _DIGIT
-    classes[np.fromiter(map(str.isalpha, chars), bool, count=n)] = _LETTER
-    classes[np.fromiter(map(str.isspace, chars), bool, count=n)] = _SPACE
-    return classes
+_PAGE = 8  # the class table is filled 256 code points at a time, as documents first use them
+_ascii_classes = np.full(128, _OTHER, dtype=np.uint8)
+_classes = np.full(0x110000, _OTHER, dtype=np.uint8)
+_filled = np.zeros(0x110000 >> _PAGE, dtype=bool)
+
+
+def _fill_pages(pages: np.ndarray) -> None:
+    """Classify the code points of `pages` (one str method call per code point, once per process)."""
+    for page in pages.tolist():
+        start = page << _PAGE
+        chars = "".join(map(chr, range(start, start + (1 << _PAGE))))
+        block = np.full(len(chars), _OTHER, dtype=np.uint8)
+        block[np.fromiter(map(str.isalnum, chars), bool, count=len(chars))] = _DIGIT
+        block[np.fromiter(map(str.isalpha, chars), bool, count=len(chars))] = _LETTER
+        block[np.fromiter(map(str.isspace, chars), bool, count=len(chars))] = _SPACE
+        _classes[start:start + len(chars)] = block
+        _filled[page] = True
+
+
+_fill_pages(np.array([0]))
+_ascii_classes[:] = _classes[:128]
 
 
 def char_counts(text: str) -> np.ndarray:
     """Characters of `text` per class: [space, letter, digit/other alphanumeric, other]."""
     if text.isascii():
-        points = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    else:
-        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    return np.bincount(_char_classes()[points], minlength=4)
+        return np.bincount(_ascii_classes[np.frombuffer(text.encode("ascii"), dtype=np.uint8)], minlength=4)
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    pages = np.flatnonzero(np.bincount(points >> _PAGE, minlength=len(_filled)).astype(bool) & ~_filled)
+    if len(pages):
+        _fill_pages(pages)
+    return np.bincount(_classes[points], minlength=4)
 
 
 def normalize_line_ends(text: str) -> str:

@@ -50,7 +50,7 @@ from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifes
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
 from keel.data.stats import STATS
 from keel.data.tokenizer import Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
-from keel.data.workers import Progress, run_tasks
+from keel.data.workers import Progress, Workers
 from keel.errors import DataError
 
 __all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_files", "unigram_entropy"]
@@ -347,7 +347,7 @@ def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, in
     if marker.is_file():
         return
     tokenizer = _cached_tokenizer(work, (work / "tokenizer.done").read_text())
-    banned = np.load(work / "contamination.npy", mmap_mode="r") if data.decontam.enabled else None
+    banned = _banned(work) if data.decontam.enabled else None
     meta = _read_meta(work, task.index)
     dtype = token_dtype(tokenizer.vocab_size)
     part = f".{os.getpid()}.tmp"
@@ -401,15 +401,44 @@ def _cached_tokenizer(work: Path, described: str) -> Tokenizer:
     return open_tokenizer(work, json.loads(described))
 
 
-def _contaminated(texts: list[str], n: int, banned: np.ndarray | None) -> np.ndarray:
-    """Which of `texts` share a word n-gram with `banned` (sorted n-gram hashes)."""
+class _NgramSet:
+    """Sorted n-gram hashes behind a table of their top bits: almost every n-gram of a training document is not
+    in the set, and a table lookup tells so for the cost of one gather, where a binary search over the whole set
+    would take a dozen dependent reads. Only what the table lets through is searched."""
+
+    def __init__(self, hashes: np.ndarray) -> None:
+        self.hashes = np.asarray(hashes)
+        bits = int(np.clip(np.ceil(np.log2(max(1, len(self.hashes)) * 64)), 16, 24))  # ~1/64 let through
+        self.shift = np.uint64(64 - bits)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[self.hashes >> self.shift] = True
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def contains(self, grams: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(grams), dtype=bool)
+        maybe = np.flatnonzero(self.table[grams >> self.shift])
+        if len(maybe):
+            at = np.searchsorted(self.hashes, grams[maybe]).clip(max=len(self.hashes) - 1)
+            found[maybe] = self.hashes[at] == grams[maybe]
+        return found
+
+
+@functools.lru_cache(maxsize=2)
+def _banned(work: Path) -> _NgramSet:
+    """The contamination set, loaded once per worker (it is fixed once the contamination stage is done)."""
+    return _NgramSet(np.load(work / "contamination.npy"))
+
+
+def _contaminated(texts: list[str], n: int, banned: _NgramSet | None) -> np.ndarray:
+    """Which of `texts` share a word n-gram with `banned`."""
     if banned is None or not len(banned) or not texts:
         return np.zeros(len(texts), dtype=bool)
     grams, counts = shingles_batch(texts, "word", n, whole_short=False)
     if not len(grams):
         return np.zeros(len(texts), dtype=bool)
-    at = np.searchsorted(banned, grams).clip(max=len(banned) - 1)
-    hits = np.repeat(np.arange(len(texts)), counts)[banned[at] == grams]
+    hits = np.repeat(np.arange(len(texts)), counts)[banned.contains(grams)]
     return np.bincount(hits, minlength=len(texts)) > 0
 
 
@@ -541,19 +570,20 @@ def _run_stages(work: Path, data: DataConfig, inputs: list[InputFile], evals: li
     workers = data.workers or min(8, os.cpu_count() or 1)
     tasks = tasks_of(inputs)
     total_bytes = sum(t.size for t in tasks)
-    bar = Progress("clean and hash", total_bytes, progress)
-    run_tasks(_scan_task, [(t, work, data) for t in tasks], workers, bar)
-    bar.finish()
-    scans = _marks(work, "scan", len(tasks))
-    if progress:
-        print("deduplicating ...", file=sys.stderr, flush=True)
-    dedup = _dedup(work, tasks, inputs, data)
-    keep = _keep_slices(work, tasks)
-    tokenizer = _tokenizer(work, keep, data)
-    contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
-    bar = Progress("decontaminate and tokenize", total_bytes, progress)
-    run_tasks(_encode_task, [(t, work, data, keep[t.index], inputs) for t in tasks], workers, bar)
-    bar.finish()
+    with Workers(workers) as pool:
+        bar = Progress("clean and hash", total_bytes, progress)
+        pool.run(_scan_task, [(t, work, data) for t in tasks], bar)
+        bar.finish()
+        scans = _marks(work, "scan", len(tasks))
+        if progress:
+            print("deduplicating ...", file=sys.stderr, flush=True)
+        dedup = _dedup(work, tasks, inputs, data)
+        keep = _keep_slices(work, tasks)
+        tokenizer = _tokenizer(work, keep, data)
+        contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
+        bar = Progress("decontaminate and tokenize", total_bytes, progress)
+        pool.run(_encode_task, [(t, work, data, keep[t.index], inputs) for t in tasks], bar)
+        bar.finish()
     return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(tasks)))
 
 
