@@ -39,12 +39,11 @@ from keel.config import DataConfig
 from keel.data.clean import Cleaner, merge_stats
 from keel.data.dedup import (
     MinHasher,
-    exact_key,
     lsh_formula,
     lsh_params,
     near_duplicate_roots,
     ngram_hashes,
-    shingles_batch,
+    scan_hashes,
 )
 from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
@@ -62,11 +61,14 @@ TASK_BYTES = 2 << 20  # a task takes consecutive input files of one source until
 MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
 SPLITS = ("train", "val")
 COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
+COUNT_TOKENS = 1 << 16  # tokens counted at a time (their 64-bit copy stays in the cache)
 LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
-# One record per kept document in a task's .meta file: text offset, text length, exact key, validation flag and the
-# index of its input file.
-META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1"), ("input", "<u4")])
+# One record per kept document in a task's .meta file: text offset, text length, exact key, validation flag, the
+# index of its input file and its number of decontamination n-grams (whose hashes the .grams file holds).
+META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1"), ("input", "<u4"),
+                 ("grams", "<u8")])
+WORK_LAYOUT = 2  # in the work directory's name: a prepare never resumes from work files laid out otherwise
 
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
@@ -166,19 +168,26 @@ def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
     malformed: list[str] = []
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
-    paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig")}
+    paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig", "grams")}
     tmp = {kind: p.with_name(p.name + part) for kind, p in paths.items()}
     documents = source_bytes = 0
-    with open(tmp["text"], "wb") as text_out, open(tmp["meta"], "wb") as meta_out, open(tmp["sig"], "wb") as sig_out:
+    with ExitStack() as stack:
+        out = {kind: stack.enter_context(open(path, "wb")) for kind, path in tmp.items()}
+        text_out = out["text"]
         batch: list[str] = []
         metas: list[tuple] = []
         batch_bytes = offset = 0
 
         def flush() -> None:
             if batch:
-                if data.dedup.near:  # the signatures are the one costly part of the scan
-                    sig_out.write(np.ascontiguousarray(hasher.signatures(batch), dtype="<u4").tobytes())
-                meta_out.write(np.array(metas, dtype=META).tobytes())
+                hashed = scan_hashes(batch, hasher if data.dedup.near else None,
+                                     data.decontam.ngram if data.decontam.enabled else 0)
+                out["sig"].write(np.ascontiguousarray(hashed.signatures, dtype="<u4").tobytes())
+                out["grams"].write(hashed.grams.astype("<u8", copy=False).tobytes())
+                records = np.array(metas, dtype=META)
+                records["key"] = np.array(hashed.keys, dtype="V16")
+                records["grams"] = hashed.gram_counts
+                out["meta"].write(records.tobytes())
                 batch.clear()
                 metas.clear()
 
@@ -193,7 +202,7 @@ def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
                 if cleaned is not text:
                     body = cleaned.encode("utf-8")
                 text_out.write(body)
-                metas.append((offset, len(body), exact_key(cleaned), is_validation(body, data.val_fraction), index))
+                metas.append((offset, len(body), b"", is_validation(body, data.val_fraction), index, 0))
                 offset += len(body)
                 batch.append(cleaned)
                 batch_bytes += len(body)
@@ -349,6 +358,7 @@ def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, in
     tokenizer = _cached_tokenizer(work, (work / "tokenizer.done").read_text())
     banned = _banned(work) if data.decontam.enabled else None
     meta = _read_meta(work, task.index)
+    grams = _TaskGrams(work, task.index, meta) if banned is not None and len(banned) else None
     dtype = token_dtype(tokenizer.vocab_size)
     part = f".{os.getpid()}.tmp"
     outputs = {split: (work / f"{task.index:06d}.{split}.tok", work / f"{task.index:06d}.{split}.len")
@@ -363,7 +373,10 @@ def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, in
             batch_rows = np.array([row for row, _ in batch], dtype=np.int64)
             texts = [text for _, text in batch]
             is_val = meta["val"][batch_rows].astype(bool)
-            dropped = ~is_val & _contaminated(texts, data.decontam.ngram, banned)
+            dropped = np.zeros(len(texts), dtype=bool)
+            if grams is not None and banned is not None:
+                train = np.flatnonzero(~is_val)
+                dropped[train] = grams.contaminated(batch_rows[train], banned)
             for i in np.flatnonzero(dropped)[: max(0, data.clean.samples - len(samples))]:
                 samples.append({"origin": _origin(inputs, meta, int(batch_rows[i])), "text": texts[i][:2000]})
             contaminated += int(dropped.sum())
@@ -431,15 +444,22 @@ def _banned(work: Path) -> _NgramSet:
     return _NgramSet(np.load(work / "contamination.npy"))
 
 
-def _contaminated(texts: list[str], n: int, banned: _NgramSet | None) -> np.ndarray:
-    """Which of `texts` share a word n-gram with `banned`."""
-    if banned is None or not len(banned) or not texts:
-        return np.zeros(len(texts), dtype=bool)
-    grams, counts = shingles_batch(texts, "word", n, whole_short=False)
-    if not len(grams):
-        return np.zeros(len(texts), dtype=bool)
-    hits = np.repeat(np.arange(len(texts)), counts)[banned.contains(grams)]
-    return np.bincount(hits, minlength=len(texts)) > 0
+class _TaskGrams:
+    """A task's decontamination n-gram hashes as the scan wrote them (memory-mapped): looking them up costs a
+    gather, where hashing the documents again cost more than all the rest of the encoding."""
+
+    def __init__(self, work: Path, index: int, meta: np.ndarray) -> None:
+        path = work / f"{index:06d}.grams"
+        self.hashes = np.memmap(path, dtype="<u8", mode="r") if path.stat().st_size else np.zeros(0, np.uint64)
+        self.counts = meta["grams"].astype(np.int64)
+        self.starts = np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.int64)
+
+    def contaminated(self, rows: np.ndarray, banned: _NgramSet) -> np.ndarray:
+        """Which of the documents `rows` share a word n-gram with `banned`."""
+        counts = self.counts[rows]
+        owner = np.repeat(np.arange(len(rows)), counts)
+        at = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts) + self.starts[rows][owner]
+        return np.bincount(owner[banned.contains(np.asarray(self.hashes[at]))], minlength=len(rows)) > 0
 
 
 def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile], data: DataConfig) -> dict:
@@ -488,7 +508,8 @@ def _write_shards(work: Path, tmp: Path, tasks: list[_Task], data: DataConfig, d
                 lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
                 with open(work / f"{i:06d}.{split}.tok", "rb") as tok_file:
                     while len(tokens := np.fromfile(tok_file, dtype=dtype, count=COPY_TOKENS)):
-                        counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+                        for at in range(0, len(tokens), COUNT_TOKENS):  # bincount widens to int64: cache-sized
+                            counts += np.bincount(tokens[at:at + COUNT_TOKENS], minlength=vocab_size)[:vocab_size]
                         writer.write(tokens)
             writer.close()
             doc_lengths = np.concatenate(lengths) if lengths else np.empty(0, dtype="<u8")
@@ -522,7 +543,7 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
     existing = _existing_corpus(out, fingerprint, force)
     if existing is not None:
         return existing
-    work = out.parent / f".{out.name}.work-{fingerprint[:16]}"
+    work = out.parent / f".{out.name}.work-{fingerprint[:16]}-{WORK_LAYOUT}"
     work.mkdir(exist_ok=True)
     stages = _run_stages(work, data, inputs, evals, progress)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))

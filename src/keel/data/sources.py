@@ -130,16 +130,28 @@ def _expand(source: str, entry: str) -> list[Path]:
     return [path]
 
 
+def _real_path(path: Path, directories: dict[str, str]) -> str:
+    """os.path.realpath(path), resolving each directory once: a file that is not a link is its real directory
+    and its name (realpath would look at every component of every file's path again)."""
+    if path.name in ("", ".", "..") or path.is_symlink():
+        return os.path.realpath(path)
+    parent = str(path.parent)
+    if parent not in directories:
+        directories[parent] = os.path.realpath(parent)
+    return os.path.join(directories[parent], path.name)
+
+
 def resolve_inputs(sources: dict[str, list[str]]) -> list[InputFile]:
     """Every input file of every source, sources in the given order and files sorted within each path
     entry. A file reached twice within one source is read once; a file in two sources is an error."""
     inputs: list[InputFile] = []
     owner: dict[str, str] = {}
+    directories: dict[str, str] = {}
     for source, entries in sources.items():
         count = 0
         for entry in entries:
             for path in _expand(source, entry):
-                key = os.path.realpath(path)
+                key = _real_path(path, directories)
                 if key in owner:
                     if owner[key] == source:
                         continue
