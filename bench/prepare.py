@@ -146,19 +146,17 @@ SHIFTS = {k: str.maketrans({chr(base + i): chr(base + (i + 7 * k) % 26) for base
           for k in (1, 2, 3)}
 
 
-def timed(cmd: list[str], out: Path | None = None, env: dict | None = None) -> dict:
-    """CPU (user + system of the whole process tree) and wall seconds of one command."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if out else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=env)
-    stdout = proc.stdout.read() if proc.stdout else b""
-    stderr = proc.stderr.read() if proc.stderr else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if status != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr.decode()[-3000:]}")
-    if out is not None:
-        out.write_bytes(stdout)
+def timed(cmd: list[str], out: Path | None = None) -> dict:
+    """CPU (user + system of the whole process tree) and wall seconds of one command; its stdout goes to `out`.
+    Output goes to files, not pipes: a pipe left unread while the command fills another would stall it."""
+    with tempfile.TemporaryFile() as stderr, open(out or os.devnull, "wb") as stdout:
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)  # reaps it: its rusage includes the workers it reaped
+        wall = time.perf_counter() - started
+        if status != 0:
+            stderr.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr.read().decode(errors='replace')[-3000:]}")
     return {"cpu_s": round(usage.ru_utime + usage.ru_stime, 3), "wall_s": round(wall, 3)}
 
 
@@ -241,15 +239,17 @@ def datatrove_python(path: str | None) -> str | None:
 
 # ---------------------------------------------------------------- where the time goes
 
-# The functions whose time is each stage's (cumulative time; none of them calls another's).
+# The functions whose time is each stage's (cumulative time; none of them calls another's). The scan's hashing
+# serves both dedups and the decontamination: it is a stage of its own here.
 STAGES = {
-    "read": ["keel/data/sources.py:read_documents"],
+    "read": ["keel/data/sources.py:resolve_inputs", "keel/data/prepare.py:_content_fingerprint",
+             "keel/data/sources.py:read_documents"],
     "clean": ["keel/data/clean.py:clean"],
-    "exact dedup": ["keel/data/dedup.py:exact_key", "keel/data/prepare.py:_exact_duplicates"],
-    "MinHash": ["keel/data/dedup.py:signatures", "keel/data/dedup.py:near_duplicate_roots"],
-    "decontaminate": ["keel/data/prepare.py:_contaminated", "keel/data/prepare.py:_contamination_set"],
+    "hash (MinHash, exact keys, n-grams)": ["keel/data/dedup.py:scan_hashes"],
+    "dedup (exact, LSH)": ["keel/data/prepare.py:_dedup"],
+    "decontaminate": ["keel/data/prepare.py:_contamination_set", "keel/data/prepare.py:contaminated"],
     "tokenize": ["keel/data/tokenizer.py:encode_documents"],
-    "write": ["keel/data/prepare.py:_write_corpus"],
+    "write shards": ["keel/data/prepare.py:_write_corpus"],
 }
 
 
@@ -261,7 +261,7 @@ def profile_stages(work: Path) -> dict:
     from keel.data.prepare import prepare
 
     data = load_config(Path(__file__).parents[1] / "configs" / "tiny.toml", ["data.workers=1"]).data
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     prepare(data, work / "profiled")
     profiler.disable()
