@@ -3,13 +3,14 @@
 Stages, each leaving a completion marker in a work directory named after everything that decides the output
 (the inputs' content and the settings), so that an interrupted prepare resumes where it stopped:
 
-1. scan, one task per input file, in parallel worker processes: read, normalise and clean the documents; keep
-   each survivor's text, exact key, split and MinHash signature in the input's own work files.
+1. scan, one task per run of consecutive input files of a source (about TASK_BYTES), in parallel worker
+   processes: read, normalise and clean the documents; keep each survivor's text, exact key, split, MinHash
+   signature and decontamination n-gram hashes (all three hashed from one normalisation) in the task's work files.
 2. dedup, in the main process: exact duplicates (first occurrence kept), then MinHash-LSH near duplicates
    (union-find, the cluster's first document kept), across all sources and both splits.
 3. tokenizer: byte, a given tokenizer.json, or BPE trained on the deduplicated training documents.
-4. encode, one task per input file, in parallel: drop training documents that share a long n-gram with the
-   validation split or the evaluation files, and tokenize the rest.
+4. encode, the same tasks in the same worker processes: drop training documents that share a long n-gram with
+   the validation split or the evaluation files, and tokenize the rest.
 5. shards, in the main process: every source's tokens, in input order, cut into files of `shard_tokens` tokens.
 
 Documents are always visited in input order and every choice is a function of content, so the output is
@@ -48,7 +49,7 @@ from keel.data.dedup import (
 from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
 from keel.data.stats import STATS
-from keel.data.tokenizer import Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
+from keel.data.tokenizer import ByteTokenizer, Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
 from keel.data.workers import Progress, Workers
 from keel.errors import DataError
 
@@ -369,43 +370,84 @@ def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, in
         files = {split: (stack.enter_context(open(a.with_name(a.name + part), "wb")),
                          stack.enter_context(open(b.with_name(b.name + part), "wb")))
                  for split, (a, b) in outputs.items()}
-        for batch in _batches(_texts(work, task.index, meta, rows)):
-            batch_rows = np.array([row for row, _ in batch], dtype=np.int64)
-            texts = [text for _, text in batch]
-            is_val = meta["val"][batch_rows].astype(bool)
-            dropped = np.zeros(len(texts), dtype=bool)
+        text = stack.enter_context(_TaskText(work / f"{task.index:06d}.text"))
+        for batch in np.array_split(rows, np.flatnonzero(_batch_starts(meta["length"][rows]))[1:]):
+            is_val = meta["val"][batch].astype(bool)
+            dropped = np.zeros(len(batch), dtype=bool)
             if grams is not None and banned is not None:
-                train = np.flatnonzero(~is_val)
-                dropped[train] = grams.contaminated(batch_rows[train], banned)
-            for i in np.flatnonzero(dropped)[: max(0, data.clean.samples - len(samples))]:
-                samples.append({"origin": _origin(inputs, meta, int(batch_rows[i])), "text": texts[i][:2000]})
+                dropped[~is_val] = grams.contaminated(batch[~is_val], banned)
+            for row in batch[dropped][: max(0, data.clean.samples - len(samples))].tolist():
+                samples.append({"origin": _origin(inputs, meta, row),
+                                "text": text.document(meta, row)[:2000]})
             contaminated += int(dropped.sum())
-            kept = np.flatnonzero(~dropped)
-            encoded = tokenizer.encode_documents([texts[i] for i in kept])
-            for split, chosen in (("train", ~is_val[kept]), ("val", is_val[kept])):
-                docs = [tokens for tokens, take in zip(encoded, chosen, strict=True) if take]
-                if docs:
+            for split, chosen in (("train", ~is_val & ~dropped), ("val", is_val)):
+                if chosen.any():
+                    tokens, lengths = _tokens(tokenizer, text, meta, batch[chosen], dtype)
                     tok_out, len_out = files[split]
-                    tok_out.write(np.concatenate(docs).astype(dtype).tobytes())
-                    len_out.write(np.array([len(d) for d in docs], dtype="<u8").tobytes())
+                    tok_out.write(tokens.tobytes())
+                    len_out.write(lengths.astype("<u8").tobytes())
     for a, b in outputs.values():
         os.replace(a.with_name(a.name + part), a)
         os.replace(b.with_name(b.name + part), b)
     _mark(marker, {"contaminated": contaminated, "samples": samples})
 
 
-def _batches(texts: Iterator[tuple[int, str]]) -> Iterator[list[tuple[int, str]]]:
-    """Consecutive (row, text) pairs in batches of SIGNATURE_BATCH documents or BATCH_BYTES characters."""
-    batch: list[tuple[int, str]] = []
-    size = 0
-    for item in texts:
-        batch.append(item)
-        size += len(item[1])
-        if len(batch) >= SIGNATURE_BATCH or size >= BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+def _batch_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where batches of at most SIGNATURE_BATCH documents and about BATCH_BYTES of text start (a mask)."""
+    starts = np.zeros(len(lengths), dtype=bool)
+    size = count = 0
+    for i, length in enumerate(lengths.tolist()):
+        if count >= SIGNATURE_BATCH or size >= BATCH_BYTES:
+            starts[i] = True
+            size = count = 0
+        size += length
+        count += 1
+    if len(starts):
+        starts[0] = True
+    return starts
+
+
+class _TaskText:
+    """A task's text file, memory-mapped (it may be larger than memory)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.map: mmap.mmap | None = None
+
+    def __enter__(self) -> _TaskText:
+        if self.path.stat().st_size:
+            with open(self.path, "rb") as f:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.map is not None:
+            self.map.close()
+
+    def utf8(self, meta: np.ndarray, row: int) -> bytes:
+        start = int(meta["offset"][row])
+        return self.map[start:start + int(meta["length"][row])] if self.map is not None else b""
+
+    def document(self, meta: np.ndarray, row: int) -> str:
+        return self.utf8(meta, row).decode("utf-8", errors="replace")
+
+
+def _tokens(tokenizer: Tokenizer, text: _TaskText, meta: np.ndarray, rows: np.ndarray,
+            dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The documents `rows` tokenized and concatenated, and each one's token count. The byte tokenizer's ids are
+    the text's UTF-8 bytes (the scan wrote valid UTF-8), framed by BOS and EOS: they are copied from the text file
+    as they are, with no decoding and encoding again."""
+    if not isinstance(tokenizer, ByteTokenizer):
+        encoded = tokenizer.encode_documents([text.document(meta, row) for row in rows.tolist()])
+        return np.concatenate(encoded).astype(dtype), np.array([len(e) for e in encoded], dtype=np.int64)
+    lengths = meta["length"][rows].astype(np.int64) + 2
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+    out[ends - lengths] = tokenizer.bos
+    out[ends - 1] = tokenizer.eos
+    for end, row, length in zip(ends.tolist(), rows.tolist(), lengths.tolist(), strict=True):
+        out[end - length + 1:end - 1] = np.frombuffer(text.utf8(meta, row), dtype=np.uint8)
+    return out, lengths
 
 
 @functools.lru_cache(maxsize=2)
