@@ -10,8 +10,9 @@
    writer) on the same input, with `--datatrove-python`, an interpreter that has datatrove; skipped with a message
    without one. It is slow: one run per worker count, on the built-in corpus (and the 4× input with
    `--datatrove-large`).
-3. Where the time goes: a cProfile of one in-process prepare of the built-in corpus (1 worker), its time split
-   into the stages read, clean, exact dedup, MinHash, decontaminate, tokenize, write and the rest.
+3. Where the time goes: the CPU time of one in-process prepare of the built-in corpus (1 worker) split into its
+   stages by timers around their functions: read, clean, hash (MinHash, exact keys, n-grams), dedup,
+   decontaminate, tokenize, write, the rest; and the start-up of a fresh interpreter importing the prepare.
 4. MB/s and peak memory on generated JSON-lines input (half of it gzipped, a tenth exact and a tenth near copies
    of earlier documents): 1 and 2 workers on the base input, 1 worker on 4× the base input (the memory ratio,
    target well under 4: memory grows with the number of documents' metadata, not with the bytes of text); each
@@ -34,7 +35,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -239,43 +242,80 @@ def datatrove_python(path: str | None) -> str | None:
 
 # ---------------------------------------------------------------- where the time goes
 
-# The functions whose time is each stage's (cumulative time; none of them calls another's). The scan's hashing
-# serves both dedups and the decontamination: it is a stage of its own here.
+# Each stage's functions (module, attribute; a class's method as "Class.method"): their CPU time is the stage's.
+# None of them calls another's. The scan's hashing serves both dedups and the decontamination: a stage of its own.
 STAGES = {
-    "read": ["keel/data/sources.py:resolve_inputs", "keel/data/prepare.py:_content_fingerprint",
-             "keel/data/sources.py:read_documents"],
-    "clean": ["keel/data/clean.py:clean"],
-    "hash (MinHash, exact keys, n-grams)": ["keel/data/dedup.py:scan_hashes"],
-    "dedup (exact, LSH)": ["keel/data/prepare.py:_dedup"],
-    "decontaminate": ["keel/data/prepare.py:_contamination_set", "keel/data/prepare.py:contaminated"],
-    "tokenize": ["keel/data/tokenizer.py:encode_documents"],
-    "write shards": ["keel/data/prepare.py:_write_corpus"],
+    "read": [("keel.data.prepare", "resolve_inputs"), ("keel.data.prepare", "_content_fingerprint"),
+             ("keel.data.prepare", "read_documents")],
+    "clean": [("keel.data.clean", "Cleaner.clean")],
+    "hash (MinHash, exact keys, n-grams)": [("keel.data.prepare", "scan_hashes")],
+    "dedup (exact, LSH)": [("keel.data.prepare", "_dedup")],
+    "decontaminate": [("keel.data.prepare", "_contamination_set"), ("keel.data.prepare", "_TaskGrams.contaminated")],
+    "tokenize": [("keel.data.tokenizer", "ByteTokenizer.encode_documents")],
+    "write shards and stats": [("keel.data.prepare", "_write_corpus")],
 }
 
 
 def profile_stages(work: Path) -> dict:
-    import cProfile
-    import pstats
+    """CPU seconds per stage of one in-process prepare of the built-in corpus with 1 worker, from timers wrapped
+    around each stage's functions (a few thousand calls: no profiler overhead to speak of); "work files and the
+    rest" is what the prepare spent outside them. Start-up is a fresh interpreter importing keel's command line
+    and the prepare."""
+    import importlib
 
     from keel.config import load_config
+
+    spent: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+
+    def timer(stage: str, function: Callable) -> Callable:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                spent[stage] += time.process_time() - started
+            if hasattr(result, "__next__"):  # a generator: its work happens as it is iterated
+                return timed_iteration(stage, result)
+            return result
+        return timed_call
+
+    def timed_iteration(stage: str, iterator: Iterator) -> Iterator:
+        while True:
+            started = time.process_time()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                spent[stage] += time.process_time() - started
+                return
+            spent[stage] += time.process_time() - started
+            yield item
+
+    restore = []
+    for stage, functions in STAGES.items():
+        for module_name, name in functions:
+            owner = importlib.import_module(module_name)
+            *classes, attribute = name.split(".")
+            for cls in classes:
+                owner = getattr(owner, cls)
+            original = getattr(owner, attribute)
+            restore.append((owner, attribute, original))
+            setattr(owner, attribute, timer(stage, original))
     from keel.data.prepare import prepare
 
     data = load_config(Path(__file__).parents[1] / "configs" / "tiny.toml", ["data.workers=1"]).data
-    profiler = cProfile.Profile(time.process_time)
-    profiler.enable()
-    prepare(data, work / "profiled")
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    total = max(ct for (_, _, _), (_, _, _, ct, _) in stats.items())
-    cumulative: dict[str, float] = {}
-    for (path, _, func), (_, _, _, ct, _) in stats.items():
-        for stage, names in STAGES.items():
-            if any(path.endswith(n.split(":")[0]) and func == n.split(":")[1] for n in names):
-                cumulative[stage] = cumulative.get(stage, 0.0) + ct
-    shares = {stage: round(cumulative.get(stage, 0.0) / total, 4) for stage in STAGES}
-    shares["other"] = round(1 - sum(shares.values()), 4)
+    try:
+        started = time.process_time()
+        prepare(data, work / "profiled")
+        total = time.process_time() - started
+    finally:
+        for owner, attribute, original in restore:
+            setattr(owner, attribute, original)
     shutil.rmtree(work / "profiled", ignore_errors=True)
-    return {"profiled_s": round(total, 3), "shares": shares}
+    startup = timed([sys.executable, "-c", "import keel.cli, keel.data.prepare"])["cpu_s"]
+    seconds = {"start-up (interpreter, imports)": startup, **spent,
+               "work files and the rest": total - sum(spent.values())}
+    return {"cpu_s": {k: round(v, 3) for k, v in seconds.items()},
+            "shares": {k: round(v / (total + startup), 4) for k, v in seconds.items()}}
 
 
 # ---------------------------------------------------------------- the whole benchmark
@@ -288,14 +328,22 @@ def main() -> None:
                    "without one)")
     p.add_argument("--datatrove-large", action="store_true", help="datatrove on the 4× input too (slow)")
     p.add_argument("--skip-generated", action="store_true", help="leave out the MB/s and memory rows (part 4)")
+    p.add_argument("--profile-only", action="store_true", help="measure the stages alone (part 3), keeping the "
+                   "other results")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--keep", action="store_true", help="keep the generated inputs and corpora")
     args = p.parse_args()
     previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     load_before = os.getloadavg()
-    datatrove = datatrove_python(args.datatrove_python)
     work = Path(tempfile.mkdtemp(prefix="keel-bench-prepare-"))
     results: dict = {}
+    if args.profile_only:
+        results = {**previous, "profile": profile_stages(work), "profile_load": [round(x, 2) for x in os.getloadavg()]}
+        shutil.rmtree(work, ignore_errors=True)
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+        print_profile(results)
+        return
+    datatrove = datatrove_python(args.datatrove_python)
     try:
         large = make_builtin_4x(work / "builtin-4x")
         large_files = sorted(large.rglob("*.py"))
@@ -334,8 +382,13 @@ def print_floor(results: dict) -> None:
                 d, x = r[f"datatrove_{w}"], r[f"keel_{w}_over_datatrove"]
                 print(f"  datatrove_{w}  CPU {d['cpu_s']:7.2f} s  wall {d['wall_s']:7.2f} s  keel/datatrove CPU "
                       f"{x['cpu_s']:.3f}, wall {x['wall_s']:.3f}")
-    print("stages (cProfile, built-in corpus, 1 worker):",
-          ", ".join(f"{k} {v:.0%}" for k, v in results["profile"]["shares"].items()))
+    print_profile(results)
+
+
+def print_profile(results: dict) -> None:
+    print("CPU per stage, built-in corpus, 1 worker:")
+    for stage, seconds in results["profile"]["cpu_s"].items():
+        print(f"  {stage:<38} {seconds:6.3f} s  {results['profile']['shares'][stage]:6.1%}")
 
 
 def generated_rows(work: Path, mb: int, timeout: float) -> dict:
