@@ -165,6 +165,52 @@ def prepare() -> str:
     return _table(["input", "MB", "seconds", "MB/s", "peak memory"], rows)
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return sorted(r[key] for r in runs)[len(runs) // 2]
+
+
+def _cpu_and_wall(runs: list[dict]) -> str:
+    return f"{_median(runs, 'cpu_s'):.2f} ({_median(runs, 'wall_s'):.2f})"
+
+
+def _spread(ratio: dict) -> str:
+    return f"**{ratio['median']:.1f}×** ({ratio['min']:.1f}–{ratio['max']:.1f})"
+
+
+PREPARE_INPUTS = {"builtin": "built-in corpus", "builtin_4x": "4× built-in corpus"}
+
+
+def prepare_floor() -> str:
+    r = _results("prepare")
+    rows, versus = [], []
+    for key, name in PREPARE_INPUTS.items():
+        x = r["floor"][key]
+        rows.append([f"{name} ({x['input_mb']:.1f} MB in {x['files']:,} files → {x['output_bytes'] / 1e6:.1f} MB)",
+                     f"{_median(x['runs']['floor'], 'cpu_s'):.2f}",
+                     *[cell for w in (1, 2) for cell in (_cpu_and_wall(x["runs"][f"keel_{w}"]),
+                                                         _spread(x[f"keel_{w}_over_floor_cpu"]))]])
+        for w in (1, 2):
+            if f"datatrove_{w}" in x:
+                d, ratio = x[f"datatrove_{w}"], x[f"keel_{w}_over_datatrove"]
+                versus.append([name, str(w), f"{_median(x['runs'][f'keel_{w}'], 'cpu_s'):.2f}",
+                               f"{_median(x['runs'][f'keel_{w}'], 'wall_s'):.2f}", f"{d['cpu_s']:.1f}",
+                               f"{d['wall_s']:.1f}", f"**{ratio['cpu_s']:.3f}**", f"{ratio['wall_s']:.3f}"])
+    floor = _table(["input", "floor CPU s", "keel, 1 worker: CPU s (wall)", "CPU / floor",
+                    "keel, 2 workers: CPU s (wall)", "CPU / floor"], rows, ["---", *["---:"] * 5])
+    parts = [floor]
+    if versus:
+        parts.append(_table(["input", "workers", "keel CPU s", "keel wall s", "datatrove CPU s", "datatrove wall s",
+                             "keel / datatrove, CPU", "wall"], versus, ["---", "---:", "---:", "---:", "---:", "---:",
+                                                                       "---:", "---:"]))
+    profile = r["profile"]
+    parts.append(_table(["stage (built-in corpus, 1 worker)", "CPU s", "share"],
+                        [[stage, f"{profile['cpu_s'][stage]:.3f}", f"{share:.0%}"]
+                         for stage, share in profile["shares"].items()], ["---", "---:", "---:"]))
+    load = f"Load average (1, 5, 15 min) before the run: {', '.join(map(str, r['load_before']))}; after: " \
+           f"{', '.join(map(str, r['load_after']))}, on {r['cpus']} cores."
+    return "\n\n".join([*parts, load])
+
+
 def config_reference() -> str:
     from keel.cli import main
 
@@ -177,7 +223,7 @@ def config_reference() -> str:
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, checkpoint, detection_matrix,
                                           guard_overhead, recovery, nonstop_recovery,
-                                          telemetry_overhead, dedup, prepare)},
+                                          telemetry_overhead, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
 }
 

@@ -27,8 +27,9 @@ Then the removal filters, each named; a document is counted under the first one 
   when it occurs at least twice;
 - symbol_fraction (prose, Gopher): words starting with '#' plus '...' and '…', per word;
 - alpha_fraction (prose): letters per non-space character; code_alnum (code): letters and digits
-  per character. Both count characters through a class table over all code points, so the cost
-  is a few numpy passes per document, never a Python loop per character or per word.
+  per character. Both count characters through a class table over all code points, filled a page
+  of 256 code points at a time as documents use them, so the cost is a few numpy passes per
+  document, never a Python loop per character or per word.
 
 Counters of removals and changes, and the first `samples` removed documents of each filter, are
 kept for the report; `merge_stats` combines the stats of several Cleaners (one per worker process) in
@@ -42,7 +43,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Iterable
-from functools import cache
+from itertools import compress
 from typing import Literal, cast
 
 import numpy as np
@@ -63,6 +64,7 @@ HEADER_MAX_LINES = 300  # a licence header longer than this is not looked for
 
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # a plain class: an alternation is 4x slower
 _CODING = re.compile(r"^[ \t\f]*#.*?coding[:=]")
+_ASCII_KEPT = bytes(b for b in range(128) if not _CONTROL.match(chr(b)))
 _COMMENT = ("#", "//")
 _RULE = re.compile(r"[#/*=\-~_+\s]*")  # a comment line of nothing but rule characters separates paragraphs
 _LICENSE = re.compile(r"copyright|\(c\)|licen[cs]e|spdx-|all rights reserved|warrant|redistribut"
@@ -75,25 +77,49 @@ _COMMENT_START = ("#", "//", "/*", "*", "--", ";", "<!--")
 _SPACE, _LETTER, _DIGIT, _OTHER = 0, 1, 2, 3
 
 
-@cache
-def _char_classes() -> np.ndarray:
-    """Class of every code point (built once per process, ~0.3 s): a per-document count is one gather."""
-    n = 0x110000
-    chars = "".join(map(chr, range(n)))
-    classes = np.full(n, _OTHER, dtype=np.uint8)
-    classes[np.fromiter(map(str.isalnum, chars), bool, count=n)] = _DIGIT
-    classes[np.fromiter(map(str.isalpha, chars), bool, count=n)] = _LETTER
-    classes[np.fromiter(map(str.isspace, chars), bool, count=n)] = _SPACE
-    return classes
+_PAGE = 8  # the class table is filled 256 code points at a time, as documents first use them
+_ascii_classes = np.full(128, _OTHER, dtype=np.uint8)
+_classes = np.full(0x110000, _OTHER, dtype=np.uint8)
+_filled = np.zeros(0x110000 >> _PAGE, dtype=bool)
+
+
+def _fill_pages(pages: np.ndarray) -> None:
+    """Classify the code points of `pages` (one str method call per code point, once per process)."""
+    for page in pages.tolist():
+        start = page << _PAGE
+        chars = "".join(map(chr, range(start, start + (1 << _PAGE))))
+        block = np.full(len(chars), _OTHER, dtype=np.uint8)
+        block[np.fromiter(map(str.isalnum, chars), bool, count=len(chars))] = _DIGIT
+        block[np.fromiter(map(str.isalpha, chars), bool, count=len(chars))] = _LETTER
+        block[np.fromiter(map(str.isspace, chars), bool, count=len(chars))] = _SPACE
+        _classes[start:start + len(chars)] = block
+        _filled[page] = True
+
+
+_fill_pages(np.array([0]))
+_ascii_classes[:] = _classes[:128]
 
 
 def char_counts(text: str) -> np.ndarray:
     """Characters of `text` per class: [space, letter, digit/other alphanumeric, other]."""
     if text.isascii():
-        points = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+        classes = _ascii_classes[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
     else:
         points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    return np.bincount(_char_classes()[points], minlength=4)
+        pages = np.flatnonzero(np.bincount(points >> _PAGE, minlength=len(_filled)).astype(bool) & ~_filled)
+        if len(pages):
+            _fill_pages(pages)
+        classes = _classes[points]
+    # three vectorised comparisons: bincount would first widen every class to a 64-bit index
+    counts = [np.count_nonzero(classes == k) for k in (_SPACE, _LETTER, _DIGIT)]
+    return np.array([*counts, len(classes) - sum(counts)])
+
+
+def has_control(text: str) -> bool:
+    """Whether `text` holds a control character that cleaning removes (or starts with a byte-order mark)."""
+    if text.isascii():  # deleting every other byte value leaves the control characters: a C loop, no regex
+        return bool(text.encode("ascii").translate(None, _ASCII_KEPT))
+    return text.startswith("\ufeff") or _CONTROL.search(text) is not None
 
 
 def normalize_line_ends(text: str) -> str:
@@ -149,8 +175,10 @@ def is_generated(text: str) -> bool:
 
 def duplicate_line_fraction(text: str, is_code: bool) -> float:
     """Share of the considered lines that repeat an earlier one (blank lines, and short code lines, ignored)."""
-    stripped = map(str.strip, text.split("\n"))
-    lines = [s for s in stripped if len(s) > CODE_LINE_MIN] if is_code else [s for s in stripped if s]
+    stripped = list(map(str.strip, text.split("\n")))
+    # compress and filter loop in C: a comprehension's Python-level test per line was most of the cost
+    lines = (list(compress(stripped, map(CODE_LINE_MIN.__lt__, map(len, stripped)))) if is_code
+             else list(filter(None, stripped)))
     return 1.0 - len(set(lines)) / len(lines) if lines else 0.0
 
 
@@ -216,7 +244,7 @@ class Cleaner:
             form = cast(UnicodeForm, cfg.unicode_form)  # the config accepts only these and "none"
             if not unicodedata.is_normalized(form, text):
                 text = self._count("unicode", text, unicodedata.normalize(form, text))
-        if cfg.strip_control and (text.startswith("\ufeff") or _CONTROL.search(text)):
+        if cfg.strip_control and has_control(text):
             text = self._count("control", text, _CONTROL.sub("", text.removeprefix("\ufeff")))
         if is_code and cfg.strip_license_headers:
             text = self._count("license_header", text, strip_license_header(text))

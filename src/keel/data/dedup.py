@@ -37,6 +37,7 @@ similar pairs found, each represented by its smallest index, which is the docume
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -81,7 +82,7 @@ def _power_table(base: int, length: int) -> np.ndarray:
 
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, a bijection on 64-bit integers that spreads every input bit over the output."""
-    x = x.astype(_U64, copy=True)
+    x = x.astype(_U64, copy=True)  # (the products and shifts below then work in place)
     x ^= x >> _U64(30)
     x *= _U64(0xBF58476D1CE4E5B9)
     x ^= x >> _U64(27)
@@ -140,18 +141,59 @@ def _check_shingle_args(kind: str, n: int) -> None:
         raise DataError(f"shingle length {n} is too small; it must be at least 1")
 
 
+@dataclasses.dataclass
+class _Group:
+    """`_normalise`d texts collapsed into one buffer (see `_collapse`), with the prefix sums of their polynomial
+    hash: every kind of shingle of these texts is hashed from the same sums."""
+
+    texts: int
+    buf: np.ndarray
+    text_start: np.ndarray
+    lengths: np.ndarray
+    prefix: np.ndarray
+    _words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, encoded: list[bytes]) -> _Group | None:
+        if not any(encoded):
+            return None
+        buf, text_start, lengths = _collapse(encoded)
+        # Prefix sums of (byte + 1) * P^k; the +1 keeps zero bytes from vanishing out of the sum.
+        prefix = np.zeros(len(buf) + 1, dtype=_U64)
+        terms = buf.astype(_U64)
+        terms += _U64(1)
+        terms *= _power_table(_BASE, len(buf))
+        np.cumsum(terms, out=prefix[1:])
+        return cls(len(encoded), buf, text_start, lengths, prefix)
+
+    def words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every word's start and end in the buffer and each text's first word (found once per group)."""
+        if self._words is None:
+            is_char = self.buf != 0x20
+            prev_space = np.concatenate(([True], ~is_char[:-1]))
+            next_space = np.concatenate((~is_char[1:], [True]))
+            starts = np.flatnonzero(is_char & prev_space)
+            self._words = starts, np.flatnonzero(is_char & next_space) + 1, np.searchsorted(starts, self.text_start)
+        return self._words
+
+    def text(self, i: int) -> bytes:
+        """Text i as collapsed: lowercased, whitespace runs made one space, no space at either end."""
+        start = int(self.text_start[i])
+        return self.buf[start:start + int(self.lengths[i])].tobytes()
+
+
 def _span_hashes(encoded: list[bytes], kind: str, n: int, whole_short: bool) -> tuple[np.ndarray, np.ndarray]:
     """Shingle hashes of `_normalise`d texts, concatenated in text order, and the count per text."""
-    if not any(encoded):
-        return np.zeros(0, dtype=_U64), np.zeros(len(encoded), dtype=np.int64)
-    buf, text_start, lengths = _collapse(encoded)
+    return _group_spans(_Group.of(encoded), len(encoded), kind, n, whole_short)
+
+
+def _group_spans(group: _Group | None, texts: int, kind: str, n: int,
+                 whole_short: bool) -> tuple[np.ndarray, np.ndarray]:
+    if group is None:
+        return np.zeros(0, dtype=_U64), np.zeros(texts, dtype=np.int64)
+    buf, text_start, lengths = group.buf, group.text_start, group.lengths
     if kind == "word":
-        is_char = buf != 0x20
-        prev_space = np.concatenate(([True], ~is_char[:-1]))
-        next_space = np.concatenate((~is_char[1:], [True]))
-        unit_start = np.flatnonzero(is_char & prev_space)  # a unit is a word here
-        unit_end = np.flatnonzero(is_char & next_space) + 1
-        first_unit = np.searchsorted(unit_start, text_start)
+        unit_start, unit_end, first_unit = group.words()
     else:  # every byte of a text is a unit, separators excepted
         nonempty = lengths > 0
         keep = np.ones(len(buf), dtype=bool)
@@ -163,21 +205,16 @@ def _span_hashes(encoded: list[bytes], kind: str, n: int, whole_short: bool) -> 
     units = np.diff(np.append(first_unit, len(unit_start)))
     # Gram g starts at unit g; within its text it may start at position 0 .. units-n (or only at 0, spanning the
     # whole text, when the text is shorter than n and whole_short is set).
-    text_of_unit = np.repeat(np.arange(len(encoded)), units)
+    text_of_unit = np.repeat(np.arange(texts), units)
     pos = np.arange(len(unit_start)) - first_unit[text_of_unit]
     last_start = units - n if not whole_short else np.maximum(units - n, 0)
     starts = np.flatnonzero(pos <= last_start[text_of_unit])
     text_last = first_unit + units - 1
     ends = np.minimum(starts + (n - 1), text_last[text_of_unit[starts]])
     span_start, span_end = unit_start[starts], unit_end[ends]
-    counts = np.bincount(text_of_unit[starts], minlength=len(encoded)).astype(np.int64)
-
-    # Prefix sums of (byte + 1) * P^k; the +1 keeps zero bytes from vanishing out of the sum.
-    powers = _power_table(_BASE, len(buf) + 1)
-    prefix = np.zeros(len(buf) + 1, dtype=_U64)
-    np.cumsum((buf.astype(_U64) + _U64(1)) * powers[:-1], out=prefix[1:])
-    inverse_powers = _power_table(_BASE_INV, len(buf) + 1)
-    hashes = (prefix[span_end] - prefix[span_start]) * inverse_powers[span_start]
+    counts = np.bincount(text_of_unit[starts], minlength=texts).astype(np.int64)
+    hashes = group.prefix[span_end] - group.prefix[span_start]
+    hashes *= _power_table(_BASE_INV, len(buf) + 1)[span_start]
     return mix64(hashes), counts
 
 
@@ -238,14 +275,14 @@ class MinHasher:
 
     def signatures(self, texts: list[str]) -> np.ndarray:
         """(len(texts), num_perm) uint32 signatures; a text without shingles gets all 0xFFFFFFFF."""
-        encoded = [_normalise(t) for t in texts]
-        out = np.full((len(texts), self.num_perm), EMPTY_SLOT, dtype=np.uint32)
-        for a, b in _groups(encoded):
-            hashes, counts = _span_hashes(encoded[a:b], self.kind, self.n, whole_short=True)
-            if len(hashes):
-                nonempty = np.flatnonzero(counts) + a
-                offsets = np.concatenate(([0], np.cumsum(counts[counts > 0])[:-1]))
-                out[nonempty] = self._reduce(hashes, offsets)
+        return scan_hashes(texts, self, 0, keys=False).signatures
+
+    def _group_signatures(self, group: _Group | None, texts: int) -> np.ndarray:
+        out = np.full((texts, self.num_perm), EMPTY_SLOT, dtype=np.uint32)
+        hashes, counts = _group_spans(group, texts, self.kind, self.n, whole_short=True)
+        if len(hashes):
+            offsets = np.concatenate(([0], np.cumsum(counts[counts > 0])[:-1]))
+            out[np.flatnonzero(counts)] = self._reduce(hashes, offsets)
         return out
 
     def _reduce(self, hashes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -263,6 +300,46 @@ class MinHasher:
             np.minimum.reduceat(work, offsets, out=mins[k])
         mins >>= _U64(32)
         return mins.T.astype(np.uint32)
+
+
+@dataclasses.dataclass
+class ScanHashes:
+    """What the scan keeps of a batch of texts, from one normalisation of them: MinHash signatures (no columns
+    without a MinHasher), exact keys (`exact_key`; none unless asked) and the word n-gram hashes for
+    decontamination with their count per text (none without an n)."""
+
+    signatures: np.ndarray
+    keys: list[bytes]
+    grams: np.ndarray
+    gram_counts: np.ndarray
+
+
+def scan_hashes(texts: list[str], hasher: MinHasher | None, ngram: int, keys: bool = True) -> ScanHashes:
+    """Signatures, exact keys and word `ngram`-gram hashes of `texts` (n-grams only when `ngram` > 0), equal to
+    `hasher.signatures`, `exact_key` and `ngram_hashes` of each text. The three share the lowercasing, the
+    whitespace collapse and the prefix sums of a group of texts; an ASCII text's exact key is a hash of its
+    collapsed bytes (for ASCII, casefold is lower and str.split's whitespace is `_is_space`'s)."""
+    encoded = [_normalise(t) for t in texts]
+    signatures = (np.full((len(texts), hasher.num_perm), EMPTY_SLOT, dtype=np.uint32) if hasher is not None
+                  else np.zeros((len(texts), 0), dtype=np.uint32))
+    exact: list[bytes] = []
+    grams: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    for a, b in _groups(encoded):
+        group = _Group.of(encoded[a:b])
+        if hasher is not None:
+            signatures[a:b] = hasher._group_signatures(group, b - a)
+        for i, text in enumerate(texts[a:b] if keys else ()):
+            if group is not None and text.isascii():
+                exact.append(hashlib.blake2b(group.text(i), digest_size=16).digest())
+            else:
+                exact.append(exact_key(text))
+        if ngram > 0:
+            hashes, per_text = _group_spans(group, b - a, "word", ngram, whole_short=False)
+            grams.append(hashes)
+            counts.append(per_text)
+    return ScanHashes(signatures, exact, np.concatenate(grams) if grams else np.zeros(0, dtype=_U64),
+                      np.concatenate(counts) if counts else np.zeros(len(texts), dtype=np.int64))
 
 
 def candidate_probability(similarity: np.ndarray | float, bands: np.ndarray | int,

@@ -3,13 +3,14 @@
 Stages, each leaving a completion marker in a work directory named after everything that decides the output
 (the inputs' content and the settings), so that an interrupted prepare resumes where it stopped:
 
-1. scan, one task per input file, in parallel worker processes: read, normalise and clean the documents; keep
-   each survivor's text, exact key, split and MinHash signature in the input's own work files.
+1. scan, one task per run of consecutive input files of a source (about TASK_BYTES), in parallel worker
+   processes: read, normalise and clean the documents; keep each survivor's text, exact key, split, MinHash
+   signature and decontamination n-gram hashes (all three hashed from one normalisation) in the task's work files.
 2. dedup, in the main process: exact duplicates (first occurrence kept), then MinHash-LSH near duplicates
    (union-find, the cluster's first document kept), across all sources and both splits.
 3. tokenizer: byte, a given tokenizer.json, or BPE trained on the deduplicated training documents.
-4. encode, one task per input file, in parallel: drop training documents that share a long n-gram with the
-   validation split or the evaluation files, and tokenize the rest.
+4. encode, the same tasks in the same worker processes: drop training documents that share a long n-gram with
+   the validation split or the evaluation files, and tokenize the rest.
 5. shards, in the main process: every source's tokens, in input order, cut into files of `shard_tokens` tokens.
 
 Documents are always visited in input order and every choice is a function of content, so the output is
@@ -24,9 +25,9 @@ import fcntl
 import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -37,24 +38,38 @@ import numpy as np
 
 from keel.config import DataConfig
 from keel.data.clean import Cleaner, merge_stats
-from keel.data.dedup import MinHasher, exact_key, lsh_formula, lsh_params, near_duplicate_roots, ngram_hashes
+from keel.data.dedup import (
+    MinHasher,
+    lsh_formula,
+    lsh_params,
+    near_duplicate_roots,
+    ngram_hashes,
+    scan_hashes,
+)
 from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
 from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
 from keel.data.stats import STATS
-from keel.data.tokenizer import Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
-from keel.data.workers import Progress, run_tasks
+from keel.data.tokenizer import ByteTokenizer, Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
+from keel.data.workers import Progress, Workers
 from keel.errors import DataError
 
 __all__ = ["BUILTIN_STDLIB", "describe", "is_validation", "prepare", "stdlib_files", "unigram_entropy"]
 
 SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call cost, bounds memory
+BATCH_BYTES = 4 << 20  # ... and at most about this much text, whatever the documents' lengths
+TASK_BYTES = 2 << 20  # a task takes consecutive input files of one source until it holds this many bytes: a task's
+# work files and markers cost a few file creations, which would outweigh the work on a corpus of small files
 MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
 SPLITS = ("train", "val")
 COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
+COUNT_TOKENS = 1 << 16  # tokens counted at a time (their 64-bit copy stays in the cache)
 LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogram of kept documents, in tokens
 
-# One record per kept document in an input's .meta file: text offset, text length, exact key, validation flag.
-META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1")])
+# One record per kept document in a task's .meta file: text offset, text length, exact key, validation flag, the
+# index of its input file and its number of decontamination n-grams (whose hashes the .grams file holds).
+META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1"), ("input", "<u4"),
+                 ("grams", "<u8")])
+WORK_LAYOUT = 2  # in the work directory's name: a prepare never resumes from work files laid out otherwise
 
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
@@ -105,50 +120,96 @@ def _marked(path: Path) -> dict | None:
 
 
 def _marks(work: Path, stage: str, count: int) -> list[dict]:
-    """The records every input's task of `stage` marked done with (all of them ran)."""
+    """The records every task of `stage` marked done with (all of them ran)."""
     return [json.loads((work / f"{i:06d}.{stage}").read_text()) for i in range(count)]
+
+
+# ---------------------------------------------------------------- tasks
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """Consecutive input files of one source, scanned and encoded together; `first` is the first one's index."""
+
+    index: int
+    first: int
+    files: tuple[InputFile, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def source(self) -> str:
+        return self.files[0].source
+
+
+def tasks_of(inputs: list[InputFile]) -> list[_Task]:
+    """The inputs cut into tasks of about TASK_BYTES, a source's files never mixed with another's. The cut depends
+    on the inputs alone (not on the number of workers), so a resumed prepare finds the tasks it marked done."""
+    tasks: list[_Task] = []
+    start, size = 0, 0
+    for i, f in enumerate(inputs):
+        if i > start and (size >= TASK_BYTES or f.source != inputs[start].source):
+            tasks.append(_Task(len(tasks), start, tuple(inputs[start:i])))
+            start, size = i, 0
+        size += f.size
+    if inputs:
+        tasks.append(_Task(len(tasks), start, tuple(inputs[start:])))
+    return tasks
 
 
 # ---------------------------------------------------------------- stage 1: scan
 
-def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
-    """Clean one input's documents; write their text, metadata and MinHash signatures; mark it done."""
-    marker = work / f"{index:06d}.scan"
+def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
+    """Clean one task's documents; write their text, metadata and MinHash signatures; mark it done."""
+    marker = work / f"{task.index:06d}.scan"
     if marker.is_file():
         return
     cleaner = Cleaner(data.clean)
     malformed: list[str] = []
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
-    paths = {kind: work / f"{index:06d}.{kind}" for kind in ("text", "meta", "sig")}
+    paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig", "grams")}
     tmp = {kind: p.with_name(p.name + part) for kind, p in paths.items()}
     documents = source_bytes = 0
-    with open(tmp["text"], "wb") as text_out, open(tmp["meta"], "wb") as meta_out, open(tmp["sig"], "wb") as sig_out:
+    with ExitStack() as stack:
+        out = {kind: stack.enter_context(open(path, "wb")) for kind, path in tmp.items()}
+        text_out = out["text"]
         batch: list[str] = []
         metas: list[tuple] = []
+        batch_bytes = offset = 0
 
         def flush() -> None:
             if batch:
-                if data.dedup.near:  # the signatures are the one costly part of the scan
-                    sig_out.write(np.ascontiguousarray(hasher.signatures(batch), dtype="<u4").tobytes())
-                meta_out.write(np.array(metas, dtype=META).tobytes())
+                hashed = scan_hashes(batch, hasher if data.dedup.near else None,
+                                     data.decontam.ngram if data.decontam.enabled else 0)
+                out["sig"].write(np.ascontiguousarray(hashed.signatures, dtype="<u4").tobytes())
+                out["grams"].write(hashed.grams.astype("<u8", copy=False).tobytes())
+                records = np.array(metas, dtype=META)
+                records["key"] = np.array(hashed.keys, dtype="V16")
+                records["grams"] = hashed.gram_counts
+                out["meta"].write(records.tobytes())
                 batch.clear()
                 metas.clear()
 
-        offset = 0
-        for number, text in enumerate(read_documents(f, data.text_field, malformed)):
-            documents += 1
-            source_bytes += len(text.encode("utf-8"))
-            cleaned, _ = cleaner.clean(text, f.is_code, f"{f.path}#{number}")
-            if cleaned is None:
-                continue
-            body = cleaned.encode("utf-8")
-            text_out.write(body)
-            metas.append((offset, len(body), exact_key(cleaned), is_validation(body, data.val_fraction)))
-            offset += len(body)
-            batch.append(cleaned)
-            if len(batch) >= SIGNATURE_BATCH:
-                flush()
+        for index, f in enumerate(task.files, task.first):
+            for number, text in enumerate(read_documents(f, data.text_field, malformed)):
+                documents += 1
+                body = text.encode("utf-8")
+                source_bytes += len(body)
+                cleaned, _ = cleaner.clean(text, f.is_code, f"{f.path}#{number}")
+                if cleaned is None:
+                    continue
+                if cleaned is not text:
+                    body = cleaned.encode("utf-8")
+                text_out.write(body)
+                metas.append((offset, len(body), b"", is_validation(body, data.val_fraction), index, 0))
+                offset += len(body)
+                batch.append(cleaned)
+                batch_bytes += len(body)
+                if len(batch) >= SIGNATURE_BATCH or batch_bytes >= BATCH_BYTES:
+                    flush()
+                    batch_bytes = 0
         flush()
     for kind in paths:
         os.replace(tmp[kind], paths[kind])
@@ -157,11 +218,22 @@ def _scan_input(f: InputFile, index: int, work: Path, data: DataConfig) -> None:
 
 
 def _texts(work: Path, index: int, meta: np.ndarray, rows: np.ndarray) -> Iterator[tuple[int, str]]:
-    """(row, text) of an input's kept documents `rows`, streamed from its text file."""
-    with open(work / f"{index:06d}.text", "rb") as f:
-        for row in rows:
-            f.seek(int(meta["offset"][row]))
-            yield int(row), f.read(int(meta["length"][row])).decode("utf-8", errors="replace")
+    """(row, text) of a task's kept documents `rows`, read from its text file through a memory map (the file may
+    be larger than memory; one read call per document would cost more than the decoding)."""
+    path = work / f"{index:06d}.text"
+    if not len(rows) or not path.stat().st_size:
+        yield from ((int(row), "") for row in rows)
+        return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
+        offsets, lengths = meta["offset"][rows].tolist(), meta["length"][rows].tolist()
+        for row, start, length in zip(rows.tolist(), offsets, lengths, strict=True):
+            yield row, text[start:start + length].decode("utf-8", errors="replace")
+
+
+def _origin(inputs: list[InputFile], meta: np.ndarray, row: int) -> str:
+    """`path#n` of a task's kept document `row`: n counts the kept documents of its input file."""
+    index = int(meta["input"][row])
+    return f"{inputs[index].path}#{row - int(np.searchsorted(meta['input'], index))}"
 
 
 def _read_meta(work: Path, index: int) -> np.ndarray:
@@ -170,13 +242,13 @@ def _read_meta(work: Path, index: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- stage 2: dedup
 
-def _dedup(work: Path, inputs: list[InputFile], data: DataConfig) -> dict:
+def _dedup(work: Path, tasks: list[_Task], inputs: list[InputFile], data: DataConfig) -> dict:
     """Decide which documents survive deduplication: writes `keep.npy` (one flag per scanned document, in input
     order) and the counts. Exact duplicates first; near duplicates among the rest."""
     marker = work / "dedup.done"
     if (done := _marked(marker)) is not None:
         return done
-    metas = [_read_meta(work, i) for i in range(len(inputs))]
+    metas = [_read_meta(work, t.index) for t in tasks]
     keys = np.concatenate([m["key"] for m in metas]) if metas else np.empty(0, dtype="V16")
     total = len(keys)
     alive = np.zeros(total, dtype=bool)
@@ -192,7 +264,7 @@ def _dedup(work: Path, inputs: list[InputFile], data: DataConfig) -> dict:
     bands, rows = (dc.bands, dc.rows) if dc.bands and dc.rows else lsh_params(dc.threshold, dc.num_perm)
     near, near_dup, roots = 0, np.zeros(total, dtype=bool), np.arange(total)
     if dc.near and total:
-        signatures = _signatures(work, len(inputs), total, dc.num_perm)
+        signatures = _signatures(work, len(tasks), total, dc.num_perm)
         roots = near_duplicate_roots(signatures, bands, rows, dc.threshold, alive)
         near_dup = alive & (roots != np.arange(total))
         near = int(near_dup.sum())
@@ -223,29 +295,30 @@ def _samples(work: Path, inputs: list[InputFile], metas: list[np.ndarray], remov
         i, row = locate(int(doc))
         ki, krow = locate(int(kept[doc]))
         (_, text), = _texts(work, i, metas[i], np.array([row]))
-        out.append({"origin": f"{inputs[i].path}#{row}", "kept": f"{inputs[ki].path}#{krow}", "text": text[:2000]})
+        out.append({"origin": _origin(inputs, metas[i], row), "kept": _origin(inputs, metas[ki], krow),
+                    "text": text[:2000]})
     return out
 
 
-def _signatures(work: Path, n_inputs: int, total: int, num_perm: int) -> np.ndarray:
-    """All signatures as one memmap, (documents, num_perm), built by appending the inputs' files."""
+def _signatures(work: Path, n_tasks: int, total: int, num_perm: int) -> np.ndarray:
+    """All signatures as one memmap, (documents, num_perm), built by appending the tasks' files."""
     path = work / "signatures.u4"
     if not path.is_file() or path.stat().st_size != total * num_perm * 4:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         with open(tmp, "wb") as out:
-            for i in range(n_inputs):
+            for i in range(n_tasks):
                 with open(work / f"{i:06d}.sig", "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 22)
         os.replace(tmp, path)
     return np.memmap(path, dtype="<u4", mode="r", shape=(total, num_perm))
 
 
-def _keep_slices(work: Path, inputs: list[InputFile]) -> list[np.ndarray]:
-    """Per input, the rows of its scanned documents that survived deduplication."""
+def _keep_slices(work: Path, tasks: list[_Task]) -> list[np.ndarray]:
+    """Per task, the rows of its scanned documents that survived deduplication."""
     keep = np.load(work / "keep.npy")
-    sizes = [len(_read_meta(work, i)) for i in range(len(inputs))]
+    sizes = [len(_read_meta(work, t.index)) for t in tasks]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return [np.nonzero(keep[bounds[i]:bounds[i + 1]])[0] for i in range(len(inputs))]
+    return [np.nonzero(keep[bounds[i]:bounds[i + 1]])[0] for i in range(len(tasks))]
 
 
 # ---------------------------------------------------------------- stage 3: tokenizer
@@ -277,47 +350,104 @@ def _tokenizer(work: Path, keep: list[np.ndarray], data: DataConfig) -> Tokenize
 
 # ---------------------------------------------------------------- stage 4: encode
 
-def _encode_input(f: InputFile, index: int, work: Path, data: DataConfig, rows: np.ndarray) -> None:
-    """Tokenize one input's surviving documents, dropping contaminated training ones; writes per split a token
-    file and the documents' token counts, and marks the input done."""
-    marker = work / f"{index:06d}.encode"
+def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, inputs: list[InputFile]) -> None:
+    """Tokenize one task's surviving documents, dropping contaminated training ones; writes per split a token file
+    and the documents' token counts, and marks the task done."""
+    marker = work / f"{task.index:06d}.encode"
     if marker.is_file():
         return
     tokenizer = _cached_tokenizer(work, (work / "tokenizer.done").read_text())
-    banned = np.load(work / "contamination.npy", mmap_mode="r") if data.decontam.enabled else None
-    meta = _read_meta(work, index)
+    banned = _banned(work) if data.decontam.enabled else None
+    meta = _read_meta(work, task.index)
+    grams = _TaskGrams(work, task.index, meta) if banned is not None and len(banned) else None
     dtype = token_dtype(tokenizer.vocab_size)
     part = f".{os.getpid()}.tmp"
-    outputs = {split: (work / f"{index:06d}.{split}.tok", work / f"{index:06d}.{split}.len") for split in SPLITS}
+    outputs = {split: (work / f"{task.index:06d}.{split}.tok", work / f"{task.index:06d}.{split}.len")
+               for split in SPLITS}
     contaminated = 0
     samples: list[dict] = []
     with ExitStack() as stack:
         files = {split: (stack.enter_context(open(a.with_name(a.name + part), "wb")),
                          stack.enter_context(open(b.with_name(b.name + part), "wb")))
                  for split, (a, b) in outputs.items()}
-        pending: list[tuple[int, str]] = []
-
-        def flush() -> None:
-            for (row, _), tokens in zip(pending, tokenizer.encode_documents([t for _, t in pending]), strict=True):
-                tok_out, len_out = files["val" if meta["val"][row] else "train"]
-                tok_out.write(tokens.astype(dtype).tobytes())
-                len_out.write(struct.pack("<Q", len(tokens)))
-            pending.clear()
-
-        for row, text in _texts(work, index, meta, rows):
-            if banned is not None and not meta["val"][row] and _contaminated(text, data.decontam.ngram, banned):
-                contaminated += 1
-                if len(samples) < data.clean.samples:
-                    samples.append({"origin": f"{f.path}#{row}", "text": text[:2000]})
-                continue
-            pending.append((row, text))
-            if len(pending) >= SIGNATURE_BATCH:
-                flush()
-        flush()
+        text = stack.enter_context(_TaskText(work / f"{task.index:06d}.text"))
+        for batch in np.array_split(rows, np.flatnonzero(_batch_starts(meta["length"][rows]))[1:]):
+            is_val = meta["val"][batch].astype(bool)
+            dropped = np.zeros(len(batch), dtype=bool)
+            if grams is not None and banned is not None:
+                dropped[~is_val] = grams.contaminated(batch[~is_val], banned)
+            for row in batch[dropped][: max(0, data.clean.samples - len(samples))].tolist():
+                samples.append({"origin": _origin(inputs, meta, row),
+                                "text": text.document(meta, row)[:2000]})
+            contaminated += int(dropped.sum())
+            for split, chosen in (("train", ~is_val & ~dropped), ("val", is_val)):
+                if chosen.any():
+                    tokens, lengths = _tokens(tokenizer, text, meta, batch[chosen], dtype)
+                    tok_out, len_out = files[split]
+                    tok_out.write(tokens.tobytes())
+                    len_out.write(lengths.astype("<u8").tobytes())
     for a, b in outputs.values():
         os.replace(a.with_name(a.name + part), a)
         os.replace(b.with_name(b.name + part), b)
     _mark(marker, {"contaminated": contaminated, "samples": samples})
+
+
+def _batch_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where batches of at most SIGNATURE_BATCH documents and about BATCH_BYTES of text start (a mask)."""
+    starts = np.zeros(len(lengths), dtype=bool)
+    size = count = 0
+    for i, length in enumerate(lengths.tolist()):
+        if count >= SIGNATURE_BATCH or size >= BATCH_BYTES:
+            starts[i] = True
+            size = count = 0
+        size += length
+        count += 1
+    if len(starts):
+        starts[0] = True
+    return starts
+
+
+class _TaskText:
+    """A task's text file, memory-mapped (it may be larger than memory)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.map: mmap.mmap | None = None
+
+    def __enter__(self) -> _TaskText:
+        if self.path.stat().st_size:
+            with open(self.path, "rb") as f:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.map is not None:
+            self.map.close()
+
+    def utf8(self, meta: np.ndarray, row: int) -> bytes:
+        start = int(meta["offset"][row])
+        return self.map[start:start + int(meta["length"][row])] if self.map is not None else b""
+
+    def document(self, meta: np.ndarray, row: int) -> str:
+        return self.utf8(meta, row).decode("utf-8", errors="replace")
+
+
+def _tokens(tokenizer: Tokenizer, text: _TaskText, meta: np.ndarray, rows: np.ndarray,
+            dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The documents `rows` tokenized and concatenated, and each one's token count. The byte tokenizer's ids are
+    the text's UTF-8 bytes (the scan wrote valid UTF-8), framed by BOS and EOS: they are copied from the text file
+    as they are, with no decoding and encoding again."""
+    if not isinstance(tokenizer, ByteTokenizer):
+        encoded = tokenizer.encode_documents([text.document(meta, row) for row in rows.tolist()])
+        return np.concatenate(encoded).astype(dtype), np.array([len(e) for e in encoded], dtype=np.int64)
+    lengths = meta["length"][rows].astype(np.int64) + 2
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+    out[ends - lengths] = tokenizer.bos
+    out[ends - 1] = tokenizer.eos
+    for end, row, length in zip(ends.tolist(), rows.tolist(), lengths.tolist(), strict=True):
+        out[end - length + 1:end - 1] = np.frombuffer(text.utf8(meta, row), dtype=np.uint8)
+    return out, lengths
 
 
 @functools.lru_cache(maxsize=2)
@@ -326,12 +456,52 @@ def _cached_tokenizer(work: Path, described: str) -> Tokenizer:
     return open_tokenizer(work, json.loads(described))
 
 
-def _contaminated(text: str, n: int, banned: np.ndarray) -> bool:
-    grams = ngram_hashes(text, n)
-    if not len(grams) or not len(banned):
-        return False
-    at = np.searchsorted(banned, grams).clip(max=len(banned) - 1)
-    return bool((banned[at] == grams).any())
+class _NgramSet:
+    """Sorted n-gram hashes behind a table of their top bits: almost every n-gram of a training document is not
+    in the set, and a table lookup tells so for the cost of one gather, where a binary search over the whole set
+    would take a dozen dependent reads. Only what the table lets through is searched."""
+
+    def __init__(self, hashes: np.ndarray) -> None:
+        self.hashes = np.asarray(hashes)
+        bits = int(np.clip(np.ceil(np.log2(max(1, len(self.hashes)) * 64)), 16, 24))  # ~1/64 let through
+        self.shift = np.uint64(64 - bits)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[self.hashes >> self.shift] = True
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def contains(self, grams: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(grams), dtype=bool)
+        maybe = np.flatnonzero(self.table[grams >> self.shift])
+        if len(maybe):
+            at = np.searchsorted(self.hashes, grams[maybe]).clip(max=len(self.hashes) - 1)
+            found[maybe] = self.hashes[at] == grams[maybe]
+        return found
+
+
+@functools.lru_cache(maxsize=2)
+def _banned(work: Path) -> _NgramSet:
+    """The contamination set, loaded once per worker (it is fixed once the contamination stage is done)."""
+    return _NgramSet(np.load(work / "contamination.npy"))
+
+
+class _TaskGrams:
+    """A task's decontamination n-gram hashes as the scan wrote them (memory-mapped): looking them up costs a
+    gather, where hashing the documents again cost more than all the rest of the encoding."""
+
+    def __init__(self, work: Path, index: int, meta: np.ndarray) -> None:
+        path = work / f"{index:06d}.grams"
+        self.hashes = np.memmap(path, dtype="<u8", mode="r") if path.stat().st_size else np.zeros(0, np.uint64)
+        self.counts = meta["grams"].astype(np.int64)
+        self.starts = np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.int64)
+
+    def contaminated(self, rows: np.ndarray, banned: _NgramSet) -> np.ndarray:
+        """Which of the documents `rows` share a word n-gram with `banned`."""
+        counts = self.counts[rows]
+        owner = np.repeat(np.arange(len(rows)), counts)
+        at = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts) + self.starts[rows][owner]
+        return np.bincount(owner[banned.contains(np.asarray(self.hashes[at]))], minlength=len(rows)) > 0
 
 
 def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile], data: DataConfig) -> dict:
@@ -361,9 +531,9 @@ def _contamination_set(work: Path, keep: list[np.ndarray], evals: list[InputFile
 
 # ---------------------------------------------------------------- stage 5: shards
 
-def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConfig, dtype: np.dtype,
+def _write_shards(work: Path, tmp: Path, tasks: list[_Task], data: DataConfig, dtype: np.dtype,
                   tokenizer: Tokenizer) -> tuple[list[dict], dict]:
-    """Cut every source's tokens (inputs in order) into files of `shard_tokens` tokens; returns the file entries
+    """Cut every source's tokens (tasks in order) into files of `shard_tokens` tokens; returns the file entries
     and per source and split: documents, tokens, text bytes, token counts and document lengths."""
     vocab_size, token_bytes = tokenizer.vocab_size, tokenizer.token_bytes()
     entries: list[dict] = []
@@ -373,13 +543,15 @@ def _write_shards(work: Path, tmp: Path, inputs: list[InputFile], data: DataConf
             counts = np.zeros(vocab_size, dtype=np.int64)
             lengths: list[np.ndarray] = []
             writer = ShardWriter(tmp, f"{source}-{split}", source, split, dtype, data.shard_tokens, entries)
-            for i, f in enumerate(inputs):
-                if f.source != source:
+            for task in tasks:
+                if task.source != source:
                     continue
+                i = task.index
                 lengths.append(np.fromfile(work / f"{i:06d}.{split}.len", dtype="<u8"))
                 with open(work / f"{i:06d}.{split}.tok", "rb") as tok_file:
                     while len(tokens := np.fromfile(tok_file, dtype=dtype, count=COPY_TOKENS)):
-                        counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+                        for at in range(0, len(tokens), COUNT_TOKENS):  # bincount widens to int64: cache-sized
+                            counts += np.bincount(tokens[at:at + COUNT_TOKENS], minlength=vocab_size)[:vocab_size]
                         writer.write(tokens)
             writer.close()
             doc_lengths = np.concatenate(lengths) if lengths else np.empty(0, dtype="<u8")
@@ -413,7 +585,7 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
     existing = _existing_corpus(out, fingerprint, force)
     if existing is not None:
         return existing
-    work = out.parent / f".{out.name}.work-{fingerprint[:16]}"
+    work = out.parent / f".{out.name}.work-{fingerprint[:16]}-{WORK_LAYOUT}"
     work.mkdir(exist_ok=True)
     stages = _run_stages(work, data, inputs, evals, progress)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -459,21 +631,23 @@ class _Stages:
 def _run_stages(work: Path, data: DataConfig, inputs: list[InputFile], evals: list[InputFile],
                 progress: bool) -> _Stages:
     workers = data.workers or min(8, os.cpu_count() or 1)
-    total_bytes = sum(f.size for f in inputs)
-    bar = Progress("clean and hash", total_bytes, progress)
-    run_tasks(_scan_input, [(f, i, work, data) for i, f in enumerate(inputs)], workers, bar)
-    bar.finish()
-    scans = _marks(work, "scan", len(inputs))
-    if progress:
-        print("deduplicating ...", file=sys.stderr, flush=True)
-    dedup = _dedup(work, inputs, data)
-    keep = _keep_slices(work, inputs)
-    tokenizer = _tokenizer(work, keep, data)
-    contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
-    bar = Progress("decontaminate and tokenize", total_bytes, progress)
-    run_tasks(_encode_input, [(f, i, work, data, keep[i]) for i, f in enumerate(inputs)], workers, bar)
-    bar.finish()
-    return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(inputs)))
+    tasks = tasks_of(inputs)
+    total_bytes = sum(t.size for t in tasks)
+    with Workers(workers) as pool:
+        bar = Progress("clean and hash", total_bytes, progress)
+        pool.run(_scan_task, [(t, work, data) for t in tasks], bar)
+        bar.finish()
+        scans = _marks(work, "scan", len(tasks))
+        if progress:
+            print("deduplicating ...", file=sys.stderr, flush=True)
+        dedup = _dedup(work, tasks, inputs, data)
+        keep = _keep_slices(work, tasks)
+        tokenizer = _tokenizer(work, keep, data)
+        contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
+        bar = Progress("decontaminate and tokenize", total_bytes, progress)
+        pool.run(_encode_task, [(t, work, data, keep[t.index], inputs) for t in tasks], bar)
+        bar.finish()
+    return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(tasks)))
 
 
 def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFile], stages: _Stages,
@@ -481,7 +655,7 @@ def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFil
     """Stage 5 into `tmp`: the shards, the tokenizer, the stats, the removed samples and the manifest."""
     tokenizer = stages.tokenizer
     dtype = token_dtype(tokenizer.vocab_size)
-    entries, totals = _write_shards(work, tmp, inputs, data, dtype, tokenizer)
+    entries, totals = _write_shards(work, tmp, tasks_of(inputs), data, dtype, tokenizer)
     tokenizer.save(tmp)
     stats = _stats(inputs, stages.scans, stages.dedup, stages.encodes, totals, tokenizer, stages.contamination)
     for split in SPLITS:

@@ -138,7 +138,7 @@ class ShardWriter:
                 self.file = open(self.directory / self.name, "wb")  # noqa: SIM115
                 self.in_file, self.hash = 0, hashlib.sha256()
             take = tokens[: self.size - self.in_file]
-            data = take.astype(self.dtype).tobytes()
+            data = np.ascontiguousarray(take, dtype=self.dtype).data.cast("B")  # no copy when it is one already
             self.file.write(data)
             self.hash.update(data)
             self.in_file += len(take)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from multiprocessing import get_all_start_methods, get_context
+from multiprocessing.context import BaseContext
 
 
 class Progress:
@@ -22,9 +24,9 @@ class Progress:
         self.done, self.files, self.start, self.last = 0, 0, time.monotonic(), 0.0
         self.tty = enabled and sys.stderr.isatty()
 
-    def advance(self, nbytes: int) -> None:
+    def advance(self, nbytes: int, files: int = 1) -> None:
         self.done += nbytes
-        self.files += 1
+        self.files += files
         now = time.monotonic()
         if self.enabled and (self.tty or now - self.last >= 10 or self.done >= self.total):
             self.last = now
@@ -45,20 +47,43 @@ def one_thread() -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
 
 
-def run_tasks(task: Callable, items: list[tuple], workers: int, progress: Progress) -> None:
-    """Run `task(*item)` for every item, in worker processes when there are several, advancing the progress
-    by each item's first element's size. Results are files with markers, so the order of completion is free."""
-    if workers <= 1 or len(items) <= 1:
-        for item in items:
-            task(*item)
-            progress.advance(item[0].size)
-        return
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=one_thread) as pool:
-        futures = {pool.submit(task, *item): item for item in items}
+def _start_method() -> BaseContext:
+    """fork when this process runs one thread: a forked worker starts with every module imported (a spawned one
+    imports numpy and keel again, a quarter of a second of CPU). With other threads running (a training job's
+    launcher prepares its corpus), a fork could copy a lock that one of them holds: spawn."""
+    if threading.active_count() == 1 and "fork" in get_all_start_methods():
+        return get_context("fork")
+    return get_context("spawn")
+
+
+class Workers:
+    """The worker processes of one prepare, started at its first parallel stage and kept for the next: starting
+    a worker (an interpreter, numpy, keel's data modules) costs about as much CPU as scanning megabytes."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def run(self, task: Callable, items: list[tuple], progress: Progress) -> None:
+        """Run `task(*item)` for every item, in the worker processes when there are several, advancing the
+        progress by each item's first element's size and number of files. Results are files with markers, so
+        the order of completion is free."""
+        if self.workers <= 1 or len(items) <= 1:
+            for item in items:
+                task(*item)
+                progress.advance(item[0].size, len(item[0].files))
+            return
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=_start_method(),
+                                            initializer=one_thread)
+        futures = {self.pool.submit(task, *item): item for item in items}
         for future in futures:  # in submission order; the first error is raised, the rest are cancelled
-            try:
-                future.result()
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
-            progress.advance(futures[future][0].size)
+            future.result()
+            progress.advance(futures[future][0].size, len(futures[future][0].files))

@@ -26,6 +26,7 @@ from keel.data.dedup import (
     lsh_params,
     near_duplicate_roots,
     ngram_hashes,
+    scan_hashes,
     shingles,
     shingles_batch,
 )
@@ -107,6 +108,21 @@ def test_shingles_depend_on_the_gram_only() -> None:
     # Grams that differ by one word or one byte do not collide.
     assert shingles("a b c d e", "word", 5)[0] != shingles("a b c d f", "word", 5)[0]
     assert shingles("ab", "word", 1)[0] != shingles("a b", "word", 2)[0]
+
+
+def test_scan_hashes_match_each_hash_of_each_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(2)
+    texts = [" ".join(random_text(rng, int(k))) for k in rng.integers(0, 40, size=30)]
+    texts += ["", "  ", "\t Lead AND\n\ntrail  ", "x\x1cY\x0bz", "Straße  X", "\u00a0lead", "ünï cödé"]
+    monkeypatch.setattr(dedup, "_GROUP_BYTES", 100)  # many groups: texts must not leak across group bounds
+    hasher = MinHasher(32, 5, "word", 3)
+    got = scan_hashes(texts, hasher, 4)
+    assert np.array_equal(got.signatures, np.stack([hasher.signatures([t])[0] for t in texts]))
+    assert got.keys == [exact_key(t) for t in texts]
+    assert got.gram_counts.tolist() == [len(ngram_hashes(t, 4)) for t in texts]
+    assert np.array_equal(got.grams, np.concatenate([ngram_hashes(t, 4) for t in texts]))
+    none = scan_hashes(texts, None, 0, keys=False)
+    assert none.signatures.shape == (len(texts), 0) and not none.keys and not len(none.grams)
 
 
 def test_batches_match_single_texts(monkeypatch: pytest.MonkeyPatch) -> None:
