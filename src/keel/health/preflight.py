@@ -220,17 +220,29 @@ def blame_senders(checks: list[Check]) -> list[Check]:
                          rank=sender, node=nodes.get(sender, "?")) for sender, at in sorted(receivers.items())]
 
 
-def _rank_values(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+PATTERN = 1021  # a prime: no power-of-two block of a probe, moved or repeated, lines up with it again
+
+
+def _pattern(rank: int) -> torch.Tensor:
     """Known to every rank: small integers, so that sums are exact in fp32."""
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return torch.randint(0, 64, (numel,), generator=generator).float().to(device)
+    return torch.randint(0, 64, (PATTERN,), generator=torch.Generator().manual_seed(1000 + rank)).float()
+
+
+def _tiled(pattern: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """`pattern` repeated over `numel` elements: a probe costs a copy to make, not a random draw per element,
+    and a wrong element is found wherever it lies."""
+    return pattern.repeat(-(-numel // PATTERN))[:numel].to(device)
+
+
+def _rank_values(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+    return _tiled(_pattern(rank), numel, device)
 
 
 def collective_checks(probe_bytes: int, device: torch.device,
                       corrupt: Callable[[torch.Tensor], None] | None) -> list[Check]:
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = max(1024, probe_bytes // 4)
-    expected = sum(_rank_values(r, numel, device) for r in range(world))
+    expected = _tiled(torch.stack([_pattern(r) for r in range(world)]).sum(0), numel, device)
     mine = _rank_values(rank, numel, device)
     if corrupt is not None:
         corrupt(mine)
@@ -239,19 +251,19 @@ def collective_checks(probe_bytes: int, device: torch.device,
     small = mine[:1024].clone()
     parts = [torch.empty_like(small) for _ in range(world)]
     dist.all_gather(parts, small)
-    bad = [r for r, part in enumerate(parts) if not torch.equal(part, _rank_values(r, numel, device)[:1024])]
+    bad = [r for r, part in enumerate(parts) if not torch.equal(part, _rank_values(r, 1024, device))]
     for sender in bad:
         checks.append(Check("allgather_correct", False, f"the part from rank {sender} arrived wrong at rank {rank}",
                             rank=sender, values={"sender": sender, "receiver": rank}))
     # All-reduce: correctness here, and the bus bandwidth (2(n-1)/n of the bytes cross each link).
-    buffer = mine.clone()
+    buffer = mine  # the parts above are copies
     dist.barrier()
     started = time.perf_counter()
     dist.all_reduce(buffer)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
-    wrong = int((buffer != expected).sum())
+    wrong = 0 if torch.equal(buffer, expected) else int((buffer != expected).sum())
     if wrong:
         checks.append(Check("allreduce_correct", False, f"all-reduce result wrong in {wrong} of {numel} elements"))
     busbw = 2 * (world - 1) / world * numel * 4 / seconds
