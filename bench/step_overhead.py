@@ -52,15 +52,14 @@ SHAPES: dict[str, tuple[str, list[str]]] = {
 }
 # What turns each default feature off (keel.config.schema). Eval still runs at the end with interval 0, the
 # last step is still saved whatever the checkpoint interval, and SDC checks still run before a checkpoint
-# and when another guard fires: keel has no switch for those. The straggler gather (every 20 steps) profiles its
-# step whatever monitor.profile_interval says.
+# and when another guard fires: keel has no switch for those. The profiler is off by default (its switch
+# `monitor.profile_interval=N` turns it on).
 FEATURES: dict[str, list[str]] = {
     "guards": ["guard.enabled=false"],
     "sdc": ["guard.sdc.fingerprint_interval=0", "guard.sdc.replay_interval=0"],
     "watchdog": ["health.watchdog.enabled=false"],
     "telemetry": ["monitor.telemetry_interval_s=0"],
     "exporter": ["monitor.prometheus_port=0"],
-    "profiler": ["monitor.profile_interval=0"],
     "eval": ["eval.interval=0", "eval.final=false"],
     "checkpoints": [f"checkpoint.interval={2**62}"],
     "preflight": ["health.preflight=off"],
@@ -69,7 +68,7 @@ FEATURES: dict[str, list[str]] = {
 }
 # keel with its defaults / the bare loop, on the tiny shape with 2 processes.
 TARGETS = {"step_s": 1.03, "cpu_s": 1.08, "first_step_s": 1.1}
-DEFAULT_FEATURES = ["guards", "sdc", "watchdog", "telemetry", "exporter", "profiler", "eval", "checkpoints"]
+DEFAULT_FEATURES = ["guards", "sdc", "watchdog", "telemetry", "exporter", "eval", "checkpoints"]
 
 
 # ---------------------------------------------------------------- what one run's records say

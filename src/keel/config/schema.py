@@ -218,8 +218,8 @@ class MonitorConfig:
     peak_flops: str = option("auto", "peak FLOP/s per device for MFU: auto (the accelerator catalog; measured on a "
                              "CPU; unknown devices report MFU as unknown), measure (a matmul probe at start), or "
                              "a number such as 989e12")
-    profile_interval: int = option(50, "profile one step in this many to measure time in collectives "
-                                   "(0: never)", ge=0)
+    profile_interval: int = option(0, "profile one step in this many to measure time in collectives "
+                                   "(0, the default: never; a profiled step takes 1-3 s longer)", ge=0)
     telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
                                          "node (0: no telemetry)", ge=0, le=YEAR_S)
     prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "
