@@ -347,7 +347,8 @@ class HealthConfig:
                             "on), fail (end the run naming the node and rank: exit 2 for the checkpoint storage, "
                             "76 with the node quarantined for a node's own fault) or off",
                             choices=("warn", "fail", "off"))
-    preflight_probe_mib: int = option(64, "size of the storage and all-reduce probes (MiB)", ge=1)
+    preflight_probe_mib: int = option(64, "largest size of the storage and all-reduce probes (MiB; smaller when "
+                                      "a checkpoint or the model's fp32 gradients are)", ge=1)
     min_host_memory_gib: float = option(1.0, "preflight: host memory that must be available (GiB)", ge=0)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

@@ -68,13 +68,15 @@ def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: Event
     mine: list[Check] = []
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: the node's view of the storage
         keep = cfg.checkpoint.keep_last + 1  # what retention holds, and the save being written beside them
-        mine += storage_checks(checkpoint_dir, keep * last_checkpoint_bytes(checkpoint_dir, n_params), probe_bytes,
+        one = last_checkpoint_bytes(checkpoint_dir, n_params)
+        mine += storage_checks(checkpoint_dir, keep * one, proportionate(probe_bytes, one),
                                f"{keep} checkpoints (checkpoint.keep_last + 1)")
         mine.append(host_memory_check(cfg.health.min_host_memory_gib))
     if device.type == "cuda":
         mine += gpu_checks(device)
     mine.append(compute_probe(device))
-    mine += collective_checks(probe_bytes, device, corrupt)
+    # A step's reduction moves the fp32 gradients: 4 bytes per parameter.
+    mine += collective_checks(proportionate(probe_bytes, 4 * n_params), device, corrupt)
     for check in mine:
         if check.rank < 0:
             check.rank, check.node = rank, node_name()
@@ -92,6 +94,12 @@ def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: Event
     if summary:
         say("preflight: " + "; ".join(c.detail for c in summary))
     return checks
+
+
+def proportionate(probe_bytes: int, job_bytes: int) -> int:
+    """A probe no larger than what the job itself moves (a checkpoint, a step's gradients): whole MiB, at
+    least one, at most `probe_bytes` (health.preflight_probe_mib)."""
+    return max(1 << 20, min(probe_bytes, job_bytes) >> 20 << 20)
 
 
 def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | None:

@@ -259,3 +259,11 @@ def test_the_collective_probe_finds_one_wrong_element_wherever_it_lies(group: No
         failed = [c.detail for c in collective_checks(1 << 20, torch.device("cpu"), corrupt) if not c.ok]
         assert failed[-1] == f"all-reduce result wrong in 1 of {numel} elements", index
     assert all(c.ok for c in collective_checks(1 << 20, torch.device("cpu"), None))
+
+
+def test_a_preflight_probe_moves_no_more_than_the_job_itself() -> None:
+    from keel.health.preflight import proportionate
+
+    assert proportionate(64 << 20, 12 * 3_080_000) == 35 << 20  # a tiny model's checkpoint, in whole MiB
+    assert proportionate(64 << 20, 4 * 8_000_000_000) == 64 << 20  # a large model: the configured size
+    assert proportionate(64 << 20, 1000) == 1 << 20
