@@ -233,27 +233,36 @@ def main() -> None:
         worker(args)
         return
     runs: dict[str, list[dict]] = {"keel": [], "baseline": []}
+    loads: dict[str, list[float]] = {"keel": [], "baseline": []}  # 1-minute load average as each run started
     for repeat in range(args.repeats):
         order = ["keel", "baseline"] if repeat % 2 == 0 else ["baseline", "keel"]
         for who in order:
+            loads[who].append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory(prefix="keel-bench-recovery-") as tmp:
                 got = (keel_once if who == "keel" else baseline_once)(args, Path(tmp))
             runs[who].append(got)
             print(f"  repeat {repeat} {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items())
-                  + f", total {sum(got.values()):.2f} s", flush=True)
+                  + f", total {sum(got.values()):.2f} s, load {loads[who][-1]:.1f}", flush=True)
     median = {who: {p: statistics.median(r[p] for r in rs) for p in PHASES} for who, rs in runs.items()}
     for m in median.values():
         m["total"] = sum(m[p] for p in PHASES)
+    # Each repeat's keel total over the plain restart's of the same repeat.
+    pairs = [sum(k.values()) / sum(b.values()) for k, b in zip(runs["keel"], runs["baseline"], strict=True)]
     print("\n| phase | keel, s | torchrun + minimal DCP loop, s |\n|---|---|---|")
     for p in (*PHASES, "total"):
         print(f"| {p.replace('_', ' ')} | {median['keel'][p]:.2f} | {median['baseline'][p]:.2f} |")
     print(f"\nratio keel / baseline (total, median of {args.repeats}): "
-          f"{median['keel']['total'] / median['baseline']['total']:.2f}")
+          f"{median['keel']['total'] / median['baseline']['total']:.2f}; per repeat {statistics.median(pairs):.2f} "
+          f"({min(pairs):.2f}–{max(pairs):.2f}); load {min(min(v) for v in loads.values()):.1f}–"
+          f"{max(max(v) for v in loads.values()):.1f}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "recovery", "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "repeats": args.repeats,
-        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"], "runs": runs,
+        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"],
+        "ratio_total_per_repeat": {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
+                                   "each": pairs},
+        "runs": runs, "load": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=1) + "\n")
 
 

@@ -116,10 +116,15 @@ RECOVERY_PHASES = {
 
 
 def recovery() -> str:
-    median = _results("recovery")["median"]
-    return _table(["phase", "keel, s", "torchrun + minimal DCP loop, s"],
-                  [[label, f"{median['keel'][key]:.2f}", f"{median['baseline'][key]:.2f}"]
-                   for key, label in RECOVERY_PHASES.items()])
+    results = _results("recovery")
+    median = results["median"]
+    rows = [[label, f"{median['keel'][key]:.2f}", f"{median['baseline'][key]:.2f}"]
+            for key, label in RECOVERY_PHASES.items()]
+    if pairs := results.get("ratio_total_per_repeat"):
+        loads = [x for each in results["load"].values() for x in each]
+        rows.append([f"total, keel / plain restart of the same repeat (load {min(loads):.1f}–{max(loads):.1f})",
+                     f"**{pairs['median']:.2f}** ({pairs['min']:.2f}–{pairs['max']:.2f})", ""])
+    return _table(["phase", "keel, s", "torchrun + minimal DCP loop, s"], rows)
 
 
 def _median_and_each(row: dict, key: str) -> str:
