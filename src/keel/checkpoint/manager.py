@@ -498,9 +498,10 @@ class CheckpointManager:
                                               self.policy.verify_on_resume)
 
     def _verification(self, storage: Storage, name: str, manifest: dict) -> verifying.Verification:
-        """The checks `prefetch` started for this very checkpoint, or new ones."""
+        """The checks `prefetch` started for this very checkpoint, or new ones when it was saved again or a file
+        of it was written since."""
         kept, self.prefetched = self.prefetched, None
-        if kept is not None and kept.path == storage.path(name) and kept.manifest == manifest:
+        if kept is not None and kept.path == storage.path(name) and kept.manifest == manifest and kept.unchanged():
             return kept
         return verifying.start(storage, name, manifest, self.rank, self.world_size, self.policy.verify_on_resume)
 

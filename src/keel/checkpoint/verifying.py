@@ -11,6 +11,8 @@ built, and the load waits only for what is not finished by then.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 from concurrent.futures import Future
@@ -35,22 +37,45 @@ def _writer(fname: str) -> int:
     return int(m.group(1) or m.group(2)) if m else 0
 
 
+def _stamps(storage: Storage, name: str, files: list[str]) -> dict[str, tuple[int, int]]:
+    """Size and modification time of each local file (an object store's are not compared)."""
+    if storage.remote:
+        return {}
+    stamps = {}
+    for fname in files:
+        with contextlib.suppress(OSError):
+            st = os.stat(storage.path(f"{name}/{fname}"))
+            stamps[fname] = (st.st_size, st.st_mtime_ns)
+    return stamps
+
+
 @dataclass
 class Verification:
-    """The problems found in `.metadata` and in this rank's share of one checkpoint, as they come."""
+    """The problems found in `.metadata` and in this rank's share of one checkpoint, as they come, and the
+    files' sizes and modification times taken before they were read."""
 
-    path: str
+    storage: Storage
+    name: str
     manifest: dict
+    stamps: dict[str, tuple[int, int]]
     metadata: Future[list[str]] = field(default_factory=Future)
     rest: Future[list[str]] = field(default_factory=Future)
+
+    @property
+    def path(self) -> str:
+        return self.storage.path(self.name)
+
+    def unchanged(self) -> bool:
+        """No file checked was written since its checks began."""
+        return _stamps(self.storage, self.name, list(self.stamps)) == self.stamps
 
 
 def start(storage: Storage, name: str, manifest: dict, rank: int, world_size: int,
           checksums: bool) -> Verification:
     """Check checkpoint `name` (whose manifest is `manifest`) on a daemon thread: a process that must end
     meanwhile does not wait for it."""
-    verification = Verification(storage.path(name), manifest)
     mine = share(list(manifest.get("files", {})), rank, world_size, int(manifest.get("world_size", 0)))
+    verification = Verification(storage, name, manifest, _stamps(storage, name, [".metadata", *mine]))
 
     def run() -> None:
         for future, which in ((verification.metadata, [".metadata"]), (verification.rest, mine)):

@@ -252,3 +252,14 @@ def test_nothing_is_checked_ahead_for_a_fresh_start_or_a_directory_without_check
     assert run.save(10).committed
     run.manager.prefetch("never")
     assert run.manager.prefetched is None
+
+
+def test_a_file_written_after_its_checks_passed_is_checked_again(tmp_path: Path, group: None) -> None:
+    saved(tmp_path, (10, 20))
+    root = tmp_path / "ckpt"
+    run = Run(tmp_path, root)
+    run.manager.prefetch("auto")
+    assert run.manager.prefetched is not None and run.manager.prefetched.rest.result() == []
+    _flip_a_byte(root / "step-000020" / "__0_0.distcp")  # same size, same manifest
+    state, path = run.restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")
