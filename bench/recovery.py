@@ -16,8 +16,9 @@ measures the time from the kill to the first step completed after the restart, s
 
 keel: `keel train --nproc 2 --max-restarts 1` on the given config. The baseline: this file run as
 `torchrun --standalone --nproc-per-node 2 --max-restarts 1 bench/recovery.py --worker`, the same
-model (keel's Llama, FSDP2, AdamW) on random tokens, `dcp.save` every CKPT_EVERY steps and
-`dcp.load` of the newest at start: what a team gets from torchrun with a minimal resuming loop.
+model (keel's Llama, FSDP2, AdamW, the config's deterministic kernels) on random tokens, `dcp.save` every
+CKPT_EVERY steps and `dcp.load` of the newest at start: what a team gets from torchrun with a minimal
+resuming loop.
 Results: a table, and bench/results/recovery.json.
 """
 
@@ -177,6 +178,9 @@ def worker(args: argparse.Namespace) -> None:
 
     mark("start", pid=os.getpid(), process_started=STARTED, entered=entered, group_ready=group_ready)
     cfg = load_config(Path(args.config), [])
+    # The kernels keel's config trains with (deterministic ones by default, as bench/bare_loop.py does):
+    # the two sides then differ in how they recover, not in what each step computes.
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
     torch.manual_seed(0)
     model = Llama(cfg.model)
     for block in model.layers.values():
