@@ -40,6 +40,9 @@ from pathlib import Path
 STARTED = time.time()  # the baseline worker's first code (keel records keel.STARTED the same way)
 RESULTS = Path(__file__).parent / "results" / "recovery.json"
 REPO = Path(__file__).resolve().parents[1]
+# status.json, which tells this script the step to kill at, is written every monitor.interval steps (keel's
+# default is 10): every 5, so that the kill lands right after step 15.
+MONITOR_INTERVAL = 5
 PHASES = ("detection", "restart", "start", "rendezvous", "setup", "load", "first_step")
 
 
@@ -74,7 +77,7 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
-           "monitor.interval=1", "eval.interval=0", *args.overrides]
+           f"monitor.interval={MONITOR_INTERVAL}", "eval.interval=0", *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
 
     def events() -> list[dict]:
@@ -130,7 +133,8 @@ def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     detected = next(m["time"] for m in later if m["what"] == "failed")
     starts = [m for m in later if m["what"] == "start"]
     loaded = next(m for m in later if m["what"] == "loaded" and m["rank"] == 0)
-    first = next(m for m in later if m["what"] == "step" and m["rank"] == 0)
+    # Rank 0 may end the step it was in after the kill: the first step after the restart follows the load.
+    first = next(m for m in later if m["what"] == "step" and m["rank"] == 0 and m["time"] > loaded["time"])
     marks_ = [killed, detected, min(m["process_started"] for m in starts), max(m["entered"] for m in starts),
               max(m["group_ready"] for m in starts), loaded["load_start"], loaded["time"], first["time"]]
     return spans(marks_)
@@ -223,7 +227,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--ckpt-every", type=int, default=10)
-    ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done")
+    ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done (a multiple of "
+                    f"{MONITOR_INTERVAL})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
