@@ -106,10 +106,11 @@ def guard_overhead() -> str:
 RECOVERY_PHASES = {
     "detection": "detection: kill → the agent sees the failure",
     "restart": "restart: → the new workers run (the agent stops the rest, re-rendezvous, spawns)",
-    "start": "start: → the training code is entered (imports; keel: its command line, corpus checksums)",
+    "start": "start: → the training code is entered (imports; keel: its command line)",
     "rendezvous": "rendezvous: → the process group is up",
-    "setup": "setup: → the checkpoint load starts (keel: preflight, model, data, guards)",
-    "load": "load: → the checkpoint is loaded (keel: and verified)",
+    "setup": "setup: → the checkpoint load starts (keel: preflight reused, model, data, guards; the checkpoint's "
+             "checks begin)",
+    "load": "load: → the checkpoint is loaded (keel: and its checks finished, every rank agreeing)",
     "first_step": "first step: → the first step after the resume is done",
     "total": "total",
 }
