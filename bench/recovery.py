@@ -16,8 +16,9 @@ measures the time from the kill to the first step completed after the restart, s
 
 keel: `keel train --nproc 2 --max-restarts 1` on the given config. The baseline: this file run as
 `torchrun --standalone --nproc-per-node 2 --max-restarts 1 bench/recovery.py --worker`, the same
-model (keel's Llama, FSDP2, AdamW) on random tokens, `dcp.save` every CKPT_EVERY steps and
-`dcp.load` of the newest at start: what a team gets from torchrun with a minimal resuming loop.
+model (keel's Llama, FSDP2, AdamW, the config's deterministic kernels) on random tokens, `dcp.save` every
+CKPT_EVERY steps and `dcp.load` of the newest at start: what a team gets from torchrun with a minimal
+resuming loop.
 Results: a table, and bench/results/recovery.json.
 """
 
@@ -39,6 +40,9 @@ from pathlib import Path
 STARTED = time.time()  # the baseline worker's first code (keel records keel.STARTED the same way)
 RESULTS = Path(__file__).parent / "results" / "recovery.json"
 REPO = Path(__file__).resolve().parents[1]
+# status.json, which tells this script the step to kill at, is written every monitor.interval steps (keel's
+# default is 10): every 5, so that the kill lands right after step 15.
+MONITOR_INTERVAL = 5
 PHASES = ("detection", "restart", "start", "rendezvous", "setup", "load", "first_step")
 
 
@@ -73,7 +77,7 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
-           "monitor.interval=1", "eval.interval=0", *args.overrides]
+           f"monitor.interval={MONITOR_INTERVAL}", "eval.interval=0", *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
 
     def events() -> list[dict]:
@@ -129,7 +133,8 @@ def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     detected = next(m["time"] for m in later if m["what"] == "failed")
     starts = [m for m in later if m["what"] == "start"]
     loaded = next(m for m in later if m["what"] == "loaded" and m["rank"] == 0)
-    first = next(m for m in later if m["what"] == "step" and m["rank"] == 0)
+    # Rank 0 may end the step it was in after the kill: the first step after the restart follows the load.
+    first = next(m for m in later if m["what"] == "step" and m["rank"] == 0 and m["time"] > loaded["time"])
     marks_ = [killed, detected, min(m["process_started"] for m in starts), max(m["entered"] for m in starts),
               max(m["group_ready"] for m in starts), loaded["load_start"], loaded["time"], first["time"]]
     return spans(marks_)
@@ -177,6 +182,9 @@ def worker(args: argparse.Namespace) -> None:
 
     mark("start", pid=os.getpid(), process_started=STARTED, entered=entered, group_ready=group_ready)
     cfg = load_config(Path(args.config), [])
+    # The kernels keel's config trains with (deterministic ones by default, as bench/bare_loop.py does):
+    # the two sides then differ in how they recover, not in what each step computes.
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
     torch.manual_seed(0)
     model = Llama(cfg.model)
     for block in model.layers.values():
@@ -219,7 +227,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--ckpt-every", type=int, default=10)
-    ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done")
+    ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done (a multiple of "
+                    f"{MONITOR_INTERVAL})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -233,27 +242,36 @@ def main() -> None:
         worker(args)
         return
     runs: dict[str, list[dict]] = {"keel": [], "baseline": []}
+    loads: dict[str, list[float]] = {"keel": [], "baseline": []}  # 1-minute load average as each run started
     for repeat in range(args.repeats):
         order = ["keel", "baseline"] if repeat % 2 == 0 else ["baseline", "keel"]
         for who in order:
+            loads[who].append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory(prefix="keel-bench-recovery-") as tmp:
                 got = (keel_once if who == "keel" else baseline_once)(args, Path(tmp))
             runs[who].append(got)
             print(f"  repeat {repeat} {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items())
-                  + f", total {sum(got.values()):.2f} s", flush=True)
+                  + f", total {sum(got.values()):.2f} s, load {loads[who][-1]:.1f}", flush=True)
     median = {who: {p: statistics.median(r[p] for r in rs) for p in PHASES} for who, rs in runs.items()}
     for m in median.values():
         m["total"] = sum(m[p] for p in PHASES)
+    # Each repeat's keel total over the plain restart's of the same repeat.
+    pairs = [sum(k.values()) / sum(b.values()) for k, b in zip(runs["keel"], runs["baseline"], strict=True)]
     print("\n| phase | keel, s | torchrun + minimal DCP loop, s |\n|---|---|---|")
     for p in (*PHASES, "total"):
         print(f"| {p.replace('_', ' ')} | {median['keel'][p]:.2f} | {median['baseline'][p]:.2f} |")
     print(f"\nratio keel / baseline (total, median of {args.repeats}): "
-          f"{median['keel']['total'] / median['baseline']['total']:.2f}")
+          f"{median['keel']['total'] / median['baseline']['total']:.2f}; per repeat {statistics.median(pairs):.2f} "
+          f"({min(pairs):.2f}–{max(pairs):.2f}); load {min(min(v) for v in loads.values()):.1f}–"
+          f"{max(max(v) for v in loads.values()):.1f}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "recovery", "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "repeats": args.repeats,
-        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"], "runs": runs,
+        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"],
+        "ratio_total_per_repeat": {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
+                                   "each": pairs},
+        "runs": runs, "load": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=1) + "\n")
 
 

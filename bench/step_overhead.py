@@ -16,6 +16,7 @@ script, so imports, start-up and teardown are in their figures. Per run:
   first step seconds from the command's start to the end of its first step (keel: its `step`/`first`
              event; the bare loop: its step 1 record).
   wall       seconds from the command's start to its exit.
+  load       the 1-minute load average as the run started (the machine may be shared: interleaving spreads it).
 
 Each repeat runs the bare loop and the keel variants of a cell (a shape and a number of processes) one after
 the other, the order reversed every other repeat (ABAB…, BA…); ratios keel / bare are taken within a repeat
@@ -52,15 +53,14 @@ SHAPES: dict[str, tuple[str, list[str]]] = {
 }
 # What turns each default feature off (keel.config.schema). Eval still runs at the end with interval 0, the
 # last step is still saved whatever the checkpoint interval, and SDC checks still run before a checkpoint
-# and when another guard fires: keel has no switch for those. The straggler gather (every 20 steps) profiles its
-# step whatever monitor.profile_interval says.
+# and when another guard fires: keel has no switch for those. The profiler is off by default (its switch
+# `monitor.profile_interval=N` turns it on).
 FEATURES: dict[str, list[str]] = {
     "guards": ["guard.enabled=false"],
     "sdc": ["guard.sdc.fingerprint_interval=0", "guard.sdc.replay_interval=0"],
     "watchdog": ["health.watchdog.enabled=false"],
     "telemetry": ["monitor.telemetry_interval_s=0"],
     "exporter": ["monitor.prometheus_port=0"],
-    "profiler": ["monitor.profile_interval=0"],
     "eval": ["eval.interval=0", "eval.final=false"],
     "checkpoints": [f"checkpoint.interval={2**62}"],
     "preflight": ["health.preflight=off"],
@@ -69,7 +69,7 @@ FEATURES: dict[str, list[str]] = {
 }
 # keel with its defaults / the bare loop, on the tiny shape with 2 processes.
 TARGETS = {"step_s": 1.03, "cpu_s": 1.08, "first_step_s": 1.1}
-DEFAULT_FEATURES = ["guards", "sdc", "watchdog", "telemetry", "exporter", "profiler", "eval", "checkpoints"]
+DEFAULT_FEATURES = ["guards", "sdc", "watchdog", "telemetry", "exporter", "eval", "checkpoints"]
 
 
 # ---------------------------------------------------------------- what one run's records say
@@ -136,8 +136,11 @@ def markdown(results: dict) -> str:
     """The comparison of every cell, keel's defaults against the bare loop, then the attribution cell's
     variants: docs/benchmarks.md's tables."""
     repeats, extra = results["repeats"], " ".join(f"`{o}`" for o in results.get("overrides", []))
+    loads = [run["load"] for c in results["cells"] for pair in c["runs"] for run in pair.values() if "load" in run]
     lines = [f"{results['steps']} steps a run, steps {results['warmup']} to {results['steps']} the steady state"
-             + (f"; both sides with {extra}" if extra else "") + ":", "",
+             + (f"; both sides with {extra}" if extra else "")
+             + (f"; 1-minute load average {min(loads):.1f}–{max(loads):.1f} as the runs started" if loads else "")
+             + ":", "",
              _row(["shape", "processes", "figure", "keel", "bare loop", f"keel / bare, median of {repeats} (min–max)",
                    "target"]), "|---|---:|---|---:|---:|---|---:|"]
     for c in results["cells"]:
@@ -185,18 +188,22 @@ def run_keel(config: str, overrides: list[str], nproc: int, work: Path, warmup: 
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
            "--config", config, *port, *overrides]
+    load = os.getloadavg()[0]
     started, wall, cpu = timed(cmd, work / "keel.log")
     steps, first = keel_steps(run_dir)
-    return {"step_s": steady_step_s(steps, warmup), "cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+    return {"step_s": steady_step_s(steps, warmup), "cpu_s": cpu, "first_step_s": first - started, "wall_s": wall,
+            "load": load}
 
 
 def run_bare(config: str, overrides: list[str], nproc: int, work: Path, warmup: int) -> dict[str, float]:
     out = work / "bare.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(BARE_LOOP), "--config", config, "--out", str(out), *overrides]
+    load = os.getloadavg()[0]
     started, wall, cpu = timed(cmd, work / "bare.log")
     steps, first = bare_steps(out)
-    return {"step_s": steady_step_s(steps, warmup), "cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+    return {"step_s": steady_step_s(steps, warmup), "cpu_s": cpu, "first_step_s": first - started, "wall_s": wall,
+            "load": load}
 
 
 def variants(features: list[str]) -> dict[str, list[str]]:

@@ -106,20 +106,26 @@ def guard_overhead() -> str:
 RECOVERY_PHASES = {
     "detection": "detection: kill → the agent sees the failure",
     "restart": "restart: → the new workers run (the agent stops the rest, re-rendezvous, spawns)",
-    "start": "start: → the training code is entered (imports; keel: its command line, corpus checksums)",
+    "start": "start: → the training code is entered (imports; keel: its command line)",
     "rendezvous": "rendezvous: → the process group is up",
-    "setup": "setup: → the checkpoint load starts (keel: preflight, model, data, guards)",
-    "load": "load: → the checkpoint is loaded (keel: and verified)",
+    "setup": "setup: → the checkpoint load starts (keel: preflight reused, model, data, guards; the checkpoint's "
+             "checks begin)",
+    "load": "load: → the checkpoint is loaded (keel: and its checks finished, every rank agreeing)",
     "first_step": "first step: → the first step after the resume is done",
     "total": "total",
 }
 
 
 def recovery() -> str:
-    median = _results("recovery")["median"]
-    return _table(["phase", "keel, s", "torchrun + minimal DCP loop, s"],
-                  [[label, f"{median['keel'][key]:.2f}", f"{median['baseline'][key]:.2f}"]
-                   for key, label in RECOVERY_PHASES.items()])
+    results = _results("recovery")
+    median = results["median"]
+    rows = [[label, f"{median['keel'][key]:.2f}", f"{median['baseline'][key]:.2f}"]
+            for key, label in RECOVERY_PHASES.items()]
+    if pairs := results.get("ratio_total_per_repeat"):
+        loads = [x for each in results["load"].values() for x in each]
+        rows.append([f"total, keel / plain restart of the same repeat (load {min(loads):.1f}–{max(loads):.1f})",
+                     f"**{pairs['median']:.2f}** ({pairs['min']:.2f}–{pairs['max']:.2f})", ""])
+    return _table(["phase", "keel, s", "torchrun + minimal DCP loop, s"], rows)
 
 
 def _median_and_each(row: dict, key: str) -> str:

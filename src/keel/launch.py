@@ -11,6 +11,7 @@ heartbeat has stopped is a hang it reports and restarts (keel.health.heartbeat).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -90,6 +91,7 @@ class KeelAgent(LocalElasticAgent):
         # A frozen worker is killed here with the others, so that the result below is their failure.
         self.heartbeats.end_frozen({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
                                    restarting=self._remaining_restarts > 0)
+        self._end_survivors_of_a_killed_worker()
         result = super()._monitor_workers(worker_group)
         now = time.monotonic()
         # Only an elastic job can go on without a node; a one-node job ends with the workers' 76.
@@ -123,6 +125,20 @@ class KeelAgent(LocalElasticAgent):
                     ranks=sorted(result.failures), restarts_left=self._remaining_restarts, detected=failed_at)
         events.close()
         return result
+
+    def _end_survivors_of_a_killed_worker(self) -> None:
+        """A worker killed by a signal (SIGKILL, the OOM killer, a segfault) leaves its peers unable to finish
+        any collective, save or pause. torchrun would ask them to stop with SIGTERM and wait for them, and a keel
+        worker takes SIGTERM as a pause, which it can only give up once its next collective fails: the restart
+        they are headed for waited that long. They are killed at once instead."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        procs = [handler.proc for handler in handlers.values()]
+        if not any(code is not None and code < 0 for code in (proc.poll() for proc in procs)):
+            return
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
     def _give_up(self, code: int, why: str, announce: bool = True) -> None:
         self.outcome = (code, why, announce)

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import keel
+from keel.checkpoint import verifying
 from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
 from keel.checkpoint.manifest import (
@@ -52,7 +53,6 @@ from keel.checkpoint.manifest import (
     FORMAT,
     MANIFEST,
     aside_name,
-    check_files,
     checkpoint_step,
     checkpoints,
     manifest_json,
@@ -137,6 +137,7 @@ class CheckpointManager:
         self.pending: Future[SaveOutcome] | None = None
         self.last_bytes = 0  # the size of the last save, what the next one needs free
         self.verdicts: dict[str, list[str]] = {}  # checkpoints verified by this process: name -> problems
+        self.prefetched: verifying.Verification | None = None  # checks started before the load (`prefetch`)
         if self.rank == 0:
             self._clean_leftovers()
         dist.barrier()
@@ -469,25 +470,22 @@ class CheckpointManager:
         if "unreadable" not in manifest:  # a ConfigError, not a CheckpointError: no fallback to an older one
             accepted = check_identity(recorded_identity(manifest), self.identity, int(manifest["step"]),
                                       self.accepted, path)
-        checksums = self.policy.verify_on_resume
         with storage.reading(name):
-            # DCP trusts .metadata, so it is checked first; each rank then checksums its share of the
-            # other files while the state loads, and all ranks agree on the verdict.
-            problems = self._agree(check_files(storage, name, manifest, [n for n in manifest.get("files", {})
-                                                                         if n == ".metadata"], checksums))
+            # DCP trusts .metadata, so it is checked first; each rank's share of the other files is checked
+            # meanwhile (started before the model was built, when this is the checkpoint `prefetch` named),
+            # and all ranks agree on the verdict.
+            checks = self._verification(storage, name, manifest)
+            problems = self._agree(checks.metadata.result())
             if problems:
                 raise CheckpointError("; ".join(problems))
-            others = sorted(n for n in manifest["files"] if n != ".metadata")[self.rank::self.world_size]
-            with ThreadPoolExecutor(1, thread_name_prefix="keel-verify") as pool:
-                checking = pool.submit(check_files, storage, name, manifest, others, checksums)
-                state = _state_dict(parts, optimizers)
-                load_error = ""
-                try:
-                    dcp.load(state, storage_reader=storage.reader(name))
-                except CheckpointException as e:  # raised on every rank alike
-                    load_error = (f"it does not fit this model and optimizer ({_first_line(e)}); resume with "
-                                  f"the config it was saved with")
-                problems = self._agree(checking.result())
+            state = _state_dict(parts, optimizers)
+            load_error = ""
+            try:
+                dcp.load(state, storage_reader=storage.reader(name))
+            except CheckpointException as e:  # raised on every rank alike
+                load_error = (f"it does not fit this model and optimizer ({_first_line(e)}); resume with "
+                              f"the config it was saved with")
+            problems = self._agree(checks.rest.result())
             if problems or load_error:
                 raise CheckpointError("; ".join(problems) or load_error)
             for part, optimizer in zip(parts, optimizers, strict=True):
@@ -511,6 +509,33 @@ class CheckpointManager:
         if self.rank == 0 and (changed or accepted):
             self.events.emit("config", step, "changed", checkpoint=path, changes=changed,
                              identity_accepted=sorted(accepted))
+
+    def prefetch(self, resume: str) -> None:
+        """Start checking the files of the checkpoint that `restore(resume)` will try first, so that the
+        checks run while the model is built and the load finds them done (and the files it reads in the
+        page cache). Nothing is trusted before `restore`: it checks the identity, takes these verdicts only
+        for the same manifest, and falls back to older checkpoints as before."""
+        if resume == "never":
+            return
+        if resume == "auto":
+            names = checkpoints(self.storage)
+            if not names:
+                return
+            storage, name = self.storage, names[-1]
+        else:
+            storage, name = locate(resume)
+        manifest = read_manifest(storage, name)
+        if manifest is not None and "unreadable" not in manifest:
+            self.prefetched = verifying.start(storage, name, manifest, self.rank, self.world_size,
+                                              self.policy.verify_on_resume)
+
+    def _verification(self, storage: Storage, name: str, manifest: dict) -> verifying.Verification:
+        """The checks `prefetch` started for this very checkpoint, or new ones when it was saved again or a file
+        of it was written since."""
+        kept, self.prefetched = self.prefetched, None
+        if kept is not None and kept.path == storage.path(name) and kept.manifest == manifest and kept.unchanged():
+            return kept
+        return verifying.start(storage, name, manifest, self.rank, self.world_size, self.policy.verify_on_resume)
 
     def _agree(self, problems: list[str]) -> list[str]:
         everyone: list = [None] * self.world_size

@@ -16,9 +16,8 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import fsspec
 import xxhash
 
 from keel.errors import CheckpointError
@@ -33,6 +32,41 @@ VOLUME_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES
                            errno.ESTALE, errno.ENOTCONN, errno.ENODEV, errno.EIO})
 
 
+class LocalFiles:
+    """What Storage asks of a local directory, answered as fsspec's local file system answers it."""
+
+    def invalidate_cache(self) -> None:
+        """Nothing is cached."""
+
+    def ls(self, path: str, detail: bool = False) -> list[str]:
+        return [os.path.join(path, entry) for entry in os.listdir(path)]
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def find(self, base: str, detail: bool = True) -> dict[str, dict[str, int]]:
+        """Every file under `base`, with its size."""
+        found = {}
+        for root, _, names in os.walk(base):
+            for entry in names:
+                path = os.path.join(root, entry)
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    found[path] = {"size": os.stat(path).st_size}
+        return found
+
+    def cat_file(self, path: str) -> bytes:
+        return Path(path).read_bytes()
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        if recursive and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 class Storage:
     """One checkpoint root. Names passed to its methods are relative to the root (`step-000100`,
     `step-000100/manifest.json`)."""
@@ -41,14 +75,15 @@ class Storage:
         root = str(root)
         self.remote = "://" in root and not root.startswith("file://")
         self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).absolute())
+        self.fs: Any = LocalFiles()
         if self.remote:
+            import fsspec  # a third of a second of every process's start: only for an object store
+
             try:
                 self.fs, _ = fsspec.core.url_to_fs(self.root)
             except (ImportError, ValueError) as e:
                 raise CheckpointError(f"checkpoint storage {root!r} cannot be opened ({e}); install the "
                                       f"filesystem's package (for s3://: pip install 'keel[s3]')") from None
-        else:
-            self.fs = fsspec.filesystem("file")
 
     def __str__(self) -> str:
         return self.root
@@ -71,7 +106,7 @@ class Storage:
 
     def files(self, name: str) -> dict[str, int]:
         """Every file under `name` with its size, by path relative to it."""
-        base = self.fs._strip_protocol(self.path(name)).rstrip("/")
+        base = (self.fs._strip_protocol(self.path(name)) if self.remote else self.path(name)).rstrip("/")
         self.fs.invalidate_cache()  # other ranks and processes write here too
         try:
             found = self.fs.find(base, detail=True)

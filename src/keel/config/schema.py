@@ -218,8 +218,8 @@ class MonitorConfig:
     peak_flops: str = option("auto", "peak FLOP/s per device for MFU: auto (the accelerator catalog; measured on a "
                              "CPU; unknown devices report MFU as unknown), measure (a matmul probe at start), or "
                              "a number such as 989e12")
-    profile_interval: int = option(50, "profile one step in this many to measure time in collectives "
-                                   "(0: never)", ge=0)
+    profile_interval: int = option(0, "profile one step in this many to measure time in collectives "
+                                   "(0, the default: never; a profiled step takes 1-3 s longer)", ge=0)
     telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
                                          "node (0: no telemetry)", ge=0, le=YEAR_S)
     prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "
@@ -347,7 +347,8 @@ class HealthConfig:
                             "on), fail (end the run naming the node and rank: exit 2 for the checkpoint storage, "
                             "76 with the node quarantined for a node's own fault) or off",
                             choices=("warn", "fail", "off"))
-    preflight_probe_mib: int = option(64, "size of the storage and all-reduce probes (MiB)", ge=1)
+    preflight_probe_mib: int = option(64, "largest size of the storage and all-reduce probes (MiB; smaller when "
+                                      "a checkpoint or the model's fp32 gradients are)", ge=1)
     min_host_memory_gib: float = option(1.0, "preflight: host memory that must be available (GiB)", ge=0)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

@@ -68,13 +68,15 @@ def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: Event
     mine: list[Check] = []
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: the node's view of the storage
         keep = cfg.checkpoint.keep_last + 1  # what retention holds, and the save being written beside them
-        mine += storage_checks(checkpoint_dir, keep * last_checkpoint_bytes(checkpoint_dir, n_params), probe_bytes,
+        one = last_checkpoint_bytes(checkpoint_dir, n_params)
+        mine += storage_checks(checkpoint_dir, keep * one, proportionate(probe_bytes, one),
                                f"{keep} checkpoints (checkpoint.keep_last + 1)")
         mine.append(host_memory_check(cfg.health.min_host_memory_gib))
     if device.type == "cuda":
         mine += gpu_checks(device)
     mine.append(compute_probe(device))
-    mine += collective_checks(probe_bytes, device, corrupt)
+    # A step's reduction moves the fp32 gradients: 4 bytes per parameter.
+    mine += collective_checks(proportionate(probe_bytes, 4 * n_params), device, corrupt)
     for check in mine:
         if check.rank < 0:
             check.rank, check.node = rank, node_name()
@@ -92,6 +94,12 @@ def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: Event
     if summary:
         say("preflight: " + "; ".join(c.detail for c in summary))
     return checks
+
+
+def proportionate(probe_bytes: int, job_bytes: int) -> int:
+    """A probe no larger than what the job itself moves (a checkpoint, a step's gradients): whole MiB, at
+    least one, at most `probe_bytes` (health.preflight_probe_mib)."""
+    return max(1 << 20, min(probe_bytes, job_bytes) >> 20 << 20)
 
 
 def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | None:
@@ -220,17 +228,29 @@ def blame_senders(checks: list[Check]) -> list[Check]:
                          rank=sender, node=nodes.get(sender, "?")) for sender, at in sorted(receivers.items())]
 
 
-def _rank_values(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+PATTERN = 1021  # a prime: no power-of-two block of a probe, moved or repeated, lines up with it again
+
+
+def _pattern(rank: int) -> torch.Tensor:
     """Known to every rank: small integers, so that sums are exact in fp32."""
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return torch.randint(0, 64, (numel,), generator=generator).float().to(device)
+    return torch.randint(0, 64, (PATTERN,), generator=torch.Generator().manual_seed(1000 + rank)).float()
+
+
+def _tiled(pattern: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """`pattern` repeated over `numel` elements: a probe costs a copy to make, not a random draw per element,
+    and a wrong element is found wherever it lies."""
+    return pattern.repeat(-(-numel // PATTERN))[:numel].to(device)
+
+
+def _rank_values(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+    return _tiled(_pattern(rank), numel, device)
 
 
 def collective_checks(probe_bytes: int, device: torch.device,
                       corrupt: Callable[[torch.Tensor], None] | None) -> list[Check]:
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = max(1024, probe_bytes // 4)
-    expected = sum(_rank_values(r, numel, device) for r in range(world))
+    expected = _tiled(torch.stack([_pattern(r) for r in range(world)]).sum(0), numel, device)
     mine = _rank_values(rank, numel, device)
     if corrupt is not None:
         corrupt(mine)
@@ -239,19 +259,19 @@ def collective_checks(probe_bytes: int, device: torch.device,
     small = mine[:1024].clone()
     parts = [torch.empty_like(small) for _ in range(world)]
     dist.all_gather(parts, small)
-    bad = [r for r, part in enumerate(parts) if not torch.equal(part, _rank_values(r, numel, device)[:1024])]
+    bad = [r for r, part in enumerate(parts) if not torch.equal(part, _rank_values(r, 1024, device))]
     for sender in bad:
         checks.append(Check("allgather_correct", False, f"the part from rank {sender} arrived wrong at rank {rank}",
                             rank=sender, values={"sender": sender, "receiver": rank}))
     # All-reduce: correctness here, and the bus bandwidth (2(n-1)/n of the bytes cross each link).
-    buffer = mine.clone()
+    buffer = mine  # the parts above are copies
     dist.barrier()
     started = time.perf_counter()
     dist.all_reduce(buffer)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
-    wrong = int((buffer != expected).sum())
+    wrong = 0 if torch.equal(buffer, expected) else int((buffer != expected).sum())
     if wrong:
         checks.append(Check("allreduce_correct", False, f"all-reduce result wrong in {wrong} of {numel} elements"))
     busbw = 2 * (world - 1) / world * numel * 4 / seconds

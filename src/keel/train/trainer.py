@@ -21,7 +21,7 @@ from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
 from keel.core.callbacks import Build, Callback, Hooks, Step
 from keel.core.state import Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
-from keel.data.shards import open_corpus
+from keel.data.shards import Corpus, open_corpus
 from keel.data.tokenizer import bits_per_byte
 from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
 from keel.guard.engine import Guards
@@ -80,20 +80,17 @@ class Trainer:
         corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
         check_vocab_size(cfg, corpus.vocab_size)
         users = load_callbacks(callbacks)
+        self.manager = self._checkpoint_manager(corpus, accepted)
+        if cfg.fault_tolerance.replica_groups == 1:  # replica groups mostly heal from a live peer instead
+            self.manager.prefetch(resume)  # the checkpoint's checks run while the model is built
         self.job = job_key(ctx.world_size)
         if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say, self.job)) is not None:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
         self._build_model()
+        self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         self.corpus, self.data = corpus, build_data(cfg, self.mesh, corpus, accepted)
         self.loader, self.loader_state = self.data.loader, self.data.loader_state
-        self.manager = CheckpointManager(
-            cfg, self.run_dir, self.mesh.layout.describe(), self.events,
-            on_write=partial(self.hooks.notify, "on_checkpoint_write"),
-            # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
-            tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
-            identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
-        self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
         self.guards = Guards(cfg.guard, replays, self.mesh, self.optimizers, self.stepper.params,
@@ -116,6 +113,15 @@ class Trainer:
         self.monitor.ledger.charge("startup")
         self.meter.restart()
         return None
+
+    def _checkpoint_manager(self, corpus: Corpus, accepted: tuple[str, ...]) -> CheckpointManager:
+        cfg = self.cfg
+        return CheckpointManager(
+            cfg, self.run_dir, self.mesh.layout.describe(), self.events,
+            on_write=partial(self.hooks.notify, "on_checkpoint_write"),
+            # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
+            tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
+            identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
 
     def _build_model(self) -> None:
         cfg, mesh = self.cfg, self.mesh

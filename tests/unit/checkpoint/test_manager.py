@@ -205,3 +205,61 @@ def test_a_directory_this_user_may_not_write_fails_the_save_with_eacces_in_one_l
     assert [e["step"] for e in run.events("checkpoint_failed")] == [20]
     assert hashes(open_root / "ckpt") == before
     assert run.save(30).committed, "the next save, with the right to write, succeeds"
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_checks_started_before_the_model_is_built_still_refuse_a_corrupted_checkpoint(tmp_path: Path,
+                                                                                      group: None) -> None:
+    saved(tmp_path, (10, 20))
+    root = tmp_path / "ckpt"
+    _flip_a_byte(root / "step-000020" / "__0_0.distcp")
+    run = Run(tmp_path, root)
+    run.manager.prefetch("auto")
+    checks = run.manager.prefetched
+    assert checks is not None and checks.path == str(root / "step-000020")
+    assert checks.metadata.result() == [] and checks.rest.result() == [
+        "__0_0.distcp does not match its checksum in the manifest (corrupted)"]  # done before the load asks
+    state, path = run.restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")
+    assert [e["detail"]["moved_to"] for e in run.events("set_aside")] == [str(root / "step-000020.corrupt-checksum")]
+
+
+def test_checks_of_a_checkpoint_saved_again_since_are_not_trusted(tmp_path: Path, group: None) -> None:
+    """The step was saved again (another manifest) after its checks passed: the load checks it anew."""
+    saved(tmp_path, (10, 20))
+    root = tmp_path / "ckpt"
+    run = Run(tmp_path, root)
+    run.manager.prefetch("auto")
+    assert run.manager.prefetched is not None and run.manager.prefetched.rest.result() == []
+    with torch.no_grad():
+        run.model.weight.add_(1.0)
+    assert run.save(20).committed
+    _flip_a_byte(root / "step-000020" / "__0_0.distcp")
+    state, path = run.restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")
+
+
+def test_nothing_is_checked_ahead_for_a_fresh_start_or_a_directory_without_checkpoints(tmp_path: Path,
+                                                                                       group: None) -> None:
+    run = Run(tmp_path, tmp_path / "ckpt")
+    run.manager.prefetch("auto")
+    assert run.manager.prefetched is None
+    assert run.save(10).committed
+    run.manager.prefetch("never")
+    assert run.manager.prefetched is None
+
+
+def test_a_file_written_after_its_checks_passed_is_checked_again(tmp_path: Path, group: None) -> None:
+    saved(tmp_path, (10, 20))
+    root = tmp_path / "ckpt"
+    run = Run(tmp_path, root)
+    run.manager.prefetch("auto")
+    assert run.manager.prefetched is not None and run.manager.prefetched.rest.result() == []
+    _flip_a_byte(root / "step-000020" / "__0_0.distcp")  # same size, same manifest
+    state, path = run.restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")

@@ -244,3 +244,26 @@ def test_gpu_checks_read_ecc_temperature_and_throttling_through_nvml(monkeypatch
     failed = {c.name: c.detail for c in gpu_checks(torch.device("cuda", 0)) if not c.ok}
     assert failed == {"gpu_ecc": "GPU 0: 3 uncorrected ECC errors since boot", "gpu_temperature": "GPU 0: 91 °C",
                       "gpu_throttle": "GPU 0: clock throttle reasons 0x40"}
+
+
+def test_the_collective_probe_finds_one_wrong_element_wherever_it_lies(group: None) -> None:
+    import torch
+
+    from keel.health.preflight import PATTERN, collective_checks
+
+    numel = (1 << 20) // 4
+    for index in (5, PATTERN * 7 + 3, numel - 1):
+        def corrupt(tensor: torch.Tensor, at: int = index) -> None:
+            tensor[at] += 1.0
+
+        failed = [c.detail for c in collective_checks(1 << 20, torch.device("cpu"), corrupt) if not c.ok]
+        assert failed[-1] == f"all-reduce result wrong in 1 of {numel} elements", index
+    assert all(c.ok for c in collective_checks(1 << 20, torch.device("cpu"), None))
+
+
+def test_a_preflight_probe_moves_no_more_than_the_job_itself() -> None:
+    from keel.health.preflight import proportionate
+
+    assert proportionate(64 << 20, 12 * 3_080_000) == 35 << 20  # a tiny model's checkpoint, in whole MiB
+    assert proportionate(64 << 20, 4 * 8_000_000_000) == 64 << 20  # a large model: the configured size
+    assert proportionate(64 << 20, 1000) == 1 << 20
