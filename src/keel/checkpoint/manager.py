@@ -288,13 +288,13 @@ class CheckpointManager:
                 self.verdicts[name] = []  # its checksums were just taken from the files written
             except Exception as e:
                 errors = [self._explain([_failure(e, self.storage, need)], need)]
+        outcome.write_s = round(time.perf_counter() - started, 3)  # committed: retention is not part of the write
         if not errors:
             try:
                 self.storage.set_latest(name)
                 outcome.pruned = self._prune(name)
             except Exception as e:  # the checkpoint itself is committed
                 self.events.emit("checkpoint", outcome.step, "warning", path=outcome.path, error=_first_line(e))
-        outcome.write_s = round(time.perf_counter() - started, 3)
         if outcome.committed:
             self.events.emit("checkpoint", outcome.step, "committed", path=outcome.path, bytes=outcome.bytes,
                              blocking_s=round(outcome.blocking_s, 4), write_s=outcome.write_s, pruned=outcome.pruned)
