@@ -1,58 +1,76 @@
-"""keel's checkpoints against what a user would otherwise write, side by side in one process.
+"""keel's checkpoints against what a user would otherwise write, side by side in one process, at three
+sizes of state (about 40M, 130M and 370M parameters with their AdamW state, 0.5 to 4.4 GB in fp32).
 
-One model of at least 300M parameters with its AdamW state (about 4.4 GB in fp32) on the CPU. Each
-repeat times, on the same state:
-  keel save     the time the training loop is blocked (staging into reused host buffers); the
-                background write, checksums and commit are reported beside it
-  torch.save    of the model and optimizer state dicts, to one file
-  dcp.save      synchronous torch.distributed.checkpoint save (fsync'd, like keel's)
-  memcpy        a plain copy of the same bytes into preallocated buffers: the floor of staging
-  keel load     resume: verify every file's checksum and load (checksums run beside the load)
-  dcp.load      get_state_dict → dcp.load → set_state_dict, no verification
-Before those, the training throughput of a window of steps containing a save, against a window
-without one, measured while the process holds only what training holds.
-Medians of the repeats; ratios against the targets of the checkpointing issue. Results go to
-bench/results/checkpoint.json.
+At each size, after one training step (the buffers of the first save are reserved at start-up, as
+`keel train` does, beside that step), the first save is timed, then each repeat times on the same state:
+  keel blocking   what the training loop waits for a save: starting it, and the fence before the next
+                  update for what of the host copy the next step's forward and backward did not hide
+                  (the save's own figure, `SaveOutcome.blocking_s`)
+  steps           a window of training steps that starts with a save and holds the whole of it (the copy,
+                  the write, the checksums and the commit run beside the steps), against the same number
+                  of steps without one
+  keel write      a save's background part (write, fsync, checksums, manifest, publish) with nothing
+                  beside it, against `dd conv=fsync` of the checkpoint's data file: the disk's speed for
+                  the same bytes
+  dcp.save        a synchronous torch.distributed.checkpoint save, fsync'd like keel's
+  memcpy          a plain copy of the same bytes into preallocated, touched buffers
+  keel load       resume: every file's checksum verified, beside the load
+  dcp.load        get_state_dict → dcp.load → set_state_dict, no verification
+                  (both loads start with the page cache dropped, where the user may: they read the disk)
+Pairs run in alternating order. Medians, min–max and the ratios against the targets of the checkpointing
+work go to bench/results/checkpoint.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from keel.checkpoint.manager import _FLAT, CheckpointManager, _state_dict
+from keel.checkpoint.manager import _FLAT, CheckpointManager, SaveOutcome, _state_dict
 from keel.config import load_config, resolve_layout
 from keel.core.state import TrainState
-from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
+from keel.parallel.mesh import Dist, build_mesh, destroy_distributed, init_distributed
 from keel.rundir.events import EventLog
 from keel.train.optim import build_optimizer
 from keel.train.setup import build_model_parts
-from keel.train.step import train_step
+from keel.train.step import Stepper
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
-# ~368M parameters: 24 blocks of width 1024 and a 32k vocabulary.
-MODEL = ["model.dim=1024", "model.n_layers=24", "model.n_heads=16", "model.n_kv_heads=16",
-         "model.vocab_size=32000", "model.max_seq_len=64", "train.seq_len=64", "train.micro_batch=1",
+SHAPE = ["model.vocab_size=32000", "model.max_seq_len=64", "train.seq_len=64", "train.micro_batch=1",
          "train.global_batch=1"]
+# Width, blocks and heads: about 39M, 134M and 369M parameters with a 32k vocabulary.
+SIZES = {"40M": (384, 8, 6), "130M": (768, 12, 12), "370M": (1024, 24, 16)}
+SMOKE = {"smoke": (32, 1, 2)}  # a seconds-long run of every measurement, for the test suite
+TARGETS = {  # ratio: (numerator, denominator, target), each a median of the repeats unless said
+    "blocking / dcp.save": ("keel_blocking", "dcp_save", 0.05),
+    "blocking / memcpy": ("keel_blocking", "memcpy", 0.5),
+    "steps with a save / without": ("steps_with_save", "steps_without_save", 1.1),
+    "first save's blocking / later": ("first_blocking", "keel_blocking", 1.2),
+    "verified load / dcp.load": ("keel_load", "dcp_load", 1.1),
+    "background write / dd conv=fsync": ("keel_write", "dd", 1.3),
+}
 
 
 def tensors(state: dict) -> list[torch.Tensor]:
     return [t for part in state.values() for t in part.values() if isinstance(t, torch.Tensor)]
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -67,131 +85,177 @@ def memcpy(sources: list[torch.Tensor]) -> float:
     return timed(lambda: [b.copy_(s) for b, s in zip(buffers, sources, strict=True)])
 
 
+def dd(source: Path, target: Path) -> float:
+    """`dd conv=fsync` of a file to a new one: the disk's sequential, durable write of the same bytes."""
+    seconds = timed(lambda: subprocess.run(["dd", f"if={source}", f"of={target}", "bs=8M", "conv=fsync"],
+                                           check=True, capture_output=True))
+    target.unlink()
+    return seconds
+
+
+def cold(fn: Callable[[], object]) -> float:
+    """`fn` timed after the page cache is dropped (where this user may), so that each load reads the disk,
+    as a resume after a restart does, rather than whatever the writes before it left in memory."""
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return timed(fn)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class Bench:
+    """One size: the model, its optimizer, and a manager saving as `keel train` does."""
+
+    def __init__(self, size: str, work: Path, overrides: list[str]) -> None:
+        dim, layers, heads = {**SIZES, **SMOKE}[size]
+        self.work = work / size
+        cfg = load_config(None, [*SHAPE, f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+                                 f"model.n_kv_heads={heads}", f"checkpoint.dir={self.work / 'keel'}",
+                                 "checkpoint.keep_last=1", *overrides])
+        self.cfg = cfg
+
+    def build(self, ctx: Dist) -> None:
+        mesh = build_mesh(ctx, resolve_layout(self.cfg, 1))
+        self.parts, _ = build_model_parts(self.cfg, mesh, torch.float32)
+        self.model, self.optimizer = self.parts[0], build_optimizer(self.parts[0], self.cfg.optim)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        batch = torch.randint(0, 256, (1, self.cfg.train.seq_len + 1), generator=gen)
+        self.micro = [(batch[:, :-1], batch[:, 1:])]
+        self.stepper = Stepper(self.parts, [self.optimizer], None, grad_clip=1.0, autocast_dtype=None,
+                               loss_parallel=False)
+        self.events = EventLog(self.work / "events.jsonl", 0)
+        self.manager = CheckpointManager(self.cfg, self.work, mesh.layout.describe(), self.events)
+        self.manager.reserve(self.parts, [self.optimizer])  # as the trainer does, beside the rest of the start
+        self.state = TrainState(step=0)
+
+    def step(self) -> None:
+        """One training step as the trainer runs it: forward and backward, global norm, clip and update."""
+        loss = self.stepper.forward_backward(self.micro)
+        self.stepper.update(1e-4, self.stepper.grad_norm())
+        loss.item()
+
+    def save(self, wait: bool = False) -> SaveOutcome | None:
+        self.state.step += 1
+        finished = self.manager.save(self.parts, [self.optimizer], self.state, wait=wait)
+        return finished[-1] if wait else None
+
+    def committed(self) -> SaveOutcome:
+        outcome = self.manager.finish()
+        assert outcome is not None and outcome.committed, outcome
+        return outcome
+
+    def saved_then_steps(self, steps: int) -> tuple[float, SaveOutcome]:
+        """A window of `steps` steps that starts with a save and lasts until it is committed."""
+        started = time.perf_counter()
+        self.save()
+        for _ in range(steps):
+            self.step()
+        outcome = self.committed()
+        return time.perf_counter() - started, outcome
+
+    def data_file(self) -> Path:
+        """The newest checkpoint's data file: the bytes a save writes."""
+        latest = self.manager.latest()
+        assert latest is not None
+        return max(Path(latest).glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]) -> dict:
+    b = Bench(size, work, overrides)
+    b.build(ctx)
+    b.step()  # the optimizer state exists from here on; the reservation ran beside this step
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors(_state_dict(b.parts, [b.optimizer])))
+    print(f"{size}: {b.params / 1e6:.0f}M parameters, state {state_bytes / 1e9:.2f} GB", flush=True)
+    step_s = timed(b.step)
+    b.save()
+    b.step()
+    first = b.committed()
+    # Enough steps in a window to hold a whole save, write included.
+    window = max(2, math.ceil((first.write_s + first.blocking_s) / step_s) + 1)
+    r: dict[str, list[float]] = {k: [] for k in ("keel_blocking", "steps_with_save", "steps_without_save",
+                                                 "keel_write", "dd", "dcp_save", "memcpy", "keel_load", "dcp_load")}
+    plain = b.work / "dcp"
+    for repeat in range(repeats):
+        flip = repeat % 2 == 1
+        with_save = without = 0.0
+        for kind in ("with", "without")[::-1 if flip else 1]:
+            if kind == "with":
+                with_save, outcome = b.saved_then_steps(window)
+                r["keel_blocking"].append(outcome.blocking_s)
+            else:
+                without = timed(lambda: [b.step() for _ in range(window)])
+        r["steps_with_save"].append(with_save)
+        r["steps_without_save"].append(without)
+        for kind in ("keel_write", "dd")[::-1 if flip else 1]:
+            if kind == "keel_write":
+                alone = b.save(wait=True)  # nothing beside it: the write's own speed
+                assert alone is not None and alone.committed
+                r[kind].append(alone.write_s)
+            else:
+                r[kind].append(dd(b.data_file(), b.work / "dd.bin"))
+        r["memcpy"].append(memcpy(tensors(_state_dict(b.parts, [b.optimizer]))))
+        r["dcp_save"].append(timed(lambda: dcp.save(_state_dict(b.parts, [b.optimizer]), checkpoint_id=plain)))
+
+        def plain_load() -> None:
+            state = _state_dict(b.parts, [b.optimizer])
+            dcp.load(state, checkpoint_id=plain)
+            set_model_state_dict(b.model, state["model"])
+            set_optimizer_state_dict(b.model, b.optimizer, state["optim"], options=_FLAT)
+
+        loads = [("dcp_load", plain_load),
+                 ("keel_load", lambda: b.manager.restore(b.parts, [b.optimizer], "auto", print))]
+        for name, fn in loads[::-1] if flip else loads:
+            r[name].append(cold(fn))
+        shutil.rmtree(plain)
+        print(f"  repeat {repeat + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in r.items()), flush=True)
+    b.manager.stager.close()
+    b.events.close()
+    shutil.rmtree(b.work, ignore_errors=True)
+    medians = {k: statistics.median(v) for k, v in r.items()}
+    medians["first_blocking"] = first.blocking_s
+    ratios = {}
+    for label, (num, den, target) in TARGETS.items():
+        each = [n / d for n, d in zip(r.get(num, [medians[num]] * repeats), r[den], strict=True)]
+        ratios[label] = {**spread(each), "target": target, "met": statistics.median(each) <= target}
+    return {"parameters": b.params, "state_bytes": state_bytes, "step_s": step_s, "window_steps": window,
+            "first_save": {"blocking_s": first.blocking_s, "write_s": first.write_s}, "median_s": medians,
+            "ratios": ratios, "timings": r}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--window", type=int, default=20, help="training steps per throughput window")
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory on this disk)")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the results go")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    if unknown := [s for s in sizes if s not in SIZES and s not in SMOKE]:
+        raise SystemExit(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
     work = Path(tempfile.mkdtemp(prefix="keel-bench-ckpt-", dir=args.dir))
-    # The training loop keeps one core; the background writer and the checksums get the other.
+    # The training loop keeps one core; the copy, the background writer and the checksums get the other.
     torch.set_num_threads(1)
-    cfg = load_config(None, [*MODEL, f"checkpoint.dir={work / 'keel'}", "checkpoint.keep_last=1", *args.overrides])
     ctx = init_distributed(torch.device("cpu"))
+    load = os.getloadavg()
     try:
-        mesh = build_mesh(ctx, resolve_layout(cfg, 1))
-        parts, _ = build_model_parts(cfg, mesh, torch.float32)
-        model, optimizer = parts[0], build_optimizer(parts[0], cfg.optim)
-        n_params = sum(p.numel() for p in model.parameters())
-        gen = torch.Generator().manual_seed(0)
-        batch = torch.randint(0, 256, (1, cfg.train.seq_len + 1), generator=gen)
-        micro = [(batch[:, :-1], batch[:, 1:])]
-
-        def step() -> None:
-            train_step(model, optimizer, micro, lr=1e-4, grad_clip=1.0)[0].item()
-
-        step()  # optimizer state exists from here on
-        state_bytes = sum(t.numel() * t.element_size() for t in tensors(_state_dict(parts, [optimizer])))
-        print(f"model {n_params / 1e6:.0f}M parameters, state {state_bytes / 1e9:.2f} GB, in {work}", flush=True)
-        events = EventLog(work / "events.jsonl", 0)
-        manager = CheckpointManager(cfg, work, mesh.layout.describe(), events)
-        train_state = TrainState(step=1)
-
-        def keel_save() -> dict:
-            started = time.perf_counter()
-            manager.save(parts, [optimizer], train_state)
-            blocking = time.perf_counter() - started
-            outcome = manager.finish()
-            assert outcome is not None and outcome.committed, outcome
-            return {"blocking_s": blocking, "write_s": outcome.write_s}
-
-        first = keel_save()  # allocates the staging buffers, once per run
-
-        # Throughput first, while the process holds only what training holds: the baselines below
-        # (torch.save, dcp.load's copies) leave the allocator and the page cache in another state.
-        # How independent the two halves of the machine are: a step with a busy loop on another core.
-        alone = timed(lambda: [step() for _ in range(2)]) / 2
-        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            beside_busy_core = timed(lambda: [step() for _ in range(2)]) / 2
-        finally:
-            burner.kill()
-            burner.wait()
-        print(f"step alone {alone:.2f} s, beside a busy loop on another core {beside_busy_core:.2f} s", flush=True)
-
-        # Throughput: a window of steps with a save at its start, against one without.
-        windows: dict[str, list[float]] = {"without_save": [], "with_save": []}
-        for repeat in range(args.repeats):
-            for kind in ("without_save", "with_save") if repeat % 2 == 0 else ("with_save", "without_save"):
-                started = time.perf_counter()
-                if kind == "with_save":
-                    train_state.step += 1
-                    manager.save(parts, [optimizer], train_state)
-                for _ in range(args.window):
-                    step()
-                if kind == "with_save":  # the window holds the whole save: a write that outlasts the steps counts
-                    outcome = manager.finish()
-                    assert outcome is not None and outcome.committed
-                windows[kind].append(time.perf_counter() - started)
-            print(f"window {repeat + 1}/{args.repeats}: without {windows['without_save'][-1]:.2f} s, with "
-                  f"{windows['with_save'][-1]:.2f} s", flush=True)
-        results: dict[str, list[float]] = {k: [] for k in ("keel_blocking", "keel_write", "torch_save", "dcp_save",
-                                                            "memcpy", "keel_load", "dcp_load")}
-        target, plain = work / "torch.pt", work / "dcp"
-        for repeat in range(args.repeats):
-            train_state.step += 1
-            saved = keel_save()
-            results["keel_blocking"].append(saved["blocking_s"])
-            results["keel_write"].append(saved["write_s"])
-            results["memcpy"].append(memcpy(tensors(_state_dict(parts, [optimizer]))))
-            results["torch_save"].append(timed(lambda: torch.save(
-                {"model": model.state_dict(), "optim": optimizer.state_dict()}, target)))
-            target.unlink()
-            results["dcp_save"].append(timed(lambda: dcp.save(_state_dict(parts, [optimizer]), checkpoint_id=plain)))
-
-            def plain_load() -> None:
-                state = _state_dict(parts, [optimizer])
-                dcp.load(state, checkpoint_id=plain)
-                set_model_state_dict(model, state["model"])
-                set_optimizer_state_dict(model, optimizer, state["optim"], options=_FLAT)
-
-            loads = [("dcp_load", plain_load), ("keel_load", lambda: manager.restore(parts, [optimizer], "auto",
-                                                                                     print))]
-            for name, fn in loads if repeat % 2 == 0 else loads[::-1]:
-                results[name].append(timed(fn))
-            shutil.rmtree(plain)
-            print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in
-                                                                        results.items()), flush=True)
-
-        events.close()
+        rows = {size: measure(ctx, size, work, args.repeats, args.overrides) for size in sizes}
     finally:
         destroy_distributed()
         shutil.rmtree(work, ignore_errors=True)
-
-    med = {k: statistics.median(v) for k, v in results.items()}
-    win = {k: statistics.median(v) for k, v in windows.items()}
-    ratios = {
-        "keel_blocking / dcp_save": (med["keel_blocking"] / med["dcp_save"], 0.1),
-        "keel_blocking / memcpy": (med["keel_blocking"] / med["memcpy"], 2.0),
-        "keel_load / dcp_load": (med["keel_load"] / med["dcp_load"], 1.2),
-        "window with save / without": (win["with_save"] / win["without_save"], 1.05),
-    }
-    print(f"\n{'operation':<22}{'median s':>10}{'GB/s':>8}")
-    for name, value in med.items():
-        print(f"{name:<22}{value:>10.3f}{state_bytes / value / 1e9:>8.2f}")
-    for name, value in win.items():
-        print(f"{'window ' + name:<22}{value:>10.3f}")
-    print(f"\n{'ratio':<30}{'value':>8}{'target':>8}  met")
-    for name, (value, target) in ratios.items():
-        print(f"{name:<30}{value:>8.3f}{target:>8.2f}  {'yes' if value <= target else 'NO'}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "checkpoint", "parameters": n_params, "state_bytes": state_bytes, "repeats": args.repeats,
-        "window_steps": args.window, "first_keel_save": first,
-        "step_s_alone": alone, "step_s_beside_busy_core": beside_busy_core, "median_s": med, "window_median_s": win,
-        "ratios": {k: {"value": v, "target": t, "met": v <= t} for k, (v, t) in ratios.items()},
-        "timings": results, "windows": windows, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    print(f"\n{'size':<6}{'ratio':<36}{'median':>8}{'min':>8}{'max':>8}{'target':>8}  met")
+    for size, row in rows.items():
+        for label, x in row["ratios"].items():
+            print(f"{size:<6}{label:<36}{x['median']:>8.3f}{x['min']:>8.3f}{x['max']:>8.3f}{x['target']:>8.2f}  "
+                  f"{'yes' if x['met'] else 'NO'}")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({
+        "benchmark": "checkpoint", "repeats": args.repeats, "sizes": rows, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "load_before": load, "load_after": os.getloadavg(),
         "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=1) + "\n")
 

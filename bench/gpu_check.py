@@ -9,7 +9,7 @@ command users run), `parallel.compile` off and then on, for a few steps on the b
                     device (keel.core.accelerators), beside keel's own throughput/mfu metric
   peak memory       torch.cuda.max_memory_allocated over the run, against the planner's prediction for
                     the same model, batch and layout (keel.plan.memory.memory)
-  checkpoint        training blocked by the first save (staging buffers allocated, pinned) and a later one
+  checkpoint        training blocked by the first save (its pinned buffers reserved at start-up) and a later one
                     (buffers reused), from the run's checkpoint events
   NVML telemetry    the gpu source's readings (utilization, memory, power, temperature, SM clock, ECC, XID)
 One table, printed as each run ends, and bench/results/gpu_check.json, rewritten after each run. The exit

@@ -55,28 +55,37 @@ def parallel_layouts() -> str:
 
 
 CHECKPOINT_OPERATIONS = {
-    "keel_blocking": "keel save: training blocked",
+    "keel_blocking": "keel save: training blocked (start + fence)",
+    "first_blocking": "keel's first save: training blocked",
     "keel_write": "keel save: background write, checksums, commit",
-    "torch_save": "`torch.save` of model + optimizer state dicts",
+    "dd": "`dd conv=fsync` of the same data file",
     "dcp_save": "synchronous `dcp.save`",
-    "memcpy": "memory copy of the same bytes (staging floor)",
+    "memcpy": "memory copy of the same bytes",
     "keel_load": "keel resume: verify every checksum + load",
     "dcp_load": "`dcp.load` + set_state_dict, unverified",
+    "steps_without_save": "a window of training steps, no save",
+    "steps_with_save": "the same steps with a whole save beside them",
 }
 
 
 def checkpoint() -> str:
-    r = _results("checkpoint")
-    gb = r["state_bytes"] / 1e9
-    rows = [[label, f"{r['median_s'][key]:.3f}", f"{gb / r['median_s'][key]:.2f}"]
+    sizes = _results("checkpoint")["sizes"]
+    names = list(sizes)
+    head = [f"{n}: {s['parameters'] / 1e6:.0f}M parameters, {s['state_bytes'] / 1e9:.2f} GB" for n, s in sizes.items()]
+    rows = [[label, *[f"{sizes[n]['median_s'][key]:.3f}" for n in names]]
             for key, label in CHECKPOINT_OPERATIONS.items()]
-    windows = r["window_median_s"]
-    rows += [[f"{r['window_steps']} training steps, no save", f"{windows['without_save']:.1f}", ""],
-             [f"{r['window_steps']} training steps with a save at the start", f"{windows['with_save']:.1f}", ""]]
-    operations = _table([f"operation ({gb:.2f} GB of state)", "median s", "GB/s"], rows, ["---", "---:", "---:"])
-    ratios = _table(["ratio", "measured", "target", "met"],
-                    [[name, f"{x['value']:.3f}", f"{x['target']:.2f}", "yes" if x["met"] else "**no**"]
-                     for name, x in r["ratios"].items()], ["---", "---:", "---:", "---"])
+    rows.append(["steps in the window", *[str(sizes[n]["window_steps"]) for n in names]])
+    operations = _table(["median seconds", *head], rows, ["---", *["---:"] * len(names)])
+
+    def cell(x: dict) -> str:
+        value = f"{x['median']:.3f} ({x['min']:.3f}–{x['max']:.3f})"
+        return value if x["met"] else f"**{value}**"
+
+    labels = list(sizes[names[0]]["ratios"])
+    ratios = _table(["ratio, median (min–max); bold: target not met", *names, "target"],
+                    [[label, *[cell(sizes[n]["ratios"][label]) for n in names],
+                      f"≤ {sizes[names[0]]['ratios'][label]['target']}"] for label in labels],
+                    ["---", *["---:"] * len(names), "---:"])
     return f"{operations}\n\n{ratios}"
 
 
