@@ -33,10 +33,10 @@ PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sc
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # the daemons live in sbin
 # slurmctld checks time limits every 30 s from its start, and sends the warning at the first check
 # within 30 s of the warning time: a job started just after the daemons are up gets SIGTERM about 57 s
-# in. Steps 1-30 made 1.7 s slower (about 60 s in all) keep the run training at that moment however
-# fast it started, and the last 10 steps at full speed keep the resumed allocation short.
+# in. Steps 1-35 made 1.7 s slower (about 60 s of sleep alone) keep the run training at that moment
+# however fast it started, and the last 5 steps at full speed keep the resumed allocation short.
 TIME_LIMIT, WARNING = "2", "B:TERM@60"
-SLOW = 'drill.inject=["slow:rank=-1,seconds=1.7,steps=30"]'
+SLOW = 'drill.inject=["slow:rank=-1,seconds=1.7,steps=35"]'
 
 
 def wait_for(what: str, ready: Callable[[], bool], timeout: float, log: Callable[[], str] = lambda: "") -> None:
