@@ -22,7 +22,6 @@ import inspect
 import io
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +60,7 @@ from keel.checkpoint.manifest import (
     step_of,
     uncommitted,
     verify,
+    writer_rank,
 )
 from keel.checkpoint.resume import checkpoint_root
 from keel.checkpoint.staging import HostStager, Staging
@@ -71,7 +71,6 @@ from keel.errors import CheckpointError
 from keel.rundir.events import EventLog
 
 TRAIN_STATE = "train_state.json"
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
 
 
 @dataclass
@@ -235,7 +234,7 @@ class CheckpointManager:
                 if self.on_write is not None:
                     self.on_write(step, self.storage.path(staging))
                 files = {f: {"size": size, CHECKSUM: self._checksum(staging, f, size, taken)}
-                         for f, size in self.storage.files(staging).items() if self._owner(f) == self.rank}
+                         for f, size in self.storage.files(staging).items() if writer_rank(f) == self.rank}
             except (Exception, CheckpointException) as e:  # disk full, a broken mount: reported, training goes on
                 failure = _failure(e, self.storage, share)
         copied.fenced.wait()  # the loop's wait at the fence is part of what the save cost it
@@ -256,11 +255,6 @@ class CheckpointManager:
         any other file is read back."""
         written = taken.get(fname)
         return written[1] if written is not None and written[0] == size else self.storage.digest(f"{staging}/{fname}")
-
-    def _owner(self, fname: str) -> int:
-        """The rank that checksums a file: the one that wrote it (rank 0 for shared files)."""
-        m = _RANK_FILE.fullmatch(fname)
-        return int(m.group(1) or m.group(2)) if m else 0
 
     def _commit(self, outcome: SaveOutcome, staging: str, reports: list, tokens_seen: int, started: float,
                 need: int) -> None:

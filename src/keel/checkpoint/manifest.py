@@ -18,6 +18,7 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 CHECKSUM = "xxh3_128"
 _STEP = re.compile(r"step-(\d{6,})")
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
 
 
 def step_name(step: int) -> str:
@@ -119,3 +120,9 @@ def verify(storage: Storage, name: str, checksums: bool = True) -> list[str]:
 
 def manifest_json(manifest: dict) -> bytes:
     return (json.dumps(manifest, indent=1) + "\n").encode()
+
+
+def writer_rank(fname: str) -> int:
+    """The rank that wrote a checkpoint file, and so checksums it: rank 0 for the shared files."""
+    m = _RANK_FILE.fullmatch(fname)
+    return int(m.group(1) or m.group(2)) if m else 0

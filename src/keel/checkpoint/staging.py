@@ -22,20 +22,18 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
+from keel.core.dtensor import local
+
 Signature = tuple[Any, ...]
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _signature(value: torch.Tensor) -> Signature:
     """What a host holder must share with a tensor to stage it: the local shard's shape and dtype, and a
     DTensor's global shape, placements and mesh."""
-    local = _local(value)
+    shard = local(value)
     if isinstance(value, DTensor):
-        return (tuple(local.shape), local.dtype, tuple(value.shape), value.placements, id(value.device_mesh))
-    return tuple(local.shape), local.dtype
+        return (tuple(shard.shape), shard.dtype, tuple(value.shape), value.placements, id(value.device_mesh))
+    return tuple(shard.shape), shard.dtype
 
 
 class Staging:
@@ -104,7 +102,7 @@ class HostStager:
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
                     holder = out[group][key] = self._holder((group, key), value)
-                    pairs.append((_local(holder), _local(value).detach()))
+                    pairs.append((local(holder), local(value).detach()))
                 else:
                     out[group][key] = copy.deepcopy(value)
         if self._stream is not None:
@@ -138,11 +136,11 @@ class HostStager:
 
     def _new_holder(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A host holder shaped like `value` (a DTensor with the same spec for a DTensor) and its buffer."""
-        local = _local(value)
-        buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
+        shard = local(value)
+        buffer = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin_memory)
         if not isinstance(value, DTensor):
             return buffer, buffer
-        if local.device.type == "cpu":
+        if shard.device.type == "cpu":
             # Same spec, host storage: what DCP's own stager builds, without its generic traversal.
             return DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
                                       shape=value.shape, stride=value.stride()), buffer

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from keel.checkpoint.manifest import check_files
+from keel.checkpoint.manifest import check_files, writer_rank
 from keel.checkpoint.storage import Storage
-
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
 
 
 def share(files: list[str], rank: int, world_size: int, saved_by: int) -> list[str]:
@@ -29,12 +26,7 @@ def share(files: list[str], rank: int, world_size: int, saved_by: int) -> list[s
     others = sorted(f for f in files if f != ".metadata")
     if saved_by != world_size:
         return others[rank::world_size]
-    return [f for f in others if _writer(f) == rank]
-
-
-def _writer(fname: str) -> int:
-    m = _RANK_FILE.fullmatch(fname)
-    return int(m.group(1) or m.group(2)) if m else 0
+    return [f for f in others if writer_rank(f) == rank]
 
 
 def _stamps(storage: Storage, name: str, files: list[str]) -> dict[str, tuple[int, int]]:
