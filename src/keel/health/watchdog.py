@@ -75,7 +75,7 @@ class Watchdog:
         self.reporter = False
         self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
-        self._promised = -1.0  # the seconds the last beat promised the next within
+        self._promised: tuple[str, float] = ("", -1.0)  # the last beat's section, and the seconds it promised
 
     # ------------------------------------------------------------ what the loop calls
 
@@ -95,8 +95,8 @@ class Watchdog:
         self.section_name, self.section_step, self.phase_index = name, step, 0
         self.section_start = time.monotonic()
         self._arm_backstop(self.timeouts[name])
-        if self.timeouts[name] != self._promised:
-            self._beat()  # at once: a beat left from the section before promises that section's timeout
+        if (name, self.timeouts[name]) != self._promised:
+            self._beat()  # at once: a beat left from another section names it, and promises its timeout
 
     def end(self) -> None:
         self._observed(self.section_name, time.monotonic() - self.section_start)
@@ -193,10 +193,11 @@ class Watchdog:
         if self.heartbeats is None:
             return
         host = self.hosts[self.rank] if self.rank < len(self.hosts) else node_name()
-        self._promised = valid_s or self.timeouts.get(self.section_name, self.timeouts["step"])
+        promised = valid_s or self.timeouts.get(self.section_name, self.timeouts["step"])
+        self._promised = (self.section_name, promised)
         with contextlib.suppress(OSError):
             beat(self.heartbeats, self.rank, {"where": self._where(), "host": host, "timeouts": self._rounded()},
-                 self._promised)
+                 promised)
 
     def _rounded(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in self.timeouts.items()}

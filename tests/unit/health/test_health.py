@@ -106,6 +106,26 @@ def test_watchdog_beats_where_its_rank_is_and_dumps_its_stacks_on_sigusr2(tmp_pa
     assert read_beat(beats, 0) is None  # an ending worker leaves no beat to be taken for a frozen one
 
 
+def test_a_new_section_beats_at_once_even_when_its_timeout_is_the_same(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank frozen just after a checkpoint is named in its step, not in the checkpoint before it."""
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    monkeypatch.setenv(ENV, str(beats))
+    dog, _ = make_watchdog(tmp_path, poll_s=3600)  # no beats from the thread: only those begin() writes
+    dog.timeouts.update(step=4.0, checkpoint=4.0)
+    dog.start()
+    try:
+        seen = []
+        for name, step in (("checkpoint", 30), ("step", 31), ("step", 32)):
+            dog.begin(name, step)
+            seen.append(read_beat(beats, 0)["where"])  # type: ignore[index]
+            dog.end()
+        assert [(w["section"], w["step"]) for w in seen] == [("checkpoint", 30), ("step", 31), ("step", 31)]
+    finally:
+        dog.stop()
+
+
 WORKER = """
 import sys, time
 from pathlib import Path
