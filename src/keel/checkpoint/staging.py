@@ -16,7 +16,8 @@ import copy
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, cast
 
 import torch
@@ -25,6 +26,23 @@ from torch.distributed.tensor import DTensor
 from keel.core.dtensor import local
 
 Signature = tuple[Any, ...]
+
+
+def in_background(work: Callable[[], None], name: str) -> Future[None]:
+    """Run `work` on a daemon thread: a process that ends (or fails) with a copy in flight exits at once
+    rather than joining it, and a worker whose threads are all daemons skips the interpreter's teardown."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
 
 
 def _signature(value: torch.Tensor) -> Signature:
@@ -72,7 +90,6 @@ class HostStager:
         self.staged: dict[tuple[str, str], torch.Tensor] = {}  # holders by state-dict entry
         self.spare: dict[Signature, list[torch.Tensor]] = defaultdict(list)  # reserved, not yet given an entry
         self._reserving: Future[None] | None = None
-        self._copier = None if pin_memory else ThreadPoolExecutor(1, thread_name_prefix="keel-staging")
         self._stream = torch.cuda.Stream() if pin_memory else None
 
     def reserve(self, templates: list[torch.Tensor]) -> None:
@@ -84,9 +101,7 @@ class HostStager:
                 buffer.zero_()  # first touch: the pages exist before the first save copies into them
                 self.spare[_signature(t)].append(holder)
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="keel-staging-reserve")
-        self._reserving = pool.submit(allocate)
-        pool.shutdown(wait=False)
+        self._reserving = in_background(allocate, "keel-staging-reserve")
 
     def start(self, state: dict[str, dict]) -> Staging:
         """Begin copying a two-level state dict ({"model": {...}, "optim": {...}}) to the host. Values
@@ -113,8 +128,7 @@ class HostStager:
                 event.record()
             return Staging(out, None, event, started)
         staging = Staging(out, None, None, started)
-        assert self._copier is not None
-        staging._copied = self._copier.submit(self._copy, pairs, staging)
+        staging._copied = in_background(lambda: self._copy(pairs, staging), "keel-staging")
         return staging
 
     @staticmethod
@@ -148,8 +162,3 @@ class HostStager:
         on_host = cast(DTensor, value.detach().to("cpu"))
         on_host._local_tensor = buffer
         return on_host, buffer
-
-    def close(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-        self.spare.clear()
