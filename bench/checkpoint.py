@@ -212,7 +212,6 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
             r[name].append(cold(fn))
         shutil.rmtree(plain)
         print(f"  repeat {repeat + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in r.items()), flush=True)
-    b.manager.stager.close()
     b.events.close()
     shutil.rmtree(b.work, ignore_errors=True)
     medians = {k: statistics.median(v) for k, v in r.items()}
