@@ -38,8 +38,9 @@ def runner(args: list[str], cwd: Path) -> int:
 
 def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_path: Path) -> None:
     documented = documented_matrix()
-    cells = run_matrix(runner, small_corpus, tmp_path, layouts=("replicated",), bits=(31, 30, 0), concurrent=CONCURRENT)
-    assert len(cells) == 12
+    # The most and the least visible flips: the top exponent bit and the lowest mantissa bit.
+    cells = run_matrix(runner, small_corpus, tmp_path, layouts=("replicated",), bits=(30, 0), concurrent=CONCURRENT)
+    assert len(cells) == 8
     for c in cells:
         where = f"{c['target']} bit {c['bit']} ({BITS[c['bit']]})"
         assert describe(c) == documented[(c["target"], c["bit"])]["replicated"], where

@@ -207,10 +207,10 @@ def test_time_limit_pauses_requeues_and_resumes_bitwise(slurm: SlurmCluster, ref
 
 
 REPLICA_STEPS = 30
-# After the kill the groups sleep in every step, so that the killed group is back (torchrun's restart,
-# a fresh Python importing torch: over 30 s on a loaded machine, and its heal) before the survivor's
+# After the kill the groups sleep 25 s over the next 10 steps, so that the killed group is back (torchrun's
+# restart, a fresh Python importing torch, and its heal: about 6 s on an idle machine) before the survivor's
 # last step.
-REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,from_step=11"]'
+REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,from_step=11,steps=10"]'
 
 
 def test_replica_groups_share_a_node_and_a_killed_group_heals(slurm: SlurmCluster, small_corpus: Path,
