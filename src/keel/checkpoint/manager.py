@@ -66,6 +66,7 @@ from keel.checkpoint.resume import checkpoint_root
 from keel.checkpoint.staging import HostStager, Staging
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
+from keel.core.process import in_background
 from keel.core.state import TrainState, rng_state, seed_everything, set_rng_state
 from keel.errors import CheckpointError
 from keel.rundir.events import EventLog
@@ -163,10 +164,9 @@ class CheckpointManager:
         torch.save(rng_state(), rng)
         train_state = json.dumps(state.to_dict(), indent=1).encode()
         blocking_s = time.perf_counter() - started
-        pending = self.pending = Future()
         args = (state.step, state.tokens_seen, staging, rng.getvalue(), train_state, blocking_s, state.train_seconds)
         # A daemon thread: if a peer dies mid-save, this process can still exit.
-        threading.Thread(target=self._run, args=(pending, args), name="keel-checkpoint", daemon=True).start()
+        pending = self.pending = in_background(lambda: self._write(*args), "keel-checkpoint")
         if wait or not self.policy.async_save:
             finished.append(self._wait(pending))
             finished[-1].waited_s = 0.0  # a synchronous save: the wait is the save itself, not a slow previous one
@@ -194,16 +194,11 @@ class CheckpointManager:
         self.pending = None
         return outcome
 
-    def _run(self, future: Future, args: tuple) -> None:
-        with contextlib.suppress(OSError):  # where cores are shared, the training loop goes first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        try:
-            future.set_result(self._write(*args))
-        except BaseException as e:  # a bug: surfaces in the loop through finish()
-            future.set_exception(e)
-
     def _write(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,
                blocking_s: float, train_s: float) -> SaveOutcome:
+        """The writer thread's work (an exception, a bug, surfaces in the loop through `finish`)."""
+        with contextlib.suppress(OSError):  # where cores are shared, the training loop goes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         copied.wait_copied()
         started, staged = time.perf_counter(), copied.state
         name = step_name(step)

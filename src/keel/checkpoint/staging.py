@@ -16,7 +16,6 @@ import copy
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -24,25 +23,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keel.core.dtensor import local
+from keel.core.process import in_background
 
 Signature = tuple[Any, ...]
-
-
-def in_background(work: Callable[[], None], name: str) -> Future[None]:
-    """Run `work` on a daemon thread: a process that ends (or fails) with a copy in flight exits at once
-    rather than joining it, and a worker whose threads are all daemons skips the interpreter's teardown."""
-    done: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
-            done.set_exception(e)
-        else:
-            done.set_result(None)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return done
 
 
 def _signature(value: torch.Tensor) -> Signature:

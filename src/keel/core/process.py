@@ -1,4 +1,4 @@
-"""How a `keel` process ends."""
+"""How a `keel` process ends, and how its background work lets it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,27 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def in_background(work: Callable[[], T], name: str) -> Future[T]:
+    """Run `work` on a daemon thread; its result (or exception) in the future returned. A process that ends
+    (or fails) with such work in flight exits at once rather than joining it, and `exit_now` skips the
+    interpreter's teardown only where every thread but the main one is a daemon."""
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
 
 
 def exit_now(code: int) -> None:
