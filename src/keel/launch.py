@@ -7,17 +7,23 @@ restarts; a node listed in the run's quarantine.json leaves the job the way a pr
 (so the rendezvous stays open and the other nodes go on without it); a run that keeps failing
 without getting past the same step stops before its restart budget is spent; and a worker whose
 heartbeat has stopped is a hang it reports and restarts (keel.health.heartbeat).
+
+Its workers are forked from the worker server (keel.worker_server).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch.distributed.elastic.multiprocessing.api as elastic_processes
 import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -29,19 +35,20 @@ from torch.distributed.run import config_from_args, get_args_parser
 import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
-from keel.health.lifeline import AGENT_PID_ENV
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.health.signals import stop_requested_early
 from keel.monitor.goodput import account_exit
 from keel.rundir.events import EventLog
 from keel.rundir.quarantine import is_quarantined, node_name
 from keel.rundir.status import read_status
+from keel.worker_server import start_worker_server
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end
 # A node that stops sending keep-alives is dropped from the rendezvous after interval × attempts seconds.
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
 QUARANTINE_POLL_S = 5.0
+WorkerEntry = Callable[[dict[str, str], list[str]], None]  # (the launcher's environment, the worker's argv)
 
 
 def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -87,6 +94,14 @@ class KeelAgent(LocalElasticAgent):
         finally:
             self.heartbeats.close()
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # The workers run in the launcher's environment as it is when they start (the heartbeat directory that
+        # `prepare` made is in it), not as it was when the command began.
+        launcher_env = worker_group.spec.args[0]
+        launcher_env.clear()
+        launcher_env.update(os.environ)
+        return super()._start_workers(worker_group)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # A frozen worker is killed here with the others, so that the result below is their failure.
         self.heartbeats.end_frozen({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
@@ -131,12 +146,12 @@ class KeelAgent(LocalElasticAgent):
         any collective, save or pause. torchrun would ask them to stop with SIGTERM and wait for them, and a keel
         worker takes SIGTERM as a pause, which it can only give up once its next collective fails: the restart
         they are headed for waited that long. They are killed at once instead."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        procs = [handler.proc for handler in handlers.values()]
-        if not any(code is not None and code < 0 for code in (proc.poll() for proc in procs)):
+        context = getattr(self._pcontext, "_pc", None)  # torch.multiprocessing's, once the workers started
+        procs = context.processes if context is not None else []
+        if not any(proc.exitcode is not None and proc.exitcode < 0 for proc in procs):
             return
         for proc in procs:
-            if proc.poll() is None:
+            if proc.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
 
@@ -158,37 +173,34 @@ def _caller_name(depth: int = 2) -> str:
     return sys._getframe(depth).f_code.co_name
 
 
-def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nnodes: str = "1",
+class _WithoutTraceback(logging.Filter):
+    """The agent logs a worker's failure with the launcher's own traceback, which says nothing its message does
+    not, and whose formatting imports torch's compiler (a second, in the launcher, at every failure)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        return True
+
+
+def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry, *, nnodes: str = "1",
            rdzv_endpoint: str = "", rdzv_timeout_s: int = 900, shutdown_grace_s: int = 120,
            no_progress_restarts: int = 2, say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
     2 bad input, 3 stopped (do not requeue), 75 paused (rerun resumes), 76 this node or a rank was
-    quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N. Each worker
+    runs `entry(the launcher's environment, its argv)`."""
+    start_worker_server(nproc)  # unless the command started it already
+    logging.getLogger(elastic_processes.__name__).addFilter(_WithoutTraceback())
     # Workers restarted by the agent must not share the rendezvous store: they would read the
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["KEEL_NODE"] = node_name()  # the workers name their node as the launcher does
-    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this process (keel.health.lifeline)
     # The agent passes these on to the workers: SIGUSR1 pauses them as SIGTERM does.
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     # The goodput ledger counts this command's own start-up (imports, rendezvous) as the run's.
     os.environ["KEEL_LAUNCHED_AT"] = str(keel.STARTED)
     elastic = nnodes != "1"
-    if elastic:
-        os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rdzv_timeout_s)
-        rendezvous = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                      "--rdzv-id", f"keel-{run_dir.resolve().name}",
-                      "--rdzv-conf", f"join_timeout={rdzv_timeout_s},last_call_timeout=2,"
-                                     f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"]
-    else:
-        rendezvous = ["--standalone"]
-    args = get_args_parser().parse_args([
-        *rendezvous, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        f"--shutdown-timeout={shutdown_grace_s}", "--module", "keel", *worker_argv(argv)])
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"keel-{os.getpid()}"
-    config, cmd, cmd_args = config_from_args(args)
+    config = _agent_config(nproc, max_restarts, run_dir, nnodes, rdzv_endpoint, rdzv_timeout_s, shutdown_grace_s)
 
     agents: list[KeelAgent] = []
 
@@ -209,7 +221,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
     try:
         if received := stop_requested_early():  # caught while this command was still validating
             raise SignalException(f"{received} received", getattr(signal, received))
-        return _launch(config, cmd, cmd_args, agents, run_dir, say)
+        # The first argument is the launcher's environment, which the agent fills as it starts the workers.
+        return _launch(config, entry, [{}, worker_argv(argv)], agents, run_dir, say)
     finally:
         for sig in STOP_SIGNALS:  # the job's outcome is decided; a late signal changes nothing
             signal.signal(sig, signal.SIG_IGN)
@@ -219,9 +232,30 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, *, nno
             account_exit(run_dir)
 
 
-def _launch(config, cmd, cmd_args, agents: list[KeelAgent], run_dir: Path, say) -> int:
+def _agent_config(nproc: int, max_restarts: int, run_dir: Path, nnodes: str, rdzv_endpoint: str,
+                  rdzv_timeout_s: int, shutdown_grace_s: int) -> launcher_api.LaunchConfig:
+    """torchrun's launch config for this node, as its command line would give it, its workers forked."""
+    if nnodes != "1":
+        os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rdzv_timeout_s)
+        rendezvous = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                      "--rdzv-id", f"keel-{run_dir.resolve().name}",
+                      "--rdzv-conf", f"join_timeout={rdzv_timeout_s},last_call_timeout=2,"
+                                     f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"]
+    else:
+        rendezvous = ["--standalone"]
+    args = get_args_parser().parse_args([
+        *rendezvous, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        f"--shutdown-timeout={shutdown_grace_s}", "--module", "keel"])  # the workers run `entry` instead
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"keel-{os.getpid()}"
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"  # from the worker server (keel.worker_server)
+    return config
+
+
+def _launch(config, entry: WorkerEntry, args: list, agents: list[KeelAgent], run_dir: Path, say) -> int:
     try:
-        launcher_api.launch_agent(config, cmd, list(cmd_args))
+        launcher_api.launch_agent(config, entry, args)
     except ChildFailedError as e:
         # The first worker to fail holds the cause; the agent then stops the others with signals.
         outcome = agents[0].outcome if agents else None

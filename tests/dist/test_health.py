@@ -260,10 +260,15 @@ def test_elastic_job_leaves_a_quarantined_node_and_finishes_on_the_other(small_c
     assert a.returncode == 0, err_a[-3000:]
     story = [(e["kind"], e["detail"].get("world_size")) for e in events(run_dir)
              if e["kind"] in ("start", "leave", "resume", "finish") and e["rank"] == 0]
-    assert story == [("start", 2), ("leave", None), ("start", 1), ("resume", None), ("finish", None)], story
+    # Node a may train alone until b joins its rendezvous (a job of 1 to 2 nodes starts with 1): it then
+    # pauses at a step, and both resume from that checkpoint.
+    formed = story.index(("start", 2))
+    assert story[:formed] in ([], [("start", 1)]), story
+    assert story[formed:] == [("start", 2), *[("resume", None)] * formed, ("leave", None), ("start", 1),
+                              ("resume", None), ("finish", None)], story
     (leave,) = events(run_dir, "leave")
     assert leave["detail"]["nodes"] == ["b"] and leave["detail"]["saved"]
-    (resume,) = events(run_dir, "resume")
+    resume = events(run_dir, "resume")[-1]
     assert resume["step"] == leave["step"]  # nothing lost: the leave wrote the checkpoint it resumes from
     # The same global batches: the one-node run accumulates twice the micro-batches per step.
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -63,14 +63,14 @@ def tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def sigkill_once_saved_and_see_all_gone(proc: subprocess.Popen, tag: str, run_dir: Path) -> list[int]:
+def sigkill_once_saved_and_see_all_gone(proc: subprocess.Popen, tag: str, run_dir: Path, job: int) -> list[int]:
     """SIGKILL the launcher (keel's or torchrun's) of a running 2-process job once its first checkpoint is
     committed; its workers must follow it within seconds. Returns the processes of the job left 10 s
-    after the kill (none, unless a worker outlived its launcher)."""
+    after the kill (none, unless a worker outlived its launcher). `job`: how many processes the job runs."""
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
                  "the first checkpoint", proc)
-        assert len(tagged(tag)) == 3, "the launcher and its two workers run"
+        assert len(tagged(tag)) == job, "the launcher, its workers (and keel's worker server with its resource tracker) run"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
@@ -88,7 +88,7 @@ def test_workers_die_with_their_sigkilled_launcher_and_the_rerun_resumes(small_c
     cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
            "train.steps=30", "checkpoint.interval=5"]
     proc, tag = spawn_keel(cmd, tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert sigkill_once_saved_and_see_all_gone(proc, tag, run_dir) == [], "the workers die with their launcher"
+    assert sigkill_once_saved_and_see_all_gone(proc, tag, run_dir, 5) == [], "the workers die with their launcher"
     rerun = run_keel(cmd, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     assert [e["step"] for e in events_of(run_dir, "resume")][-1] >= 5
@@ -103,7 +103,7 @@ def test_workers_of_a_plain_torchrun_die_with_it(small_corpus: Path, tmp_path: P
            "checkpoint.interval=5"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**keel_env(), TAG: tag}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    assert sigkill_once_saved_and_see_all_gone(proc, tag, run_dir) == [], "the workers die with their torchrun"
+    assert sigkill_once_saved_and_see_all_gone(proc, tag, run_dir, 3) == [], "the workers die with their torchrun"
 
 
 def test_a_second_job_is_refused_while_a_worker_of_the_first_lives(small_corpus: Path, tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def _launcher_validating(run_dir: Path, tag: str) -> bool:
 
 
 def _workers_started(run_dir: Path, tag: str) -> bool:
-    return len(tagged(tag)) >= 3
+    return len(tagged(tag)) >= 5  # the launcher, its worker server and its resource tracker, two workers
 
 
 def _workers_loading(run_dir: Path, tag: str) -> bool:

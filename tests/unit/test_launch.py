@@ -2,43 +2,53 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
-import subprocess
-import sys
+import time
+from multiprocessing.process import BaseProcess
 from types import SimpleNamespace
 
 from keel.launch import KeelAgent
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+def _sleeper(code: int | None = None) -> BaseProcess:
+    """A real process, as the agent's workers are (forked), that sleeps or exits with `code`."""
+    target = (lambda: os._exit(code)) if code is not None else (lambda: time.sleep(60))
+    proc = multiprocessing.get_context("fork").Process(target=target)
+    proc.start()
+    return proc
 
 
-def _agent_over(procs: list[subprocess.Popen]) -> KeelAgent:
+def _agent_over(procs: list[BaseProcess]) -> KeelAgent:
     agent = KeelAgent.__new__(KeelAgent)  # only its process context is used
-    agent._pcontext = SimpleNamespace(subprocess_handlers={i: SimpleNamespace(proc=p) for i, p in enumerate(procs)})
+    agent._pcontext = SimpleNamespace(_pc=SimpleNamespace(processes=procs))
     return agent
 
 
 def test_the_others_are_killed_at_once_when_a_worker_is_killed_by_a_signal() -> None:
-    procs = [subprocess.Popen(SLEEPER) for _ in range(3)]
+    procs = [_sleeper() for _ in range(3)]
     try:
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait(10)
+        procs[1].kill()
+        procs[1].join(10)
         _agent_over(procs)._end_survivors_of_a_killed_worker()
-        assert [p.wait(10) for p in procs] == [-signal.SIGKILL] * 3
+        for p in procs:
+            p.join(10)
+        assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 3
     finally:
         for p in procs:
             p.kill()
-            p.wait()
+            p.join()
 
 
 def test_workers_that_exit_with_a_code_leave_the_others_to_their_own_end() -> None:
     """A pause, a guard's stop or an error ends every rank by itself (a code, not a signal): no one is killed."""
-    procs = [subprocess.Popen(SLEEPER), subprocess.Popen([sys.executable, "-c", "raise SystemExit(75)"])]
+    procs = [_sleeper(), _sleeper(75)]
     try:
-        procs[1].wait(10)
+        procs[1].join(10)
         _agent_over(procs)._end_survivors_of_a_killed_worker()
-        assert procs[0].poll() is None
+        assert procs[1].exitcode == 75 and procs[0].exitcode is None
     finally:
         for p in procs:
             p.kill()
-            p.wait()
+            p.join()

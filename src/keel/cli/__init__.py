@@ -50,6 +50,22 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(f"{str(e.filename)!r}: {e.strerror}")
 
 
+def forked_worker(launcher_env: dict[str, str], argv: list[str]) -> None:
+    """A worker of `keel train --nproc N`, forked by the launcher's worker server (keel.launch): `keel ARGV`
+    as `python -m keel` runs it. A code other than 0 is the process's exit code; 0 returns to the agent,
+    which ends the workers once every one has returned."""
+    from keel.core.process import run_exit_handlers
+    from keel.worker_server import become_worker
+
+    become_worker(launcher_env)
+    try:
+        code = main(argv)
+    finally:
+        run_exit_handlers()
+    if code:
+        raise SystemExit(code)
+
+
 # A path the user named that is missing, of the wrong kind or forbidden; any other exception is a fault of keel
 # or of the machine and keeps its traceback.
 USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)

@@ -68,17 +68,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_command(args: argparse.Namespace, worker: bool) -> int:
+    from keel.core.replica import GROUP_ENV
+    from keel.worker_server import start_worker_server
+
+    cfg = config_from_args(args)
+    nproc = 1 if worker or args.nproc is None else args.nproc
+    elastic = not worker and args.nnodes != "1"
+    groups = cfg.fault_tolerance.replica_groups
+    in_groups = groups > 1 and GROUP_ENV not in os.environ and not worker  # a launcher per group, not one here
+    launches = not worker and not in_groups and (nproc > 1 or restart_budget(args, cfg) > 0 or elastic or groups > 1)
+    if launches and nproc > 0:  # a bad --nproc is refused below, and the server ends with this process
+        start_worker_server(nproc)  # first: its imports (torch's among them) overlap everything below
+    return _checked_start(args, cfg, worker, launches, in_groups)
+
+
+def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, launches: bool, in_groups: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manifest import committed
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
-    from keel.core.replica import GROUP_ENV
     from keel.health.signals import stop_requested_early
-    from keel.launch import launch
     from keel.parallel.mesh import pick_device
     from keel.rundir.lock import RunLock, held_by_launcher
     from keel.rundir.quarantine import node_name
 
-    cfg = config_from_args(args)
     run_dir = args.run_dir or Path("runs") / cfg.name
     check_train_args(args, cfg, run_dir)
     if args.quiet:
@@ -87,7 +99,7 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     elastic = not worker and args.nnodes != "1"
     if elastic:
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
-    groups, max_restarts = cfg.fault_tolerance.replica_groups, restart_budget(args, cfg)
+    max_restarts = restart_budget(args, cfg)
     if not worker and not elastic:
         resolve_layout(cfg, nproc)
     pick_device(cfg.train.device)  # a missing device fails here, before any process starts
@@ -113,12 +125,15 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     # elastic job); torchrun's own workers lock it in rank 0.
     lock = RunLock(run_dir, node_name() if elastic else "")
     with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
-        if groups > 1 and GROUP_ENV not in os.environ and not worker:  # one launcher per replica group
+        if in_groups:
             from keel.groups import launch_groups  # the replica groups' code only where there are groups
 
             return launch_groups(cfg, args.argv, run_dir, nproc, max_restarts)
-        if not worker and (nproc > 1 or max_restarts > 0 or elastic or groups > 1):
-            return launch(nproc, max_restarts, args.argv, run_dir, nnodes=args.nnodes,
+        if launches:
+            from keel.cli import forked_worker
+            from keel.launch import launch
+
+            return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nnodes=args.nnodes,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
                           shutdown_grace_s=cfg.health.shutdown_grace_s,
                           no_progress_restarts=cfg.health.no_progress_restarts)

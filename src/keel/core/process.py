@@ -37,8 +37,14 @@ def exit_now(code: int) -> None:
     has a non-daemon thread ends the ordinary way, which waits for it."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
+    run_exit_handlers()
+    os._exit(code)
+
+
+def run_exit_handlers() -> None:
+    """What the interpreter does at exit before its teardown: the atexit handlers, buffered output flushed.
+    A forked process (a worker the launcher's server forks) ends without them unless it calls this."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or its reader is gone
             stream.flush()
-    os._exit(code)

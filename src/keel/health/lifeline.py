@@ -11,12 +11,12 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
-AGENT_PID_ENV = "KEEL_AGENT_PID"  # the launcher that starts the workers sets it to its own pid
+AGENT_PID_ENV = "KEEL_AGENT_PID"  # the process that started this worker: the launcher's worker server
 
 
 def die_with_launcher() -> None:
     """Called first thing by a torchrun worker. The parent-death signal fires when the thread that
-    started this process ends: torchrun's agent starts its workers from its main thread."""
+    started this process ends: the worker server forks from its main thread, and ends with the launcher."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

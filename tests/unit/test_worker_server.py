@@ -1,0 +1,59 @@
+"""The worker server: a worker forked from it starts with torch and keel imported, in the launcher's
+environment under the agent's variables, in a session of its own, dying with the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import keel_env
+
+# A launcher in miniature: it starts the server, then has it fork one worker the way the agent does (the
+# agent's variables set in the child, then keel's entry), and prints what the worker reports.
+LAUNCHER = """
+import json, multiprocessing, os, sys, time
+from keel.worker_server import start_worker_server
+from tests.unit.test_worker_server import report
+
+start_worker_server(1)
+os.environ["SET_AFTER_THE_SERVER_STARTED"] = "launcher"
+ctx = multiprocessing.get_context("forkserver")
+queue = ctx.SimpleQueue()
+worker = ctx.Process(target=report, args=(queue, dict(os.environ), time.time()))
+worker.start()
+print(json.dumps({**queue.get(), "launcher": os.getpid()}))
+worker.join()
+"""
+
+
+def report(queue, launcher_env: dict[str, str], forked_at: float) -> None:
+    """In the forked worker: what it had before keel's entry ran, and what it has after."""
+    imported = sorted(m for m in ("torch", "torch.distributed.fsdp", "keel.train.worker") if m in sys.modules)
+    os.environ.update(RANK="3", SET_AFTER_THE_SERVER_STARTED="agent")  # what torchrun's _wrap does
+    import keel
+    from keel.worker_server import become_worker
+
+    become_worker(launcher_env)
+    queue.put({"imported_before_entry": imported, "rank": os.environ["RANK"],
+               "launcher_variable": os.environ.get("LAUNCHER_ONLY"), "agent_wins": os.environ[
+                   "SET_AFTER_THE_SERVER_STARTED"], "server_flag": os.environ.get("KEEL_WORKER_SERVER_OF"),
+               "own_session": os.getsid(0) == os.getpid(), "dies_with": int(os.environ["KEEL_AGENT_PID"]),
+               "parent": os.getppid(), "clock_restarted": forked_at <= keel.STARTED})
+
+
+def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_path: Path) -> None:
+    env = {**keel_env(), "LAUNCHER_ONLY": "yes", "PYTHONPATH": os.pathsep.join([str(Path.cwd()), keel_env()[
+        "PYTHONPATH"]])}
+    out = subprocess.run([sys.executable, "-c", LAUNCHER], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout)
+    assert seen["imported_before_entry"] == ["keel.train.worker", "torch", "torch.distributed.fsdp"]
+    assert seen["rank"] == "3" and seen["agent_wins"] == "agent"  # the agent's variables over the launcher's
+    assert seen["launcher_variable"] == "yes" and seen["server_flag"] is None  # the launcher's, not the server's
+    assert seen["own_session"]
+    assert seen["dies_with"] == seen["parent"] != seen["launcher"]  # the server, which dies with the launcher
+    assert seen["clock_restarted"]  # keel.STARTED: when the worker was forked, not when the server started
