@@ -7,8 +7,9 @@ measures the time from the kill to the first step completed after the restart, s
   detection   kill → the agent sees the worker failed (keel's agent: its `failure` event; torchrun's:
               the same moment, recorded by this script's hook on its monitor)
   restart     → the new workers run their first line (the agent stops the rest, re-rendezvous,
-              spawns; the interpreter starts)
-  start       → the training code is entered (imports; keel: also its command line)
+              starts them: torchrun spawns interpreters, keel forks them from its worker server)
+  start       → the training code is entered (torchrun: imports; keel: its command line, the server
+              having imported torch and keel once for every worker)
   rendezvous  → the process group is up (init_process_group)
   setup       → the checkpoint load starts (keel: preflight, model, data, guards)
   load        → the checkpoint is loaded

@@ -114,8 +114,8 @@ def guard_overhead() -> str:
 
 RECOVERY_PHASES = {
     "detection": "detection: kill → the agent sees the failure",
-    "restart": "restart: → the new workers run (the agent stops the rest, re-rendezvous, spawns)",
-    "start": "start: → the training code is entered (imports; keel: its command line)",
+    "restart": "restart: → the new workers run (the agent stops the rest, re-rendezvous, starts them)",
+    "start": "start: → the training code is entered (imports; keel: its command line, imports done)",
     "rendezvous": "rendezvous: → the process group is up",
     "setup": "setup: → the checkpoint load starts (keel: preflight reused, model, data, guards; the checkpoint's "
              "checks begin)",
