@@ -157,7 +157,7 @@ def replica_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
     run_dir = tmp_path_factory.mktemp("replicas") / "ft"
     port = free_port()  # group G serves port + G
-    faults = '"slow:rank=-1,seconds=0.4", "kill:step=5,rank=-1,group=1"'
+    faults = '"slow:rank=-1,seconds=0.4", "kill:step=5,rank=-1,group=1,down_s=3"'  # down: see test_replica_groups
     args = ["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
             f"data.dir={small_corpus}", "fault_tolerance.max_restarts=2", f"monitor.prometheus_port={port}",
             f"drill.inject=[{faults}]"]

@@ -109,7 +109,10 @@ def test_every_scenario_delivers_a_fault_and_names_its_detector() -> None:
 def test_a_lost_replica_group_heals_while_the_survivor_loses_no_step(quick) -> None:
     r = quick[1]["group_loss"]
     assert r["promise_kept"], (r["broken"], r["events"])
-    assert r["detected_by"] == "quorum/change" and 0 < r["detect_s"] and r["recover_s"] > 0 and r["heals"] == 1
+    # The survivor goes on without the lost group, which then heals; or the group, restarted within the
+    # lighthouse's heartbeat timeout, is healing in the very next quorum (nothing to go on without).
+    assert r["detected_by"] in ("quorum/change", "quorum/heal") and 0 < r["detect_s"] and r["heals"] == 1
+    assert r["recover_s"] > 0 if r["detected_by"] == "quorum/change" else r["recover_s"] == 0
     assert r["steps_lost"] == 0 and r["param_max_abs_diff"] <= REPLICA_ATOL
     assert "[1] drill/inject@6" in r["events"] and "[1] quorum/heal" in " ".join(r["events"])
     assert r["restart_steps_lost"] == 5, "a plain restart would have made the steps since the start again"

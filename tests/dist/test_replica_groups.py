@@ -33,6 +33,10 @@ PACE = "slow:rank=-1,seconds=0.4"
 # After a kill, 20 slower steps (14 s in all): time for the killed group to restart and heal (3-7 s on an
 # idle machine) on a loaded one.
 CATCH_UP = f"slow:rank=-1,seconds=0.3,from_step={FAULT_AT + 1},steps=20"
+# A killed group stays down this long before its restart builds anything: past the lighthouse's heartbeat
+# timeout, so that the survivor goes on without it (restarted workers are otherwise back within a second,
+# and the survivor's quorum waits for them instead).
+DOWN_S = 3
 TOLERANCE = 1e-4  # float32 sums in another order, compounded over the steps after the fault
 
 
@@ -111,7 +115,7 @@ def test_fault_free_groups_hold_the_same_state_and_split_every_batch(fault_free:
 def test_group_killed_mid_step_heals_from_its_live_peer(fault_free: Path, small_corpus: Path,
                                                         tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
-    done = run_keel(ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1"),
+    done = run_keel(ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1,down_s={DOWN_S}"),
                     cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(group_events(run_dir, 0, "start")) == 1, "the surviving group must never restart"
@@ -265,7 +269,7 @@ def test_two_process_groups_heal_and_read_more_micro_batches_while_one_is_missin
     while the other is missing), 2 FSDP2 shards or 2 tensor-parallel shards: the healed group's ranks equal
     the survivor's, bitwise."""
     run_dir = tmp_path / "two_process"
-    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1")
+    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1,down_s={DOWN_S}")
     cmd[cmd.index("--nproc") + 1] = "2"
     done = run_keel([*cmd, *layout, "train.global_batch=16"], cwd=tmp_path, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

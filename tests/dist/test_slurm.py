@@ -208,8 +208,7 @@ def test_time_limit_pauses_requeues_and_resumes_bitwise(slurm: SlurmCluster, ref
 
 REPLICA_STEPS = 30
 # After the kill the groups sleep 25 s over the next 10 steps, so that the killed group is back (torchrun's
-# restart, a fresh Python importing torch, and its heal: about 6 s on an idle machine) before the survivor's
-# last step.
+# restart and its heal) well before the survivor's last step.
 REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,from_step=11,steps=10"]'
 
 

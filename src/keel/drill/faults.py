@@ -169,7 +169,20 @@ class _InStep(Injector):
 
 
 class KillInStep(_InStep):
-    """SIGKILL this rank in the middle of a step."""
+    """SIGKILL this rank in the middle of a step. `down_s`: the killed processes' restart holds back that many
+    seconds before it builds anything (a replica group then rejoins only after the live ones went on without
+    it, as a replaced node would; restarted workers are otherwise back within about a second)."""
+
+    def __init__(self, step: int, rank: int = 1, times: int = 1, group: int = -1, down_s: float = 0.0) -> None:
+        super().__init__(step, rank, times, group)
+        self.down_s = down_s
+
+    def attach(self, spec: str, index: int, run_dir: Path) -> None:
+        super().attach(spec, index, run_dir)
+        restarted_after_a_kill = 0 < attempt() <= self.delivered()
+        if (self.down_s and restarted_after_a_kill and self.rank in (-1, dist.get_rank())
+                and self.group in (-1, replica_group())):
+            time.sleep(self.down_s)
 
     def deliver(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -417,10 +417,16 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         broken.append(f"the surviving group started {starts} times: it must never restart")
     fault_time, fault_step = _replica_fault_point(launches[0], events)
     detected = _find(events, scenario.detect, after=fault_time) if fault_time is not None else None
+    detected_by = scenario.detect
+    if detected is None and fault_time is not None and scenario.recovered_by:
+        # The lost group was back, restarted and healing, before a quorum left it out: the survivors never had
+        # to go on without it, and its heal is what saw and repaired the loss.
+        detected, detected_by = _find(events, scenario.recovered_by, after=fault_time), scenario.recovered_by
     if fault_time is None:
         broken.append("the fault was never delivered")
     elif detected is None:
-        broken.append(f"no {'/'.join(map(str, scenario.detect))} event: the survivors never went on without it")
+        broken.append(f"no {'/'.join(map(str, scenario.detect))} event: the survivors never went on without it, "
+                      f"and the lost group never healed")
     heals = [e for e in events if detected and scenario.recovered_by and _matches(e, scenario.recovered_by)
              and e["time"] >= detected["time"]]
     if detected and scenario.recovered_by and not heals:
@@ -436,7 +442,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         "scenario": scenario.name, "promise": scenario.promise, "promise_kept": not broken, "broken": broken,
         "compare": f"{scenario.compare} (atol {REPLICA_ATOL:g})", **outcome, "groups": scenario.groups,
         "fault_step": fault_step, "steps_made": fault_step if launches[0]["outside"] else fault_step - 1,
-        "detected_by": "/".join(map(str, scenario.detect[:2])) if detected else None,
+        "detected_by": "/".join(map(str, detected_by[:2])) if detected else None,
         "detect_steps": max(0, detected["step"] - fault_step) if detected else None,
         "detect_s": round(detected["time"] - fault_time, 2) if detected and fault_time else None,
         "recover_s": recover_s, "heals": len(heals),

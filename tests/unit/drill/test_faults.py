@@ -43,3 +43,20 @@ def test_bit_flip_changes_one_bit_of_one_element() -> None:
     flip._flip(model[0].weight)
     changed = (before.view(torch.int32) ^ model[0].weight.detach().view(torch.int32)).view(-1)
     assert changed.count_nonzero() == 1 and changed[5] == 1 << 30
+
+
+@pytest.mark.parametrize("restart, delivered, held_back", [(1, 1, [2.5]), (0, 1, []), (1, 0, []), (2, 1, [])])
+def test_a_killed_group_holds_back_its_restart_after_the_kill_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restart: int, delivered: int, held_back: list) -> None:
+    """`down_s` delays the first start after each delivered kill, not the job's first start nor a later one."""
+    import keel.drill.faults as faults
+
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(faults.dist, "get_rank", lambda: 0)  # rank 0 of a job of its own
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+    counter = tmp_path / "drill" / "0-kill.delivered"
+    counter.parent.mkdir()
+    counter.write_text("6\n" * delivered)
+    faults.inject("kill:step=6,rank=-1,down_s=2.5", 0, str(tmp_path))
+    assert slept == held_back
