@@ -37,9 +37,12 @@ def start_worker_server(nproc: int) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_MODULES))
     # PYTHONUNBUFFERED: a worker's output reaches the console as it is written. PYTHONWARNINGS: the resource
     # tracker started with the server frees the agent's semaphores when the launcher is killed, as it should,
-    # without a warning that they leaked.
+    # without a warning that they leaked. PYTORCH_NVML_BASED_CUDA_CHECK: should anything the server imports ask
+    # whether CUDA is there, NVML answers, without initialising the CUDA driver that a forked worker could then
+    # not use.
+    launcher = str(os.getpid())
     with _variables(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore:resource_tracker:UserWarning",
-                    **{SERVER_OF: str(os.getpid()), AGENT_PID_ENV: str(os.getpid())}):
+                    PYTORCH_NVML_BASED_CUDA_CHECK="1", **{SERVER_OF: launcher, AGENT_PID_ENV: launcher}):
         multiprocessing.forkserver.ensure_running()
     atexit.register(_stop_worker_server)
 

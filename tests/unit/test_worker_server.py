@@ -40,6 +40,7 @@ def report(queue, launcher_env: dict[str, str], forked_at: float) -> None:
     queue.put({"imported_before_entry": imported, "rank": os.environ["RANK"],
                "launcher_variable": os.environ.get("LAUNCHER_ONLY"), "agent_wins": os.environ[
                    "SET_AFTER_THE_SERVER_STARTED"], "server_flag": os.environ.get("KEEL_WORKER_SERVER_OF"),
+               "server_cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
                "own_session": os.getsid(0) == os.getpid(), "dies_with": int(os.environ["KEEL_AGENT_PID"]),
                "parent": os.getppid(), "clock_restarted": forked_at <= keel.STARTED})
 
@@ -53,7 +54,8 @@ def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_
     seen = json.loads(out.stdout)
     assert seen["imported_before_entry"] == ["keel.train.worker", "torch", "torch.distributed.fsdp"]
     assert seen["rank"] == "3" and seen["agent_wins"] == "agent"  # the agent's variables over the launcher's
-    assert seen["launcher_variable"] == "yes" and seen["server_flag"] is None  # the launcher's, not the server's
+    assert seen["launcher_variable"] == "yes"  # the launcher's variables, not those set for the server only
+    assert seen["server_flag"] is None and seen["server_cuda_check"] is None
     assert seen["own_session"]
     assert seen["dies_with"] == seen["parent"] != seen["launcher"]  # the server, which dies with the launcher
     assert seen["clock_restarted"]  # keel.STARTED: when the worker was forked, not when the server started
