@@ -25,6 +25,9 @@ WORKER_MODULES = ("keel.worker_server", "keel.launch", "keel.cli", "keel.train.w
 # inherits them, and tells from them which of its variables the agent set for it.
 SERVER_PID, SERVER_ENV = os.getpid(), dict(os.environ)
 SERVER_OF = "KEEL_WORKER_SERVER_OF"  # set for the server only: the pid of the launcher that started it
+# A scheduler may signal every process of the job (Slurm's scancel does): the server ignores what is meant for
+# the launcher and its workers (a pause, a stop), or its end would SIGKILL the workers before they paused.
+IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_worker_server(nproc: int) -> None:
@@ -79,6 +82,8 @@ def become_worker(launcher_env: dict[str, str]) -> None:
     is older) under the variables the agent set for this worker; a session of its own, as torchrun gives its
     workers, so that a Ctrl-C reaches only the launcher, which passes it on; the server as the process whose
     end it dies with (keel.health.lifeline); and keel's clock started now, not when the server started."""
+    for sig in IGNORED:  # what the server ignores, a worker takes as a fresh Python process does
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     own = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**launcher_env, **own})
@@ -95,3 +100,5 @@ def become_worker(launcher_env: dict[str, str]) -> None:
 # forked it). It cannot notice the launcher's end by itself: every worker holds its liveness pipe open.
 if os.environ.get(SERVER_OF) == str(os.getppid()):
     die_with_launcher()
+    for _sig in IGNORED:
+        signal.signal(_sig, signal.SIG_IGN)

@@ -1,10 +1,12 @@
 """The worker server: a worker forked from it starts with torch and keel imported, in the launcher's
-environment under the agent's variables, in a session of its own, dying with the server."""
+environment under the agent's variables, in a session of its own, dying with the server; the server
+outlives a SIGTERM meant for the job."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from tests.conftest import keel_env
 # A launcher in miniature: it starts the server, then has it fork one worker the way the agent does (the
 # agent's variables set in the child, then keel's entry), and prints what the worker reports.
 LAUNCHER = """
-import json, multiprocessing, os, sys, time
+import json, multiprocessing, multiprocessing.forkserver, os, signal, sys, time
 from keel.worker_server import start_worker_server
 from tests.unit.test_worker_server import report
 
@@ -24,7 +26,11 @@ ctx = multiprocessing.get_context("forkserver")
 queue = ctx.SimpleQueue()
 worker = ctx.Process(target=report, args=(queue, dict(os.environ), time.time()))
 worker.start()
-print(json.dumps({**queue.get(), "launcher": os.getpid()}))
+seen = queue.get()
+os.kill(seen["parent"], signal.SIGTERM)  # as a scheduler signals every process of a job
+time.sleep(0.5)
+print(json.dumps({**seen, "launcher": os.getpid(), "server_alive": multiprocessing.forkserver._forkserver.
+                  _forkserver_pid == seen["parent"] and os.waitpid(seen["parent"], os.WNOHANG) == (0, 0)}))
 worker.join()
 """
 
@@ -42,7 +48,8 @@ def report(queue, launcher_env: dict[str, str], forked_at: float) -> None:
                    "SET_AFTER_THE_SERVER_STARTED"], "server_flag": os.environ.get("KEEL_WORKER_SERVER_OF"),
                "server_cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
                "own_session": os.getsid(0) == os.getpid(), "dies_with": int(os.environ["KEEL_AGENT_PID"]),
-               "parent": os.getppid(), "clock_restarted": forked_at <= keel.STARTED})
+               "parent": os.getppid(), "clock_restarted": forked_at <= keel.STARTED,
+               "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL})
 
 
 def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_path: Path) -> None:
@@ -58,4 +65,5 @@ def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_
     assert seen["server_flag"] is None and seen["server_cuda_check"] is None
     assert seen["own_session"]
     assert seen["dies_with"] == seen["parent"] != seen["launcher"]  # the server, which dies with the launcher
+    assert seen["server_alive"] and seen["sigterm_default"]  # a job-wide SIGTERM is for the workers, not the server
     assert seen["clock_restarted"]  # keel.STARTED: when the worker was forked, not when the server started
