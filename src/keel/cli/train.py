@@ -79,10 +79,11 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     launches = not worker and not in_groups and (nproc > 1 or restart_budget(args, cfg) > 0 or elastic or groups > 1)
     if launches and nproc > 0:  # a bad --nproc is refused below, and the server ends with this process
         start_worker_server(nproc)  # first: its imports (torch's among them) overlap everything below
-    return _checked_start(args, cfg, worker, launches, in_groups)
+    return _checked_start(args, cfg, worker, nproc, elastic, launches, in_groups)
 
 
-def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, launches: bool, in_groups: bool) -> int:
+def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: int, elastic: bool, launches: bool,
+                   in_groups: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manifest import committed
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
@@ -95,8 +96,6 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, launches
     check_train_args(args, cfg, run_dir)
     if args.quiet:
         os.environ["KEEL_QUIET"] = "1"  # the workers' consoles too
-    nproc = 1 if worker or args.nproc is None else args.nproc
-    elastic = not worker and args.nnodes != "1"
     if elastic:
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
     max_restarts = restart_budget(args, cfg)
