@@ -1,16 +1,22 @@
 """A save's data files are checksummed as they are written: the manifest's checksums are those of the
-files on disk, and only the files written outside DCP are read back."""
+files on disk, only the files written outside DCP are read back, and torch's own per-record CRC32, which
+those checksums make redundant, is not computed."""
 
 from __future__ import annotations
 
 import io
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader
+from torch.serialization import get_crc32_options
 
-from keel.checkpoint.digesting import _Digesting
+from keel.checkpoint.digesting import DigestingWriter, _Digesting
 from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.storage import Storage
 from keel.config import load_config
@@ -51,3 +57,19 @@ def test_a_stream_that_was_not_written_in_one_sequential_run_gets_no_checksum() 
     seeking.seek(2)
     seeking.write(b"X")
     assert seeking.digest() is None
+
+
+def test_dcps_records_carry_no_crc32_of_their_own_and_load_back_exactly(tmp_path: Path, group: None) -> None:
+    state = {"w": torch.randn(300, 7), "step": torch.tensor(5)}
+    writer = DigestingWriter(tmp_path)
+    dcp.save(state, storage_writer=writer)
+    assert get_crc32_options()  # torch.save elsewhere keeps its CRC32
+    records = FileSystemReader(tmp_path).read_metadata().storage_data.values()
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    assert writer.digests["__0_0.distcp"] == (len(data), xxhash.xxh3_128(data).hexdigest())
+    for record in records:
+        members = zipfile.ZipFile(io.BytesIO(data[record.offset:record.offset + record.length])).infolist()
+        assert members and all(member.CRC == 0 for member in members)
+    loaded = {"w": torch.zeros(300, 7), "step": torch.tensor(0)}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    assert torch.equal(loaded["w"], state["w"]) and int(loaded["step"]) == 5
