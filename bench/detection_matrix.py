@@ -77,7 +77,9 @@ def cell(runner: Runner, corpus: Path, work: Path, layout: str, target: str, bit
     run_dir = work / f"{layout.replace(' ', '_')}-{target}-{bit}"
     train(runner, corpus, run_dir, layout,
           f'drill.inject=["bitflip:step={FLIP_AT},rank=1,target={target},tensor={TENSOR},element={ELEMENT},bit={bit}"]')
-    acted = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "guard" and e["action"] != "rolled_back"]
+    events = read_jsonl(run_dir / "events.jsonl")
+    acted = [e for e in events if e["kind"] == "guard" and e["action"] != "rolled_back"]
+    flipped = any(e["kind"] == "drill" and e["action"] == "inject" for e in events)
     same = final_state(run_dir) == clean
     suspects = sorted({r for e in acted if e["action"] == "quarantine" for r in e["detail"]["ranks"]})
     if acted:
@@ -85,10 +87,10 @@ def cell(runner: Runner, corpus: Path, work: Path, layout: str, target: str, bit
         detector = first["detail"].get("detector") or first["detail"]["guard"]
         outcome = "exact" if same else "recovered"
         return {"layout": layout, "target": target, "bit": bit, "detector": detector,
-                "latency": first["step"] - FLIP_AT, "outcome": outcome, "named": suspects,
+                "latency": first["step"] - FLIP_AT, "outcome": outcome, "named": suspects, "flipped": flipped,
                 "actions": [f"{e['step']}:{e['detail']['guard']}:{e['action']}" for e in acted]}
     return {"layout": layout, "target": target, "bit": bit, "detector": None, "latency": None,
-            "outcome": "absorbed" if same else "missed", "named": [], "actions": []}
+            "outcome": "absorbed" if same else "missed", "named": [], "actions": [], "flipped": flipped}
 
 
 def run_matrix(runner: Runner, corpus: Path, work: Path, layouts: tuple[str, ...] = tuple(LAYOUTS),

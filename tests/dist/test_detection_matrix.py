@@ -43,6 +43,9 @@ def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_p
     assert len(cells) == 8
     for c in cells:
         where = f"{c['target']} bit {c['bit']} ({BITS[c['bit']]})"
+        assert c["flipped"], f"{where}: the bit was flipped"
+        if c["bit"] == 0 and c["outcome"] == "absorbed":
+            continue  # the next update rounded it away (the CPU's kernels' last bits decide): nothing changed
         assert describe(c) == documented[(c["target"], c["bit"])]["replicated"], where
         # Any flipped bit in replicated state changes a fingerprint: caught by the next check at the latest,
         # rolled back to a verified state, and the run ends bitwise equal to the clean one.
@@ -57,6 +60,7 @@ def test_without_replicas_replays_catch_gradient_flips_and_state_flips_go_unseen
                        bits=(31, 0), concurrent=CONCURRENT)
     for c in cells:
         where = f"{c['target']} bit {c['bit']}"
+        assert c["flipped"], f"{where}: the bit was flipped"
         assert describe(c) == documented[(c["target"], c["bit"])]["sharded"], where
         if c["target"] == "grads":
             assert (c["detector"], c["latency"], c["outcome"], c["named"]) == ("replay", 0, "exact", [1]), where
