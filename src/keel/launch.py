@@ -173,11 +173,14 @@ def _caller_name(depth: int = 2) -> str:
     return sys._getframe(depth).f_code.co_name
 
 
-class _WithoutTraceback(logging.Filter):
-    """The agent logs a worker's failure with the launcher's own traceback, which says nothing its message does
-    not, and whose formatting imports torch's compiler (a second, in the launcher, at every failure)."""
+class _WorkerTracebackOnly(logging.Filter):
+    """The agent logs a worker's failure with the exception that carries the worker's traceback (as text, in
+    its message) under the launcher's own stack, which says nothing more and whose formatting imports torch's
+    compiler (a second, in the launcher, at every failure). The record keeps the message alone."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg, record.args = f"{record.getMessage()}{record.exc_info[1]}", ()
         record.exc_info = None
         return True
 
@@ -190,7 +193,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
     quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N. Each worker
     runs `entry(the launcher's environment, its argv)`."""
     start_worker_server(nproc)  # unless the command started it already
-    logging.getLogger(elastic_processes.__name__).addFilter(_WithoutTraceback())
+    logging.getLogger(elastic_processes.__name__).addFilter(_WorkerTracebackOnly())
     # Workers restarted by the agent must not share the rendezvous store: they would read the
     # previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

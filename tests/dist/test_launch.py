@@ -176,3 +176,15 @@ def test_a_stop_signal_while_the_job_starts_is_a_pause(reference_run: Path, smal
     after = tree_digest(run_dir / "checkpoints")
     assert {k: v for k, v in after.items() if k in before} == before, "every checkpoint file is kept, byte for byte"
     assert not events_of(run_dir, "resume") or max(int(e["step"]) for e in events_of(run_dir, "resume")) == 40
+
+
+def test_a_worker_crash_shows_the_workers_own_traceback(small_corpus: Path, tmp_path: Path) -> None:
+    """An exception in a worker (a bug, not bad input) reaches the console with the worker's traceback, and
+    without the launcher's."""
+    crash = ['callbacks=[{path = "tests.dist.crash_probe:RaiseAtStep", args = {step = 2}}]']
+    result = run_keel(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), *SMALL_RUN,
+                       f"data.dir={small_corpus}", "train.steps=4", *crash], cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]  # failed, not to be retried as it is
+    assert "Traceback" in result.stderr and 'crash_probe.py", line' in result.stderr, result.stderr[-3000:]
+    assert "RuntimeError: raised by crash_probe at step 2" in result.stderr
+    assert "in _poll" not in result.stderr  # the agent's own frames
