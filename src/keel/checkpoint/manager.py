@@ -479,7 +479,12 @@ class CheckpointManager:
                 raise CheckpointError("; ".join(problems) or load_error)
             for part, optimizer in zip(parts, optimizers, strict=True):
                 set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+                # The state dict also holds each group's settings (weight decay, betas, eps) as they were
+                # saved; the config may change them at a resume, so the optimizer keeps those it was built with.
+                settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
                 set_optimizer_state_dict(part, optimizer, state["optim"], options=_FLAT)
+                for group, configured in zip(optimizer.param_groups, settings, strict=True):
+                    group.update(configured)
             train_state = TrainState.from_dict(json.loads(storage.read_bytes(f"{name}/{TRAIN_STATE}")))
             if manifest["layout"] == self.layout and manifest["world_size"] == self.world_size:
                 set_rng_state(torch.load(io.BytesIO(storage.read_bytes(f"{name}/rng-rank-{self.rank:05d}.pt")),

@@ -263,3 +263,21 @@ def test_a_file_written_after_its_checks_passed_is_checked_again(tmp_path: Path,
     _flip_a_byte(root / "step-000020" / "__0_0.distcp")  # same size, same manifest
     state, path = run.restore() or (None, "")
     assert state.step == 10 and path == str(root / "step-000010")
+
+
+def test_a_resume_keeps_the_optimizer_settings_of_the_config_and_the_moments_of_the_checkpoint(
+        tmp_path: Path, group: None) -> None:
+    """The saved optimizer state holds each group's settings too; a resume whose config changed them (a
+    weight decay, an epsilon: options that may change) must train with the new ones."""
+    run = saved(tmp_path, (10,))
+    moments = {k: v.clone() for k, v in run.optimizer.state[run.model.weight].items()}
+    fresh = Run(tmp_path, tmp_path / "ckpt")
+    fresh.optimizer = torch.optim.AdamW(fresh.model.parameters(), weight_decay=0.5, eps=1e-6, betas=(0.8, 0.9))
+    fresh.model(torch.randn(2, 64)).sum().backward()
+    fresh.optimizer.step()  # its state exists, as the trainer's does before a load
+    state, _ = fresh.restore() or (None, "")
+    assert state is not None and state.step == 10
+    (group_settings,) = fresh.optimizer.param_groups
+    assert (group_settings["weight_decay"], group_settings["eps"], group_settings["betas"]) == (0.5, 1e-6, (0.8, 0.9))
+    for key, value in moments.items():
+        assert torch.equal(fresh.optimizer.state[fresh.model.weight][key], value), key
