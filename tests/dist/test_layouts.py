@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint.inspect import load_full_state
+from keel.checkpoint.inspect import load_full_state, state_sha256
 from keel.rundir.events import read_jsonl
 from tests.conftest import REPO, SMALL_RUN, run_keel
 
@@ -42,6 +42,12 @@ LAYOUTS = {
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
 }
+# Every stability lever at once, the z-loss large enough that a wrong reduction over vocabulary shards shows
+# in the gradient norms; run in the layouts whose code paths they touch: QK-norm gains over TP's heads, the
+# embedding norm over its sequence shards, the z-loss on vocabulary-sharded logits and in the pipeline's loss.
+LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.1",
+          "optim.independent_weight_decay=true", "optim.weight_decay=1e-4"]
+LEVER_LAYOUTS = ("dp2", "tp2", "pp2xtp2")
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).
 CONCURRENT = 2
@@ -115,6 +121,44 @@ def test_layout_trains_like_one_process(name: str, one_process: Path, layout_run
     assert result.returncode == 0, result.stderr[-3000:]
     worst = assert_same_training(run_dir, one_process, range(1, STEPS + 1))
     print(f"{name}: largest parameter difference after {STEPS} steps {worst:.2e} (bound {0.1 * LR:.1e})")
+
+
+@pytest.fixture(scope="module")
+def lever_runs(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The one-process run and LEVER_LAYOUTS' runs, every stability lever on."""
+    root = tmp_path_factory.mktemp("levers")
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        nproc, overrides = LAYOUTS.get(name, (1, []))
+        return root / name, run_keel(["train", "--nproc", str(nproc), "--run-dir", str(root / name), *RUN,
+                                      f"data.dir={small_corpus}", *LEVERS, *overrides], cwd=root)
+
+    names = ("one", *LEVER_LAYOUTS)
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        return dict(zip(names, pool.map(run, names), strict=True))
+
+
+@pytest.mark.parametrize("name", LEVER_LAYOUTS)
+def test_stability_levers_train_alike_in_every_layout(name: str, lever_runs: dict, one_process: Path) -> None:
+    (reference, first), (run_dir, result) = lever_runs["one"], lever_runs[name]
+    assert first.returncode == 0 and result.returncode == 0, (first.stderr + result.stderr)[-3000:]
+    assert_same_training(run_dir, reference, range(1, STEPS + 1))
+    with_levers, without = losses(reference), losses(one_process)
+    assert all(with_levers[step] != without[step] for step in range(1, STEPS + 1))  # they change the training
+
+
+def test_every_lever_resumes_bitwise_after_a_sigkill(lever_runs: dict, small_corpus: Path, tmp_path: Path) -> None:
+    """TP2 with every lever: rank 1 SIGKILLed once step 5 is saved, the agent restarts the workers, and the
+    run ends bitwise equal to the uninterrupted one."""
+    reference, result = lever_runs["tp2"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    kill = ['callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 5, rank = 1}}]']
+    train(small_corpus, tmp_path / "killed", 2, *LEVERS, *LAYOUTS["tp2"][1], *kill, "--max-restarts", "1")
+    events = read_jsonl(tmp_path / "killed" / "events.jsonl")
+    assert [e["step"] for e in events if e["kind"] == "resume"] == [5]
+    final = f"checkpoints/step-{STEPS:06d}"
+    assert state_sha256(tmp_path / "killed" / final) == state_sha256(reference / final)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,11 @@ class ModelConfig:
     rope_theta: float = option(10000.0, "RoPE base", gt=0)
     max_seq_len: int = option(256, "longest sequence the RoPE tables cover", ge=1)
     tie_embeddings: bool = option(False, "share the input embedding with the output projection")
+    qk_norm: bool = option(False, "RMSNorm over each head's queries and keys before RoPE (QK-norm: keeps attention "
+                           "logits from growing at high learning rates)")
+    embedding_norm: str = option("none", "the token embeddings as the first block sees them: as they are, scaled by "
+                                 "sqrt(dim), or through an RMSNorm (Takase et al., 'Spike No More')",
+                                 choices=("none", "scale", "rmsnorm"))
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
                             "Hugging Face Llama directory (config.json + model.safetensors)")
 
@@ -138,6 +143,9 @@ class TrainConfig:
     precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA)",
                             choices=("auto", "fp32", "bf16"))
     deterministic: bool = option(True, "deterministic kernels (bitwise-reproducible runs)")
+    z_loss: float = option(0.0, "z-loss coefficient: the training objective adds z_loss * mean((log Z)^2), Z the "
+                           "softmax's normaliser, against output-logit divergence (PaLM: 1e-4); the loss reported "
+                           "stays the cross entropy", ge=0)
 
 
 @dataclass
@@ -152,6 +160,9 @@ class OptimConfig:
     beta1: float = option(0.9, "AdamW beta1", ge=0, le=1)
     beta2: float = option(0.95, "AdamW beta2", ge=0, le=1)
     eps: float = option(1e-8, "AdamW epsilon", gt=0)
+    independent_weight_decay: bool = option(False, "decay matrices by weight_decay * lr / peak lr per step instead "
+                                            "of weight_decay * lr, so that the decay does not change with the peak "
+                                            "learning rate (Wortsman et al. 2024; values around 1e-4)")
     grad_clip: float = option(1.0, "global gradient-norm clipping threshold (0 disables)", ge=0)
 
 

@@ -51,12 +51,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # One gain per feature of a head, shared by all heads (as Qwen3 and OLMo 2 do per head).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -102,6 +107,7 @@ class Llama(nn.Module):
         # The embedding, norm and output are None in a pipeline stage that does not hold them (stage_module).
         embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings: nn.Embedding | None = embeddings
+        self.embedding_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.embedding_norm == "rmsnorm" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -122,8 +128,14 @@ class Llama(nn.Module):
                 and output.weight is not embeddings.weight):
             output.weight = embeddings.weight
 
+    def embedded(self, x: torch.Tensor) -> torch.Tensor:
+        """The token embeddings as the first block sees them (`model.embedding_norm`)."""
+        if self.embedding_norm is not None:
+            return self.embedding_norm(x)
+        return x * self.cfg.dim**0.5 if self.cfg.embedding_norm == "scale" else x
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        x = tokens if self.tok_embeddings is None else self.embedded(self.tok_embeddings(tokens))
         for block in self.layers.values():
             x = block(x, self.rope)
         return self.output(self.norm(x)) if self.output is not None and self.norm is not None else x

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -37,11 +38,17 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP with sequence parallel: projections column-/row-wise over heads and the
     SwiGLU hidden size; norms and residuals sharded over the sequence between them; the output
     projection sharded over the vocabulary, its logits left as a DTensor for the parallel loss."""
-    parallelize_module(model, tp_mesh, {
+    top: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    if model.embedding_norm is not None:  # between the embedding and the first block: sharded over the sequence
+        top["embedding_norm"] = SequenceParallel(use_local_output=True)
+    parallelize_module(model, tp_mesh, top)
+    # QK-norm sees this rank's heads (dimension 2 of batch, sequence, head, feature); its gains are replicated.
+    qk_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
+    per_head = {"attention.q_norm": qk_norm, "attention.k_norm": qk_norm} if model.cfg.qk_norm else {}
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
@@ -49,6 +56,7 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
+            **per_head,
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),

@@ -7,7 +7,6 @@ import copy
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_lo
 from keel.config import Config
 from keel.core.dtensor import plain
 from keel.model.llama import Llama
+from keel.model.loss import objective
 from keel.parallel.mesh import Mesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -41,14 +41,11 @@ def stage_module(model: Llama, stage: int, n_stages: int) -> Llama:
             del part.layers[name]
     if stage != 0:
         part.tok_embeddings = None
+        part.embedding_norm = None
     if stage != n_stages - 1:
         part.norm = None
         part.output = None
     return part
-
-
-def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class Pipeline:
@@ -61,6 +58,8 @@ class Pipeline:
         device = next(parts[0].parameters()).device
         group = mesh.pp.get_group()
         self.parts, self.optimizers, self.loss_parallel = parts, optimizers, loss_parallel
+        self.z_loss = cfg.train.z_loss
+        self.cross_entropies: list[torch.Tensor] = []  # of the micro-batches the last stage ran, in order
         self.pp_group = group
         self.has_first, self.has_last = 0 in stages, n_stages - 1 in stages
         pipeline_stages = [PipelineStage(part, stage, n_stages, device, group=group)
@@ -71,7 +70,7 @@ class Pipeline:
         # Every pipeline micro-batch holds this many sequences. A step with more or fewer sequences on this
         # rank (replica groups: the survivors of a lost group take its share) runs more or fewer of them.
         self.chunk = cfg.train.global_batch // mesh.layout.dp // n_micro
-        self.schedules = {n_micro: self.cls(self.stages, n_microbatches=n_micro, loss_fn=_mean_loss)}
+        self.schedules = {n_micro: self.cls(self.stages, n_microbatches=n_micro, loss_fn=self._loss)}
         self.schedule = self.schedules[n_micro]
         self.ranks_with_loss = mesh.layout.dp * mesh.layout.tp  # ranks holding the last stage
 
@@ -80,6 +79,7 @@ class Pipeline:
         device = next(self.parts[0].parameters()).device
         inputs = torch.cat([x for x, _ in micro_batches]).to(device)
         targets = torch.cat([y for _, y in micro_batches]).to(device)
+        self.cross_entropies = []
         losses: list[torch.Tensor] = []
         with vocab_parallel_loss() if self.loss_parallel else nullcontext():
             if self.has_first:
@@ -88,13 +88,20 @@ class Pipeline:
                 run(target=targets, losses=losses)
         if not self.has_last:
             return torch.zeros((), device=device)
-        return torch.stack([plain(loss.detach()) for loss in losses]).mean()
+        # The micro-batches' own: the first step's shape inference also calls the loss function, first.
+        return torch.stack([plain(loss) for loss in self.cross_entropies[-len(losses):]]).mean()
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the objective it differentiates; the cross entropy is what is reported."""
+        differentiated, cross_entropy = objective(logits, targets, self.z_loss)
+        self.cross_entropies.append(cross_entropy.detach())
+        return differentiated
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run the schedule's forward and backward; gradients accumulate in this rank's stages."""
         n = sum(len(x) for x, _ in micro_batches) // self.chunk
         if n not in self.schedules:
-            self.schedules[n] = self.cls(self.stages, n_microbatches=n, loss_fn=_mean_loss)
+            self.schedules[n] = self.cls(self.stages, n_microbatches=n, loss_fn=self._loss)
         return self._run(self.schedules[n].step, micro_batches)
 
     @torch.no_grad()

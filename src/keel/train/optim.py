@@ -15,10 +15,13 @@ from keel.core.dtensor import local
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms' gains)."""
+    """AdamW with weight decay on matrices only (not on norms' gains). AdamW shrinks a parameter by
+    lr·weight_decay per step; independent weight decay divides the coefficient by the peak learning rate,
+    so that the shrink is weight_decay·lr/peak whatever the peak."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    weight_decay = cfg.weight_decay / cfg.lr if cfg.independent_weight_decay else cfg.weight_decay
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.core.dtensor import local, plain
+from keel.model.loss import objective
 
 
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -36,10 +37,11 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                     autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False) -> torch.Tensor:
-    """Accumulate the gradients of this rank's micro-batches; returns its mean loss as a tensor (no host
-    synchronisation here). With `loss_parallel` the logits stay sharded over the vocabulary (tensor
-    parallel) and the loss and its backward are computed on the shards."""
+                     autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+                     z_loss: float = 0.0) -> torch.Tensor:
+    """Accumulate the gradients of this rank's micro-batches' objective (`keel.model.loss`); returns its
+    mean cross entropy as a tensor (no host synchronisation here). With `loss_parallel` the logits stay
+    sharded over the vocabulary (tensor parallel) and the loss and its backward are computed on the shards."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     loss_sum = torch.zeros((), device=device)
@@ -49,9 +51,9 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
         with amp:
             logits = model(inputs)
         with vocab_parallel_loss() if loss_parallel else nullcontext():
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
-            loss.backward()
-        loss_sum += plain(loss.detach())
+            differentiated, cross_entropy = objective(logits, targets, z_loss)
+            (differentiated / len(micro_batches)).backward()
+        loss_sum += plain(cross_entropy.detach() / len(micro_batches))
     return loss_sum
 
 
@@ -60,9 +62,11 @@ class Stepper:
     guards look: after the backward, before the update."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any, *,
-                 grad_clip: float, autocast_dtype: torch.dtype | None, loss_parallel: bool) -> None:
+                 grad_clip: float, autocast_dtype: torch.dtype | None, loss_parallel: bool,
+                 z_loss: float = 0.0) -> None:
         self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
         self.grad_clip, self.autocast_dtype, self.loss_parallel = grad_clip, autocast_dtype, loss_parallel
+        self.z_loss = z_loss
         self.params = [p for part in parts for p in part.parameters()]
         self.pp_group = pipeline.pp_group if pipeline is not None else None
 
@@ -70,7 +74,7 @@ class Stepper:
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
-                                loss_parallel=self.loss_parallel)
+                                loss_parallel=self.loss_parallel, z_loss=self.z_loss)
 
     def grad_norm(self) -> torch.Tensor:
         return grad_norm(self.params, self.pp_group)

@@ -137,7 +137,7 @@ class Trainer:
 
             self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp)
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
-                               autocast_dtype=autocast, loss_parallel=tp)
+                               autocast_dtype=autocast, loss_parallel=tp, z_loss=cfg.train.z_loss)
         self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
                          partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp))

@@ -257,3 +257,19 @@ def test_update_norm_is_the_norm_of_the_change_the_step_made() -> None:
             assert float(update_norm_sq([optimizer])) == pytest.approx(moved, rel=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("independent", [False, True])
+def test_independent_weight_decay_shrinks_by_the_ratio_to_the_peak_lr(independent: bool) -> None:
+    """With no gradient AdamW only decays: by lr·wd per step, or with independent weight decay by
+    wd·lr/peak, so that the decay does not move with the peak learning rate."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    cfg = OptimConfig(lr=1e-2, weight_decay=1e-3 if independent else 0.1, independent_weight_decay=independent)
+    optimizer = build_optimizer(model, cfg)
+    before = model.weight.detach().clone()
+    model.weight.grad = torch.zeros_like(model.weight)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr / 2  # halfway down the schedule
+    optimizer.step()
+    shrink = 1 - (cfg.weight_decay / 2 if independent else cfg.lr / 2 * cfg.weight_decay)
+    torch.testing.assert_close(model.weight.detach(), before * shrink, rtol=1e-6, atol=0)
