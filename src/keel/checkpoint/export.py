@@ -1,10 +1,13 @@
 """Hugging Face Llama interchange: export a keel checkpoint's weights as a `LlamaForCausalLM` directory
 (config.json + safetensors, and the run's tokenizer: `keel.checkpoint.hf_tokenizer`) and load such a
-directory into a keel model.
+directory into a keel model. A model with QK-norm goes as a `Qwen3ForCausalLM`: Llama's architecture with
+an RMSNorm on each head's queries and keys before RoPE, as keel's. Embedding scaling or normalisation
+has no counterpart in either, and is refused.
 
 keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
-rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk are
-permuted within each head, so export permutes them and import undoes it; every other weight maps 1:1.
+rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk (and the
+gains of the QK-norm) are permuted within each head, so export permutes them and import undoes it; every
+other weight maps 1:1.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ _BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
+          "ffn_norm.weight": "post_attention_layernorm.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
+          "attention.k_norm.weight": "self_attn.k_norm.weight"}
+# model_type -> (architecture, whether it has QK-norm)
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen3": ("Qwen3ForCausalLM", True)}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -65,14 +71,12 @@ def hf_name(name: str) -> str:
 
 def _to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of one head ordered (pair, 2) -> (2, pair): interleaved RoPE layout to rotate-half layout."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def _to_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of `_to_halves`."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
@@ -81,7 +85,16 @@ def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
         return cfg.n_heads
     if name.endswith("attention.wk.weight"):
         return cfg.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1  # one head's gains, shared by all heads
     return None
+
+
+def check_hf_expressible(cfg: ModelConfig) -> None:
+    """Refuse a model that neither Hugging Face Llama nor Qwen3 can represent."""
+    if cfg.embedding_norm != "none":
+        raise CheckpointError(f"model.embedding_norm = {cfg.embedding_norm!r} has no Hugging Face Llama or Qwen3 "
+                              f"counterpart; only a model with model.embedding_norm = 'none' is exchanged")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -94,10 +107,12 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
     """config.json of a `LlamaForCausalLM` equal to a keel model. `special_tokens` ({"bos": …, "eos": …,
     "pad": …}) fills the token ids; without it they are null, since Hugging Face's defaults (1, 2) would
     name ordinary tokens of keel's byte tokenizer."""
+    check_hf_expressible(cfg)
     tokens = special_tokens or {}
+    model_type = "qwen3" if cfg.qk_norm else "llama"
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[model_type][0]],
+        "model_type": model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": ffn_hidden_dim(cfg),
         "num_hidden_layers": cfg.n_layers,
@@ -122,6 +137,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
         "use_cache": True,
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
+        **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+            "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}),
     }
 
 
@@ -171,10 +188,14 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The keel ModelConfig of a Hugging Face Llama config; refuses what keel's model cannot represent."""
-    if hf.get("model_type") != "llama":
+    """The keel ModelConfig of a Hugging Face Llama (or Qwen3) config; refuses what keel's model cannot
+    represent."""
+    if hf.get("model_type") not in _ARCHITECTURES:
         raise CheckpointError(f"Hugging Face config model_type = {hf.get('model_type')!r} is not supported; "
-                              f"keel reads only 'llama'")
+                              f"keel reads {' and '.join(map(repr, _ARCHITECTURES))}")
+    if hf.get("use_sliding_window", False):
+        raise CheckpointError("Hugging Face config use_sliding_window = true is not supported; keel's attention "
+                              "is causal over the whole sequence")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"Hugging Face config hidden_act = {act!r} is not supported; keel's SwiGLU uses 'silu'")
@@ -205,7 +226,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         vocab_size=_field(hf, "vocab_size", int), ffn_dim_multiplier=multiplier, multiple_of=multiple_of,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=_ARCHITECTURES[hf["model_type"]][1],
     )
 
 
@@ -225,10 +246,12 @@ def read_hf_config(path: Path) -> ModelConfig:
 
 def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     """Refuse a Hugging Face model whose architecture differs from the run's model config."""
+    check_hf_expressible(cfg)
     hf = read_hf_config(path)
     pairs = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
              "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
-             "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings"}
+             "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
+             "qk_norm": "model_type = 'qwen3' (its QK-norm)"}
     diffs = [f"model.{ours} = {getattr(cfg, ours)} but {theirs} = {getattr(hf, ours)}"
              for ours, theirs in pairs.items() if getattr(cfg, ours) != getattr(hf, ours)]
     if ffn_hidden_dim(cfg) != ffn_hidden_dim(hf):
@@ -299,6 +322,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     the model tensors, one output shard at a time, so memory stays near one shard. The directory is built
     beside `out` and renamed into place: it appears complete or not at all. Returns the files written."""
     out = Path(out)
+    check_hf_expressible(cfg)
     check_export_target(out)
     metadata = _read_metadata(checkpoint)
     with torch.device("meta"):

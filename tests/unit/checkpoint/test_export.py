@@ -1,6 +1,6 @@
 """Hugging Face Llama interchange: keel checkpoint -> HF directory -> keel model round trips, logits
-agreeing with transformers' LlamaForCausalLM, an exported tokenizer giving keel's ids through
-AutoTokenizer, and refusals of what keel cannot represent or cannot find."""
+agreeing with transformers' LlamaForCausalLM (Qwen3ForCausalLM with QK-norm), an exported tokenizer
+giving keel's ids through AutoTokenizer, and refusals of what keel cannot represent or cannot find."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from keel.model.llama import Llama, ffn_hidden_dim
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64,
                    rope_theta=1000.0, norm_eps=1e-5)
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
+QK_NORM = dataclasses.replace(TINY, qk_norm=True)
 
 
 def build(cfg: ModelConfig, seed: int = 0) -> Llama:
@@ -100,6 +101,12 @@ def test_round_trip_single_file(tmp_path: Path) -> None:
         names = set(f.keys())
     assert len(names) == 3 + 9 * TINY.n_layers and "lm_head.weight" in names
     assert not any("optim" in n or "exp_avg" in n for n in names)
+    assert_round_trip(model, out)
+
+
+def test_round_trip_qk_norm(tmp_path: Path) -> None:
+    model, out, _ = export(tmp_path, QK_NORM)
+    assert json.loads((out / CONFIG).read_text())["architectures"] == ["Qwen3ForCausalLM"]
     assert_round_trip(model, out)
 
 
@@ -185,15 +192,33 @@ def transformers(monkeypatch: pytest.MonkeyPatch):
     return pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("cfg", [TINY, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("cfg", [TINY, TIED, QK_NORM], ids=["untied", "tied", "qk_norm"])
 def test_transformers_reproduces_keel_logits(tmp_path: Path, transformers, cfg: ModelConfig) -> None:
     model, out, _ = export(tmp_path, cfg)
-    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM")
     assert hf.config.rope_parameters["rope_theta"] == cfg.rope_theta
     x = tokens(cfg)
     with torch.no_grad():
         theirs = hf(input_ids=x).logits
     torch.testing.assert_close(theirs, logits(model, x), rtol=0, atol=1e-4)
+
+
+def imported_with_its_logits(hf: torch.nn.Module, out: Path) -> ModelConfig:
+    """Save a transformers model, import it into keel and check that keel gives its logits; keel's config."""
+    with torch.no_grad():  # transformers initialises norms to 1; perturb every gain so a misplaced one shows
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(out)
+    cfg = read_hf_config(out)
+    model = Llama(cfg)
+    load_hf_weights(model, out)
+    x = tokens(cfg)
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(logits(model, x), theirs, rtol=0, atol=1e-4)
+    return cfg
 
 
 def test_keel_loads_a_transformers_model(tmp_path: Path, transformers) -> None:
@@ -203,20 +228,30 @@ def test_keel_loads_a_transformers_model(tmp_path: Path, transformers) -> None:
                                       max_position_embeddings=64, rms_norm_eps=1e-6,
                                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    with torch.no_grad():  # transformers initialises norms to 1; perturb them so their mapping is tested
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(tmp_path / "hf")
-    cfg = read_hf_config(tmp_path / "hf")
+    cfg = imported_with_its_logits(transformers.LlamaForCausalLM(hf_cfg).eval(), tmp_path / "hf")
     assert (cfg.n_kv_heads, ffn_hidden_dim(cfg), cfg.rope_theta, cfg.norm_eps) == (1, 160, 50000.0, 1e-6)
-    model = Llama(cfg)
-    load_hf_weights(model, tmp_path / "hf")
-    x = tokens(cfg)
-    with torch.no_grad():
-        theirs = hf(input_ids=x).logits
-    torch.testing.assert_close(logits(model, x), theirs, rtol=0, atol=1e-4)
+
+
+def test_keel_loads_a_transformers_qwen3_model_as_qk_norm(tmp_path: Path, transformers) -> None:
+    hf_cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    assert imported_with_its_logits(transformers.Qwen3ForCausalLM(hf_cfg).eval(), tmp_path / "hf").qk_norm
+
+
+@pytest.mark.parametrize("embedding_norm", ["scale", "rmsnorm"])
+def test_an_embedding_scale_or_norm_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                          embedding_norm: str) -> None:
+    cfg = dataclasses.replace(TINY, embedding_norm=embedding_norm)
+    save_checkpoint(build(cfg), tmp_path / "ckpt")
+    with pytest.raises(CheckpointError) as e:
+        export_hf(tmp_path / "ckpt", cfg, tmp_path / "hf")
+    assert len(str(e.value).splitlines()) == 1 and f"model.embedding_norm = {embedding_norm!r}" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _, out, _ = export(tmp_path / "plain", TINY)
+    with pytest.raises(CheckpointError, match="model.embedding_norm"):
+        load_hf_weights(build(cfg), out)
 
 
 # ---------------------------------------------------------------- configs
@@ -237,10 +272,10 @@ def test_llama2_sizing_maps_to_the_plain_rule() -> None:
 
 
 def test_config_round_trip() -> None:
-    for cfg in (TINY, TIED):
+    for cfg in (TINY, TIED, QK_NORM):
         back = model_config_from_hf(hf_config(cfg, torch.float32))
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
-                  "max_seq_len", "tie_embeddings"):
+                  "max_seq_len", "tie_embeddings", "qk_norm"):
             assert getattr(back, f) == getattr(cfg, f), f
         assert ffn_hidden_dim(back) == ffn_hidden_dim(cfg)
 
@@ -250,6 +285,7 @@ def test_config_round_trip() -> None:
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     ({"model_type": "mistral"}, "model_type = 'mistral'"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type = 'llama3'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type = 'yarn'"),
     ({"head_dim": 32}, "head_dim = 32"),
