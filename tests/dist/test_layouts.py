@@ -46,7 +46,7 @@ LAYOUTS = {
 # in the gradient norms; run in the layouts whose code paths they touch: QK-norm gains over TP's heads, the
 # embedding norm over its sequence shards, the z-loss on vocabulary-sharded logits and in the pipeline's loss.
 LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.1",
-          "optim.independent_weight_decay=true", "optim.weight_decay=1e-4"]
+          "optim.independent_weight_decay=true", "optim.weight_decay=1e-4", "monitor.signals_interval=5"]
 LEVER_LAYOUTS = ("dp2", "tp2", "pp2xtp2")
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).
@@ -146,6 +146,17 @@ def test_stability_levers_train_alike_in_every_layout(name: str, lever_runs: dic
     assert_same_training(run_dir, reference, range(1, STEPS + 1))
     with_levers, without = losses(reference), losses(one_process)
     assert all(with_levers[step] != without[step] for step in range(1, STEPS + 1))  # they change the training
+    # The instability signals of the sampled steps read the same global batch in every layout.
+    for step in (5, STEPS):
+        got, want = signals(run_dir, step), signals(reference, step)
+        assert got.keys() == want.keys() and len(want) == 3 + 3 * 4, sorted(want)
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-4), (step, key, got[key], value)
+
+
+def signals(run_dir: Path, step: int) -> dict[str, float]:
+    (record,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == step and "train/loss" in r]
+    return {k: v for k, v in record.items() if k.startswith("signals/")}
 
 
 def test_every_lever_resumes_bitwise_after_a_sigkill(lever_runs: dict, small_corpus: Path, tmp_path: Path) -> None:

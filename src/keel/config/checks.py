@@ -23,6 +23,9 @@ def check_consistency(cfg: Config) -> None:
         raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
                           f"{cfg.guard.spike.window}: the window must hold the warm-up steps")
     _check_fault_tolerance(cfg)
+    if cfg.monitor.signals_interval and cfg.parallel.compile:
+        raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
+                          f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")

@@ -216,6 +216,8 @@ class AlertsConfig:
     checkpoint_overdue: float = option(2.0, "alert when no checkpoint committed for this many expected intervals",
                                        gt=1)
     storage_free: float = option(0.05, "alert when the checkpoint volume's free share falls below this", ge=0, le=1)
+    attention_logit: float = option(1000.0, "alert when the largest attention logit (monitor.signals_interval) "
+                                    "exceeds this: attention saturates as logits grow into the thousands", gt=0)
     gpu_temp_c: float = option(87.0, "alert when a GPU is hotter than this (°C)", gt=0)
     goodput_target: float = option(0.8, "alert when the run's goodput ratio is below this ...", ge=0, le=1)
     goodput_after_s: float = option(1800.0, "... once the run is older than this many seconds of wall time", ge=0,
@@ -231,6 +233,10 @@ class MonitorConfig:
                              "a number such as 989e12")
     profile_interval: int = option(0, "profile one step in this many to measure time in collectives "
                                    "(0, the default: never; a profiled step takes 1-3 s longer)", ge=0)
+    signals_interval: int = option(0, "compute the instability signals on one step in this many (0, the default: "
+                                   "never): per layer the largest attention logit and the RMS of the activations and "
+                                   "of the update, and the output logits' log-normaliser; that step runs extra "
+                                   "matmuls and two reductions", ge=0)
     telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
                                          "node (0: no telemetry)", ge=0, le=YEAR_S)
     prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "

@@ -168,6 +168,11 @@ class Alerts:
                               f"{tokens_per_s:,.0f} tokens/s is {tokens_per_s / median:.0%} of the trailing median "
                               f"{median:,.0f}", tokens_per_s=tokens_per_s, median=median)
             self._tokens_per_s.append(tokens_per_s)
+        logit = record.get("signals/attn_logit_max")
+        if logit is not None and logit > cfg.attention_logit:
+            self.fire("attention_logit_growth", step, "warning", f"the largest attention logit is {logit:,.0f}, over "
+                      f"{cfg.attention_logit:,.0f}: attention is saturating (model.qk_norm keeps it bounded)",
+                      attention_logit=logit)
         if steps and skipped / steps > cfg.nan_skip_rate:
             self.fire("nan_skip_rate", step, "error", f"{skipped} of the last {steps} steps were skipped",
                       skipped=skipped, steps=steps)

@@ -33,6 +33,9 @@ class TensorBoardSink:
         self.writer.close()
 
 
+_PER_LAYER = re.compile(r"(.+)/layer_(\d+)")
+
+
 def prometheus_name(key: str) -> str:
     """metrics.jsonl key → Prometheus name: `throughput/tokens_per_s` → `keel_throughput_tokens_per_second`,
     `time/step_s` → `keel_time_step_seconds`, `throughput/mfu` → `keel_throughput_mfu_ratio`."""
@@ -78,6 +81,8 @@ class PrometheusExporter:
                 self.set("keel_goodput_seconds_total", value, (("bucket", bucket),), "counter")
             elif key == "step":
                 self.set("keel_train_step", value)
+            elif layered := _PER_LAYER.fullmatch(key):  # signals/act_rms/layer_3 → keel_signals_act_rms{layer="3"}
+                self.set(prometheus_name(layered.group(1)), value, (("layer", layered.group(2)),))
             else:
                 name = prometheus_name(key)
                 self.set(name, value, kind="counter" if name.endswith("_total") else "gauge")

@@ -4,6 +4,7 @@ state is the step itself."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,22 +61,28 @@ def update_norm_sq(optimizers: list[torch.optim.Optimizer], pp: int = 1) -> torc
     recovered from θ_new and the moments one tensor at a time (AdamW: θ_new = θ_old·(1 − lr·wd) −
     lr·m̂/(√v̂ + ε)), so no copy of the parameters is kept. Summed over all ranks it is the global one."""
     total = torch.zeros((), dtype=torch.float64, device=_device(optimizers))
-    with torch.no_grad():
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-                beta1, beta2 = group["betas"]
-                for p in group["params"]:
-                    state = optimizer.state.get(p)
-                    if not state:
-                        continue
-                    step = float(state["step"])
-                    m, v = local(state["exp_avg"]).double(), local(state["exp_avg_sq"]).double()
-                    adam = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + eps)
-                    new = local(p).double()
-                    old = (new + lr * adam) / (1 - lr * wd)
-                    total += (new - old).square().sum() / copies_held(p, pp)
+    for p, update in applied_updates(optimizers):
+        total += update.square().sum() / copies_held(p, pp)
     return total
+
+
+@torch.no_grad()
+def applied_updates(optimizers: list[torch.optim.Optimizer]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each parameter with this rank's share of the change AdamW just applied to it (fp64), recovered
+    from the parameter and its moments."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                step = float(state["step"])
+                m, v = local(state["exp_avg"]).double(), local(state["exp_avg_sq"]).double()
+                adam = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + eps)
+                new = local(p).double()
+                yield p, new - (new + lr * adam) / (1 - lr * wd)
 
 
 def _device(optimizers: list[torch.optim.Optimizer]) -> torch.device:

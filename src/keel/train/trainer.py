@@ -53,6 +53,7 @@ from keel.train.replicas import ReplicaGroups
 from keel.train.reuse import job_key, remember, reused
 from keel.train.rollback import Recovery
 from keel.train.setup import build_data, build_model_parts, gather_hosts, precision_dtype, preflight, validated_loss
+from keel.train.signals import InstabilitySignals
 from keel.train.step import Stepper, evaluate
 from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
@@ -167,13 +168,16 @@ class Trainer:
                                                   self.events, self.say, self.state, self.hooks.notify, self.status,
                                                   self.rank0)
         metering = Metering(monitor, self.meter, comm)
+        signals = InstabilitySignals(cfg.monitor.signals_interval, self.parts, self.optimizers, cfg.model.n_layers,
+                                     self.mesh.layout.pp)
         self.replicas = self._replica_groups() if cfg.fault_tolerance.replica_groups > 1 else None
         inspection = GuardInspection(self.guards, monitor, self.stepper,
                                      lambda step: hooks.notify("on_backward", step, True))
         pause = PauseRequests(self.requests, straggler, self.sync)
         self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
                                        self.mesh.layout.pp, ckpt,
-                                       [lambda: comm.last, self.guards.metrics, lambda: straggler.last,
+                                       [lambda: comm.last, lambda: signals.last, self.guards.metrics,
+                                        lambda: straggler.last,
                                         self.replicas.metrics if self.replicas else dict],
                                        self.data.train_text, self.status, ctx.device)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
@@ -181,7 +185,8 @@ class Trainer:
         writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
         self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
         for component, every in [
-                (metering, 1), *([(self.replicas, 1)] if self.replicas else []), (inspection, 1), (pause, 1),
+                (metering, 1), (signals, 1), *([(self.replicas, 1)] if self.replicas else []), (inspection, 1),
+                (pause, 1),
                 (CheckpointDecision(ckpt, self.sync), 1),
                 (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),

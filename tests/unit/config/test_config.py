@@ -364,3 +364,10 @@ def test_reference_covers_every_leaf_option() -> None:
                          ("optim.schedule", ("cosine", "wsd", "constant")),
                          ("data.tokenizer", ("byte", "bpe:VOCAB", "tokenizer.json"))]:
         assert all(choice in help_by_key[key] for choice in choices), (key, help_by_key[key])
+
+
+def test_instability_signals_with_compiled_blocks_are_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["monitor.signals_interval=10", "parallel.compile=true"])
+    assert len(str(e.value).splitlines()) == 1 and "parallel.compile = false" in str(e.value)
+    assert load_config(None, ["monitor.signals_interval=10"]).monitor.signals_interval == 10

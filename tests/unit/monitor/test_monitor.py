@@ -72,7 +72,8 @@ def test_exporter_serves_the_latest_values_with_run_node_rank_labels() -> None:
                           "goodput/productive_s": 12.0, "train/tokens_seen": 512, "throughput/mfu": None,
                           "note": "text is not a metric"})
         exporter.set("keel_gpu_temperature_celsius", 71.0, (("gpu", "0"),))
-        exporter.publish({"step": 8, "train/loss": 3.25})
+        exporter.publish({"step": 8, "train/loss": 3.25, "signals/act_rms/layer_0": 1.5,
+                          "signals/act_rms/layer_11": 2.5})
         families = scrape(exporter.port)
     finally:
         exporter.close()
@@ -84,6 +85,9 @@ def test_exporter_serves_the_latest_values_with_run_node_rank_labels() -> None:
     assert families["keel_train_tokens"][0][0] == "keel_train_tokens_total", "a counter"
     assert families["keel_gpu_temperature_celsius"][0][1] == {**labels, "gpu": "0"}
     assert "keel_throughput_mfu_ratio" not in families, "an unknown value is left out, not zero"
+    per_layer = sorted(families["keel_signals_act_rms"], key=lambda sample: sample[2])
+    assert per_layer == [("keel_signals_act_rms", {**labels, "layer": "0"}, 1.5),
+                         ("keel_signals_act_rms", {**labels, "layer": "11"}, 2.5)]
 
 
 def test_exporter_on_a_taken_port_raises_oserror() -> None:
@@ -216,7 +220,10 @@ def test_metric_rules_fire_once_per_incident(tmp_path: Path) -> None:
     alerts.observe(21, {"goodput/ratio": 0.5}, **{**window, "wall_s": 7200.0})
     alerts.observe(22, {"goodput/ratio": 0.5}, **{**window, "wall_s": 60.0})  # too young to judge
     alerts.observe(23, {}, **{**window, "seconds_since_checkpoint": 250.0})
-    assert fired(tmp_path) == ["throughput_drop", "nan_skip_rate", "goodput_low", "checkpoint_overdue"]
+    alerts.observe(24, {"signals/attn_logit_max": 900.0}, **window)  # under alerts.attention_logit
+    alerts.observe(25, {"signals/attn_logit_max": 1500.0}, **window)
+    assert fired(tmp_path) == ["throughput_drop", "nan_skip_rate", "goodput_low", "checkpoint_overdue",
+                               "attention_logit_growth"]
 
 
 def test_telemetry_rules_and_a_stalled_step(tmp_path: Path) -> None:
