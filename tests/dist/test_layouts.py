@@ -42,11 +42,13 @@ LAYOUTS = {
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
 }
-# Every stability lever at once, the z-loss large enough that a wrong reduction over vocabulary shards shows
-# in the gradient norms; run in the layouts whose code paths they touch: QK-norm gains over TP's heads, the
-# embedding norm over its sequence shards, the z-loss on vocabulary-sharded logits and in the pipeline's loss.
+# Every stability lever at once, and μP at twice its base width, the z-loss large enough that a wrong reduction
+# over vocabulary shards shows in the gradient norms; run in the layouts whose code paths they touch: QK-norm
+# gains over TP's heads, the embedding norm over its sequence shards, the z-loss on vocabulary-sharded logits
+# and in the pipeline's loss, μP's output multiplier on sharded logits and its groups in every stage.
 LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.1",
-          "optim.independent_weight_decay=true", "optim.weight_decay=1e-4", "monitor.signals_interval=5"]
+          "optim.independent_weight_decay=true", "optim.weight_decay=1e-4", "monitor.signals_interval=5",
+          "model.parametrization=mup", "model.base_dim=32"]
 LEVER_LAYOUTS = ("dp2", "tp2", "pp2xtp2")
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).

@@ -39,7 +39,7 @@ from keel.config import ModelConfig
 from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
 from keel.model.init import canonical_name
-from keel.model.llama import Llama, ffn_hidden_dim
+from keel.model.llama import Llama, ffn_hidden_dim, width_ratio
 from keel.paths import check_writable_dir
 
 CONFIG = "config.json"
@@ -92,6 +92,10 @@ def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
 
 def check_hf_expressible(cfg: ModelConfig) -> None:
     """Refuse a model that neither Hugging Face Llama nor Qwen3 can represent."""
+    if width_ratio(cfg) != 1.0:
+        raise CheckpointError(f"model.parametrization = 'mup' at model.dim = {cfg.dim} != model.base_dim = "
+                              f"{cfg.base_dim} scales the output logits and the attention, which Hugging Face "
+                              f"Llama and Qwen3 do not; only a μP model at its base width is exchanged")
     if cfg.embedding_norm != "none":
         raise CheckpointError(f"model.embedding_norm = {cfg.embedding_norm!r} has no Hugging Face Llama or Qwen3 "
                               f"counterpart; only a model with model.embedding_norm = 'none' is exchanged")

@@ -75,6 +75,12 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads = {m.n_heads} must divide by model.n_kv_heads = {m.n_kv_heads}")
+    if m.base_dim and m.parametrization != "mup":
+        raise ConfigError(f"model.base_dim = {m.base_dim} is a μP setting but model.parametrization = "
+                          f"{m.parametrization!r}; set model.parametrization = 'mup' or model.base_dim = 0")
+    if m.parametrization == "mup" and m.tie_embeddings:
+        raise ConfigError("model.parametrization = 'mup' scales the output and the embedding differently; set "
+                          "model.tie_embeddings = false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
 

@@ -42,6 +42,11 @@ class ModelConfig:
     embedding_norm: str = option("none", "the token embeddings as the first block sees them: as they are, scaled by "
                                  "sqrt(dim), or through an RMSNorm (Takase et al., 'Spike No More')",
                                  choices=("none", "scale", "rmsnorm"))
+    parametrization: str = option("sp", "sp (standard) or mup (maximal update, Tensor Programs V): hidden "
+                                  "matrices' init std x sqrt(base_dim/dim) and Adam learning rate x base_dim/dim, "
+                                  "output logits x base_dim/dim, attention scale sqrt(base head size)/head size; "
+                                  "the same model as sp at dim = base_dim", choices=("sp", "mup"))
+    base_dim: int = option(0, "mup: the base width the hyper-parameters were tuned at (0: model.dim)", ge=0)
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
                             "Hugging Face Llama directory (config.json + model.safetensors)")
 

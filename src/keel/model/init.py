@@ -12,7 +12,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from keel.model.llama import Llama
+from keel.config import ModelConfig
+from keel.model.llama import HIDDEN_MATRICES, Llama, width_ratio
 
 INIT_STD = 0.02
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -30,12 +31,14 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_value(name: str, shape: torch.Size, n_layers: int, seed: int, device: torch.device) -> torch.Tensor:
+def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device: torch.device) -> torch.Tensor:
     """The full initial value of one parameter."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
     # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
-    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+    std = INIT_STD / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+    if name.endswith(HIDDEN_MATRICES):
+        std *= math.sqrt(width_ratio(cfg))  # μP: a hidden matrix's std goes as 1/sqrt(fan-in)
     gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
     full = torch.empty(shape, device=device)
     return full.normal_(0.0, std, generator=gen)
@@ -48,7 +51,7 @@ def init_weights(model: Llama, seed: int) -> None:
     for name, param in model.named_parameters():
         name = canonical_name(name)
         device = param.device if not isinstance(param, DTensor) else param.to_local().device
-        full = init_value(name, param.shape, model.cfg.n_layers, seed, device)
+        full = init_value(name, param.shape, model.cfg, seed, device)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.copy_(full.to(param.dtype))

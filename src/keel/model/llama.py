@@ -8,6 +8,14 @@ from torch import nn
 
 from keel.config import ModelConfig
 
+HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
+
+
+def width_ratio(cfg: ModelConfig) -> float:
+    """μP's base_dim / dim, by which hidden matrices' learning rate and the output logits scale (1 under the
+    standard parametrization, and at the base width)."""
+    return (cfg.base_dim or cfg.dim) / cfg.dim if cfg.parametrization == "mup" else 1.0
+
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
     """Llama's rule: 2/3 of 4·dim, scaled by the multiplier, rounded up to `multiple_of`."""
@@ -51,6 +59,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # μP scales q·k by 1/head size (sqrt(base head size) / head size: sp's 1/sqrt(head size) at the base width).
+        base_head = (cfg.base_dim or cfg.dim) / cfg.n_heads
+        self.scale = base_head**0.5 / self.head_dim if cfg.parametrization == "mup" else None
         # One gain per feature of a head, shared by all heads (as Qwen3 and OLMo 2 do per head).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -65,7 +76,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -115,6 +126,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             output.weight = embeddings.weight
         self.register_buffer("rope", self._rope(None), persistent=False)
+        self.output_multiplier = width_ratio(cfg)  # μP's readout multiplier
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
@@ -138,4 +150,7 @@ class Llama(nn.Module):
         x = tokens if self.tok_embeddings is None else self.embedded(self.tok_embeddings(tokens))
         for block in self.layers.values():
             x = block(x, self.rope)
-        return self.output(self.norm(x)) if self.output is not None and self.norm is not None else x
+        if self.output is None or self.norm is None:
+            return x
+        logits = self.output(self.norm(x))
+        return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,17 +14,38 @@ from torch.distributed.tensor import DTensor
 
 from keel.config import OptimConfig
 from keel.core.dtensor import local
+from keel.model.init import canonical_name
+from keel.model.llama import HIDDEN_MATRICES
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms' gains). AdamW shrinks a parameter by
-    lr·weight_decay per step; independent weight decay divides the coefficient by the peak learning rate,
-    so that the shrink is weight_decay·lr/peak whatever the peak."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    weight_decay = cfg.weight_decay / cfg.lr if cfg.independent_weight_decay else cfg.weight_decay
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+class ScaledAdamW(torch.optim.AdamW):
+    """AdamW whose parameter groups take the schedule's learning rate times their own multiplier
+    (`lr_scales`, one per group; μP's hidden matrices: base_dim / dim). The multipliers are not in the
+    optimizer's state dict: they follow from the config."""
+
+    def __init__(self, groups: list[dict], lr_scales: list[float], **kwargs: Any) -> None:
+        super().__init__(groups, **kwargs)
+        self.lr_scales = lr_scales
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, hidden_lr_scale: float = 1.0) -> ScaledAdamW:
+    """AdamW with weight decay on matrices only (not on norms' gains); the hidden matrices (attention and
+    SwiGLU projections) learn at `hidden_lr_scale` times the rate of the rest. AdamW shrinks a parameter by
+    lr·weight_decay per step; independent weight decay divides the coefficient by the group's peak learning
+    rate, so that the shrink is weight_decay·lr/peak whatever the peak."""
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    hidden = [p for n, p in named if n.endswith(HIDDEN_MATRICES)]
+    other = [p for n, p in named if p.ndim >= 2 and not n.endswith(HIDDEN_MATRICES)]
+    vectors = [p for _, p in named if p.ndim < 2]
+    groups, scales = [], []
+    for params, scale, decays in [(hidden, hidden_lr_scale, True), (other, 1.0, True), (vectors, 1.0, False)]:
+        if not params:  # a pipeline stage without embedding or output
+            continue
+        weight_decay = (cfg.weight_decay / (cfg.lr * scale) if cfg.independent_weight_decay else cfg.weight_decay
+                        ) if decays else 0.0
+        groups.append({"params": params, "weight_decay": weight_decay})
+        scales.append(scale)
+    return ScaledAdamW(groups, scales, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

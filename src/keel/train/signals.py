@@ -45,7 +45,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """The largest q·k/√d over this rank's heads and every causal (query, key) pair of `x`."""
+    """The largest attention logit (q·k times the attention's scale, 1/√d by default) over this rank's heads
+    and every causal (query, key) pair of `x`."""
     batch, seq = x.shape[0], x.shape[1]
     q = attention.wq(x).view(batch, seq, -1, attention.head_dim)
     k = attention.wk(x).view(batch, seq, -1, attention.head_dim)
@@ -55,8 +56,9 @@ def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.T
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     keys = torch.arange(seq, device=x.device)
     largest = torch.tensor(-math.inf, device=x.device)
+    scale = attention.scale or 1 / math.sqrt(attention.head_dim)
     for start in range(0, seq, _QUERY_CHUNK):
-        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + _QUERY_CHUNK], k) / math.sqrt(attention.head_dim)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + _QUERY_CHUNK], k) * scale
         queries = torch.arange(start, start + scores.shape[2], device=x.device)
         scores = scores.masked_fill(keys[None, :] > queries[:, None], -math.inf)
         largest = torch.maximum(largest, scores.max())

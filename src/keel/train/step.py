@@ -31,9 +31,11 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = N
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    """The schedule's learning rate, times each group's multiplier where the optimizer has them."""
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        scales = getattr(optimizer, "lr_scales", None) or [1.0] * len(optimizer.param_groups)
+        for group, scale in zip(optimizer.param_groups, scales, strict=True):
+            group["lr"] = lr * scale
 
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,

@@ -29,7 +29,7 @@ from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
-from keel.model.llama import Llama
+from keel.model.llama import Llama, width_ratio
 from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
@@ -131,7 +131,8 @@ class Trainer:
         tp = mesh.layout.tp > 1
         parts, stages = build_model_parts(cfg, mesh, self.dtype)
         self.parts: list[nn.Module] = list(parts)
-        self.optimizers: list[torch.optim.Optimizer] = [build_optimizer(part, cfg.optim) for part in parts]
+        self.optimizers: list[torch.optim.Optimizer] = [
+            build_optimizer(part, cfg.optim, width_ratio(cfg.model)) for part in parts]
         self.pipeline: Pipeline | None = None
         if mesh.layout.pp > 1:
             from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo

@@ -9,23 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.config import ModelConfig, load_config
+from keel.config import load_config
 from keel.errors import ConfigError
-from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.model.loss import log_normaliser, objective
-
-TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=16, max_seq_len=16)
-
-
-def build(cfg: ModelConfig) -> Llama:
-    model = Llama(cfg)
-    init_weights(model, 0)
-    return model
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+from tests.unit.model.test_model import TINY, build, tokens
 
 
 @torch.no_grad()
