@@ -89,9 +89,8 @@ class InstabilitySignals(Callback):
                     self._handles.append(module.register_forward_hook(self._on_attention(layer)))
                 elif isinstance(module, Block) and layer is not None:
                     self._handles.append(module.register_forward_hook(self._on_block(layer)))
-            output = getattr(part, "output", None)
-            if isinstance(output, nn.Linear):
-                self._handles.append(output.register_forward_hook(self._on_logits))
+            if isinstance(getattr(part, "output", None), nn.Linear):  # the last stage: its output is the logits
+                self._handles.append(part.register_forward_hook(self._on_logits))
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         self._remove()  # every micro-batch is through; a replay's recomputation is not read again
