@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 CONFIGURATION = REPO / "docs" / "configuration.md"
+STABILITY = REPO / "docs" / "stability.md"
 
 
 def _results(name: str) -> dict:
@@ -226,6 +227,12 @@ def prepare_floor() -> str:
     return "\n\n".join([*parts, load])
 
 
+def stability() -> str:
+    from bench.stability import markdown
+
+    return markdown(_results("stability"))
+
+
 def config_reference() -> str:
     from keel.cli import main
 
@@ -240,6 +247,7 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
                                           guard_overhead, recovery, nonstop_recovery,
                                           telemetry_overhead, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
+    STABILITY: {"stability": stability},
 }
 
 
