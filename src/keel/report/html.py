@@ -238,6 +238,30 @@ def training(run: Run) -> str:
     return f'<h2>Training</h2>{loss}<div class="grid" style="margin-top:12px">{"".join(panels)}</div>'
 
 
+SIGNALS = (("Largest attention logit, per layer", "signals/attn_logit_max"),
+           ("Activation RMS, per layer", "signals/act_rms"), ("Update RMS, per layer", "signals/update_rms"))
+LAYER_COLORS = (BLUE, ORANGE, GREEN, PURPLE, RED, CYAN, AMBER, SLATE)
+
+
+def signals(run: Run) -> str:
+    """The instability signals of the sampled steps (monitor.signals_interval), when the run recorded them."""
+    sampled = [r for r in run.metrics if "signals/attn_logit_max" in r]
+    if not sampled:
+        return ""
+    layers = sorted({int(k.rsplit("_", 1)[1]) for r in sampled for k in r if k.startswith("signals/act_rms/layer_")})
+    panels = []
+    for title, prefix in SIGNALS:
+        series = [_series(trajectory(run.metrics, f"{prefix}/layer_{i}")[0], f"{prefix}/layer_{i}", f"layer {i}",
+                          LAYER_COLORS[i % len(LAYER_COLORS)]) for i in layers]
+        panels.append(panel(title, line_chart(series, label=title), legend=[(s.name, s.color) for s in series]))
+    log_z = [_series(trajectory(run.metrics, key)[0], key, name, color)
+             for key, name, color in (("signals/log_z_mean", "mean", BLUE), ("signals/log_z_max", "max", RED))]
+    panels.append(panel("Output logits' log Z", line_chart(log_z, label="log Z"),
+                        legend=[(s.name, s.color) for s in log_z]))
+    return (f'<h2>Instability signals</h2><p class="note">Sampled every monitor.signals_interval steps; each record '
+            f'holds the latest sample.</p><div class="grid">{"".join(panels)}</div>')
+
+
 def step_panel(run: Run, title: str, key: str, name: str, color: str, factor: float = 1.0, unit: str = "",
                zero: bool = False, why: str = "") -> str:
     kept, _ = trajectory(run.metrics, key)
@@ -466,7 +490,7 @@ def render(run: Run, drill: dict | None = None) -> str:
         title = f"{info['name']} · keel run report"
         starts = [e["time"] for e in run.events if e.get("kind") == "start" and finite(e.get("time"))]
         t0 = run.goodput["started"] if finite(run.goodput.get("started")) else min(starts, default=None)
-        body = (header(run, info) + drills + training(run) + goodput(run) + hardware(run, t0)
+        body = (header(run, info) + drills + training(run) + signals(run) + goodput(run) + hardware(run, t0)
                 + event_table(run.events))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width, initial-scale=1"><title>{escape(title)}'

@@ -272,3 +272,20 @@ def test_a_run_of_one_record_draws_points(tmp_path: Path) -> None:
     assert len(re.findall(r'<circle class="point" data-name="train"', svg_of(page, "loss and events"))) == 1
     assert len(re.findall(r'<circle class="point" data-name="host CPU"', page)) == 1
     assert "<h3>Step time" in page and 'data-name="data"' in page
+
+
+def test_the_instability_signals_get_a_panel_per_kind_with_a_line_per_layer(tmp_path: Path) -> None:
+    plain = synthetic_run(tmp_path / "plain")
+    assert "Instability signals" not in write_report(plain).read_text()
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", [
+        {"step": s, "train/loss": 3.0, "signals/attn_logit_max": 2.0 * s, "signals/log_z_mean": 1.0,
+         "signals/log_z_max": 2.0, **{f"signals/{kind}/layer_{i}": s + i for kind in ("attn_logit_max", "act_rms",
+                                                                                       "update_rms") for i in (0, 1)}}
+        for s in range(1, 4)])
+    page = write_report(run).read_text()
+    assert "<h2>Instability signals</h2>" in page
+    for label in ("Largest attention logit, per layer", "Activation RMS, per layer", "Update RMS, per layer"):
+        assert set(paths(svg_of(page, label))) == {"layer 0", "layer 1"}, label
+    assert set(paths(svg_of(page, "log Z"))) == {"mean", "max"}
