@@ -281,3 +281,31 @@ def test_a_resume_keeps_the_optimizer_settings_of_the_config_and_the_moments_of_
     assert (group_settings["weight_decay"], group_settings["eps"], group_settings["betas"]) == (0.5, 1e-6, (0.8, 0.9))
     for key, value in moments.items():
         assert torch.equal(fresh.optimizer.state[fresh.model.weight][key], value), key
+
+
+def test_a_checkpoint_whose_optimizer_grouped_its_parameters_otherwise_loads(tmp_path: Path, group: None) -> None:
+    """Checkpoints written before the optimizer had its μP groups (two groups: matrices, vectors) resume into
+    the three-group optimizer with every moment in place."""
+    from keel.model.init import init_weights
+    from keel.model.llama import Llama
+    from keel.train.optim import build_optimizer
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "model.dim=32", "model.n_layers=2",
+                             "model.n_heads=4", "model.n_kv_heads=2"])
+    saved_model, fresh = Llama(cfg.model), Llama(cfg.model)
+    init_weights(saved_model, 0)
+    init_weights(fresh, 1)
+    two = torch.optim.AdamW([{"params": [p for p in saved_model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in saved_model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+    three = build_optimizer(fresh, cfg.optim)
+    for model, optimizer in ((saved_model, two), (fresh, three)):
+        model(torch.randint(0, 200, (2, 8))).sum().backward()
+        optimizer.step()
+    events = EventLog(tmp_path / "events.jsonl", rank=0)
+    CheckpointManager(cfg, tmp_path, "dp=1", events).save([saved_model], [two], TrainState(step=5), wait=True)
+    restored = CheckpointManager(cfg, tmp_path, "dp=1", events).restore([fresh], [three], "auto", lambda line: None)
+    assert restored is not None and restored[0].step == 5 and len(three.param_groups) == 3
+    for before, after in zip(saved_model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(before, after)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(two.state[before][key], three.state[after][key])
