@@ -13,14 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from keel.config import Config, ModelConfig
 from keel.errors import ConfigError
 from keel.model.init import init_weights
 from keel.model.llama import Llama, width_ratio
 from keel.train.optim import build_optimizer
-from keel.train.step import set_lr
+from keel.train.step import Stepper
 
 PARAMETRIZATIONS = ("sp", "mup")
 
@@ -83,7 +82,9 @@ def coord_check(cfg: Config, multipliers: list[int], steps: int, batch: int, dev
 def _train(cfg: Config, model_cfg: ModelConfig, tokens: torch.Tensor, device: torch.device) -> list[list[float]]:
     model = Llama(model_cfg).to(device)
     init_weights(model, cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.optim, width_ratio(model_cfg))
+    # The training step as the trainer makes it, without clipping: the raw updates are what is checked.
+    stepper = Stepper([model], [build_optimizer(model, cfg.optim, width_ratio(model_cfg))], None, grad_clip=0.0,
+                      autocast_dtype=None, loss_parallel=False)
     # The model's own output is the logits, μP's output multiplier applied.
     modules = [m for m in (model.tok_embeddings, *model.layers.values(), model) if m is not None]
     seen: dict[int, float] = {}
@@ -91,12 +92,9 @@ def _train(cfg: Config, model_cfg: ModelConfig, tokens: torch.Tensor, device: to
         module.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, _rms(out)))
     readings = []
     for batch in tokens:
-        logits = model(batch[:, :-1])
+        stepper.forward_backward([(batch[:, :-1], batch[:, 1:])])
         readings.append([seen[i] for i in range(len(modules))])
-        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
-        set_lr([optimizer], cfg.optim.lr)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        stepper.update(cfg.optim.lr, stepper.grad_norm())
     return readings
 
 

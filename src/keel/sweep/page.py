@@ -8,11 +8,9 @@ import math
 from html import escape
 from pathlib import Path
 
-from keel.report.html import CSS
+from keel.report.html import CSS, LAYER_COLORS
 from keel.report.svg import Series, line_chart
 from keel.sweep.coord_check import CoordCheck
-
-COLORS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#d97706", "#475569")
 
 
 def write_page(check: CoordCheck, path: Path) -> Path:
@@ -22,12 +20,12 @@ def write_page(check: CoordCheck, path: Path) -> Path:
         for step in range(1, check.steps + 1):
             base = readings[check.multipliers[0]][step - 1]
             series = [Series(layer, xs, [readings[k][step - 1][i] / base[i] for k in check.multipliers],
-                             COLORS[i % len(COLORS)], dots=True) for i, layer in enumerate(check.layers)]
+                             LAYER_COLORS[i % len(LAYER_COLORS)], dots=True) for i, layer in enumerate(check.layers)]
             title = (f"{parametrization}, step {step}: output RMS over the base width's, against the width; "
                      f"blocks at the widest {check.growth(parametrization, step):.2f}×")
             panels.append(f"<section class='panel'><h3>{escape(title)}</h3>"
                           f"{line_chart(series, width=420, x_fmt=lambda v: f'{2 ** v:.0f}')}</section>")
-    legend = ", ".join(f"<span style='color:{COLORS[i % len(COLORS)]}'>{escape(layer)}</span>"
+    legend = ", ".join(f"<span style='color:{LAYER_COLORS[i % len(LAYER_COLORS)]}'>{escape(layer)}</span>"
                        for i, layer in enumerate(check.layers))
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>keel coordinate check</title>"
                     f"<style>{CSS}</style></head><body><main><h1>Coordinate check</h1><p class='sub'>widths "

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from keel.core.callbacks import Callback, Step
+from keel.core.dtensor import local, plain
 from keel.model.llama import Attention, Block, apply_rope
 from keel.model.loss import log_normaliser
 from keel.train.optim import applied_updates, copies_held
@@ -37,10 +37,6 @@ def _layer(name: str) -> int | None:
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: activation checkpointing recomputing a block."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -117,7 +113,7 @@ class InstabilitySignals(Callback):
     def _on_block(self, layer: int):  # noqa: ANN202 (a hook)
         def hook(module: Block, args: tuple, output: torch.Tensor) -> None:
             if not _recomputing():
-                out = output.to_local() if isinstance(output, DTensor) else output
+                out = local(output)
                 square, count = self._act.get(layer, (torch.zeros((), device=out.device), 0))
                 self._act[layer] = (square + out.detach().float().square().sum(), count + out.numel())
         return hook
@@ -126,7 +122,7 @@ class InstabilitySignals(Callback):
         if _recomputing():
             return
         with torch.no_grad():
-            log_z = _plain(log_normaliser(output.detach().flatten(0, -2).float()))
+            log_z = plain(log_normaliser(output.detach().flatten(0, -2).float()))
         if self._log_z is None:
             self._log_z = (log_z.sum(), log_z.max(), log_z.numel())
         else:
