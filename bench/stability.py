@@ -55,10 +55,10 @@ def run(name: str, lr: float, steps: int, work: Path, overrides: list[str]) -> d
 
 
 def sensitivity(runs: list[dict]) -> float:
-    """E over the grid of min(final, initial) minus the best final loss (a diverged run counts as initial)."""
-    initial = statistics.fmean(r["first_loss"] for r in runs)
-    finals = [min(r["final_loss"], initial) if r["final_loss"] is not None else initial for r in runs]
-    return statistics.fmean(finals) - min(finals)
+    """keel sweep's LR sensitivity, with the first step's loss (averaged over the grid) as the initial loss."""
+    from keel.sweep.analysis import sensitivity as lr_sensitivity
+
+    return lr_sensitivity([r["final_loss"] for r in runs], statistics.fmean(r["first_loss"] for r in runs))
 
 
 def markdown(results: dict) -> str:
