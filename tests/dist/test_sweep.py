@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel, spawn_keel, tagged
 
@@ -35,6 +37,10 @@ def test_a_killed_sweep_reruns_only_its_missing_points_and_ends_as_an_uninterrup
     assert result["target"]["width"] == 128 and result["target"]["lrs"][""] > 0
     assert "recommended lr at width 128" in whole.stdout
     assert (tmp_path / "whole" / "sweep.html").read_text().count("<svg") == 1
+    planned = run_keel(["plan", "--gpus", "8", "--tokens", "1e9", "--trials", "20", "--sweep", str(tmp_path / "whole"),
+                        "--json", *SHAPE, "model.dim=128"], cwd=tmp_path, timeout=60)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["tuning"]["lr"] == pytest.approx(result["target"]["lrs"][""])
 
     out = tmp_path / "killed"
     proc, tag = spawn_keel(sweep_args(out, small_corpus), tmp_path)

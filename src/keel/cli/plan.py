@@ -23,6 +23,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--mtbf-hours", type=float, default=None, help="mean hours between failures of one "
                     "accelerator (default: derived from the Llama 3 report)")
     pl.add_argument("--calibrate", type=Path, metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
+    pl.add_argument("--sweep", type=Path, metavar="DIR", help="a keel sweep's directory: the learning rate and "
+                    "warmup it transfers to this model, and the loss its power law extrapolates to")
     pl.add_argument("--trials", type=int, default=2000, help="Monte Carlo trials")
     pl.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     pl.add_argument("--json", action="store_true", help="one JSON object")
@@ -38,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens,
                  price=DEFAULT_PRICE_PER_HOUR if args.price is None else args.price, storage_gbs=args.storage_gbps,
                  mtbf_hours=DEFAULT_DEVICE_MTBF_H if args.mtbf_hours is None else args.mtbf_hours,
-                 calibrate_from=args.calibrate, trials=args.trials, seed=args.seed)
+                 calibrate_from=args.calibrate, sweep=args.sweep, trials=args.trials, seed=args.seed)
     a = answer(q)
     print(to_json(a) if args.json else "\n".join(lines(a)))
     if args.html:

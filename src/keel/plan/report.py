@@ -29,6 +29,7 @@ from keel.plan.layout import Workload
 from keel.plan.layouts import Candidate, explain, search
 from keel.plan.memory import GIB, suggest
 from keel.plan.throughput import DEFAULT, Efficiency, calibrate
+from keel.plan.tuning import from_sweep, tuning_lines
 from keel.rundir.progress import format_duration
 
 TOP = 5  # layouts shown
@@ -45,6 +46,7 @@ class Question:
     storage_gbs: float = 2000.0  # aggregate checkpoint write bandwidth, GB/s (Llama 3's 2 TB/s)
     mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # per accelerator
     calibrate_from: Path | None = None
+    sweep: Path | None = None  # a keel sweep's directory: the learning rate, warmup and loss it predicts
     trials: int = 2000
     seed: int = 0
 
@@ -56,6 +58,7 @@ def answer(q: Question) -> dict:
         raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
     eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else DEFAULT
     work = Workload(q.cfg.model, q.cfg.train.seq_len, q.cfg.train.global_batch, q.tokens)
+    tuning = from_sweep(q.sweep, q.cfg, work.n_params, work.steps()) if q.sweep else None  # a bad one fails first
     candidates = search(work, q.gpus, hw, eff)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -94,6 +97,7 @@ def answer(q: Question) -> dict:
         "policies": [p.row() for p in policies],
         "cost": {"gpu_hours": spent.gpu_hours, "money": money_percentiles(chosen, run, q.price),
                  "parts": spent.parts()},
+        "tuning": tuning,
     }
 
 
@@ -144,6 +148,8 @@ def lines(a: dict) -> list[str]:
             f"(mean): " + ", ".join(f"{name} {parts[name]['share']:.1%}" for name in
                                     ("productive", "checkpointing", "failures.lost_work", "failures.down_time",
                                      "failures.spares"))]
+    if a["tuning"]:
+        out += ["", *tuning_lines(a["tuning"])]
     return out
 
 

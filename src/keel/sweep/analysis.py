@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 LR_KEY = "optim.lr"
 WIDTH_KEY = "model.dim"
+AXES = (LR_KEY, WIDTH_KEY)  # the axes within a series; every other axis tells series apart
+SERIES_FIELDS = ("parametrization", "base_dim", "n_layers", "warmup_steps", "tokens")  # what a series' points share
 
 
 def sensitivity(losses: Sequence[float | None], initial: float) -> float:
@@ -115,8 +117,8 @@ def recommend(series: dict, width: int) -> float | None:
 
 def summarize(points: list[dict]) -> list[dict]:
     """The series of a sweep's finished points, each with its per-width summaries, transfer and power law.
-    Points carry `group` (the settings of every axis but LR and width), `width`, `lr`, `loss`, `diverged`,
-    `params` and `initial_loss`."""
+    Points carry `group` and `settings` (every axis's), `width`, `lr`, `loss`, `diverged`, `params`,
+    `initial_loss` and the SERIES_FIELDS."""
     groups: dict[str, list[dict]] = {}
     for p in points:
         groups.setdefault(p["group"], []).append(p)
@@ -129,6 +131,8 @@ def summarize(points: list[dict]) -> list[dict]:
         lrs = sorted({r["lr"] for r in runs})
         ratio = min((b / a for a, b in zip(lrs, lrs[1:], strict=False)), default=1.0)
         law = power_law([(w["params"], w["best_loss"]) for w in widths if w["best_loss"] is not None])
-        out.append({"group": group, "widths": widths, "transfer": transfer(widths, ratio),
-                    "power_law": law.to_json() if law else None})
+        first = runs[0]
+        out.append({"group": group, "settings": {k: v for k, v in first["settings"].items() if k not in AXES},
+                    **{k: first[k] for k in SERIES_FIELDS}, "widths": widths,
+                    "transfer": transfer(widths, ratio), "power_law": law.to_json() if law else None})
     return out

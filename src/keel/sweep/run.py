@@ -24,7 +24,7 @@ from keel.model.flops import param_count
 from keel.rundir.events import read_jsonl
 from keel.rundir.lock import HELD_ENV, WORKERS_ENV
 from keel.rundir.status import read_status
-from keel.sweep.analysis import LR_KEY, WIDTH_KEY
+from keel.sweep.analysis import AXES
 from keel.sweep.grid import Axis, Point
 
 SPEC = "sweep_spec.json"
@@ -193,9 +193,11 @@ def point_result(sweep: Sweep, point: Point) -> dict:
                          or not all(math.isfinite(v) for v in losses))
     signals = {key.removeprefix("signals/"): max(vals) for key in SIGNALS
                if (vals := [r[key] for r in metrics if _float(r.get(key)) is not None])}
-    group = ", ".join(f"{k}={v}" for k, v in point.settings if k not in (LR_KEY, WIDTH_KEY))
+    group = ", ".join(f"{k}={v}" for k, v in point.settings if k not in AXES)
     return {"name": point.name, "settings": dict(point.settings), "group": group, "width": cfg.model.dim,
-            "lr": cfg.optim.lr, "params": param_count(cfg.model), "initial_loss": initial, "done": done,
+            "lr": cfg.optim.lr, "params": param_count(cfg.model), "parametrization": cfg.model.parametrization,
+            "base_dim": cfg.model.base_dim, "n_layers": cfg.model.n_layers, "warmup_steps": cfg.optim.warmup_steps,
+            "tokens": sweep.steps * cfg.train.global_batch * cfg.train.seq_len, "initial_loss": initial, "done": done,
             "step": summary.get("step", 0) if done else read_status(run_dir).get("step", 0),
             "train_loss": train, "val_loss": val, "loss": loss, "diverged": diverged, "signals": signals,
             "guard_events": sum(1 for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "guard")}

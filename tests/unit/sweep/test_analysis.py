@@ -40,7 +40,9 @@ def test_lr_sensitivity_counts_a_diverged_run_as_the_initial_loss() -> None:
 
 
 def points(widths: list[int], best_of: dict[int, float], group: str = "") -> list[dict]:
-    return [{"group": group, "width": w, "lr": lr, "loss": bowl(lr, best_of[w], floor=3.0 / math.log(w)),
+    return [{"group": group, "settings": {"model.parametrization": group}, "parametrization": group,
+             "base_dim": 64, "n_layers": 2, "warmup_steps": 10, "tokens": 10**6, "width": w, "lr": lr,
+             "loss": bowl(lr, best_of[w], floor=3.0 / math.log(w)),
              "diverged": False, "params": 1000 * w * w, "initial_loss": 5.5} for w in widths for lr in LRS]
 
 
@@ -56,6 +58,7 @@ def test_optima_that_fall_as_one_over_width_give_slope_minus_one_and_a_transferr
     assert series["mup"]["transfer"]["slope"] == pytest.approx(0.0, abs=1e-6)
     assert recommend(series["mup"], 1024) == pytest.approx(5e-3, rel=1e-6)
     assert [w["width"] for w in series["mup"]["widths"]] == widths
+    assert series["mup"]["settings"] == {"model.parametrization": "mup"} and series["mup"]["base_dim"] == 64
 
 
 def test_a_power_law_is_recovered_with_zero_residuals() -> None:
