@@ -255,3 +255,20 @@ def test_no_false_positives_from_every_detector_at_every_step_of_three_layouts(s
         assert counts.get("sdc_checks", 0) == (steps if layout == "dp2_replicated" else 0)
         replays, checks = replays + counts["sdc_replays"], checks + counts.get("sdc_checks", 0)
     assert (replays, checks) == (400, 120)
+
+
+def test_attention_logits_that_keep_growing_are_rolled_back_then_stop_the_run(small_corpus: Path,
+                                                                             tmp_path: Path) -> None:
+    """Measured on this run: the largest attention logit passes 3.0 by step 20 (a sampled step); the spike guard
+    rolls back (to the snapshot of step 10, data skipped, the learning rate lowered) and the logits grow back
+    past it each time, until the guard stops the run."""
+    run_dir = tmp_path / "logits"
+    train(small_corpus, run_dir, "monitor.signals_interval=5", "guard.spike.attn_logit_threshold=3.0",
+          steps=STEPS, expect=3)
+    decided = events(run_dir)
+    rollbacks = [e for e in decided if e["action"] == "rollback"]
+    assert [e["step"] for e in rollbacks] == [20, 20, 20]
+    assert all(e["detail"]["reason"].startswith("the largest attention logit ") and
+               e["detail"]["attn_logit_max"] > 3.0 for e in rollbacks)
+    assert (decided[-1]["action"], "3 rollbacks" in decided[-1]["detail"]["reason"]) == ("stop", True)
+    assert not (run_dir / "checkpoints" / f"step-{STEPS:06d}").exists()

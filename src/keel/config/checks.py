@@ -23,6 +23,9 @@ def check_consistency(cfg: Config) -> None:
         raise ConfigError(f"guard.spike.warmup = {cfg.guard.spike.warmup} exceeds guard.spike.window = "
                           f"{cfg.guard.spike.window}: the window must hold the warm-up steps")
     _check_fault_tolerance(cfg)
+    if cfg.guard.spike.attn_logit_threshold and not cfg.monitor.signals_interval:
+        raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
+                          f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
     if cfg.monitor.signals_interval and cfg.parallel.compile:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
                           f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")

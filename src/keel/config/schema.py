@@ -297,6 +297,9 @@ class SpikeConfig:
     grad_threshold: float = option(0.0, "robust score of a gradient-norm spike; 0: gradient norm not checked",
                                    ge=0)
     min_rise: float = option(0.05, "a spike must also rise this fraction above the median", ge=0)
+    attn_logit_threshold: float = option(0.0, "a sampled step (monitor.signals_interval) whose largest attention "
+                                         "logit is above this is a spike too, seen after its update (so skip acts "
+                                         "as rollback); 0: not checked", ge=0)
 
 
 @dataclass

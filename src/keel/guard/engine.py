@@ -3,7 +3,8 @@ out what they decide).
 
 They are asked twice per step. `inspect` runs after the backward, on the step report: the numerics and
 spike guards, users' guards (callbacks with an `inspect` method) and, when due, the step replay. `check`
-runs after the update: the replica fingerprints when due, then the in-memory snapshot when due. The
+runs after the update: the replica fingerprints when due, the attention logits on the steps that computed the
+instability signals, then the in-memory snapshot when due. The
 strongest action wins. Every input to a decision is reduced or gathered over all ranks, so every rank
 takes the same branch. Each decision is an event with its evidence and a counter in the metrics.
 """
@@ -92,15 +93,21 @@ class Guards:
                         self._record(action, report.step)
         return self._exiting(strongest(actions))
 
-    def check(self, state: TrainState, save_due: bool) -> Action:
-        """After the update of `state.step`."""
+    def check(self, state: TrainState, save_due: bool, signals: dict[str, float] | None = None) -> Action:
+        """After the update of `state.step`; `signals`: the instability signals when this step computed them."""
         action = CONTINUE
         if self.sdc is not None and self.sdc.wants_check(state.step, save_due):
             self.counts["sdc_checks"] += 1
             action = self.sdc.check(state.step) or CONTINUE
             if action.reason:
                 self._record(action, state.step)
-        if action is CONTINUE and self.ring is not None and state.step % self.g.snapshot_interval == 0:
+        spike = next((g for g in self.builtin if isinstance(g, SpikeGuard)), None)
+        if action.kind == "continue" and signals and spike is not None:
+            found = self._escalate(spike.inspect_signals(state.step, signals), state.step)
+            if found is not None:
+                self._record(found, state.step)
+                action = found
+        if action.kind == "continue" and self.ring is not None and state.step % self.g.snapshot_interval == 0:
             self._snapshot(state)
         return self._exiting(action)
 

@@ -3,7 +3,8 @@
 score = (x − median) / (1.4826 · MAD), the MAD floored at `rel_floor` of the median so that a flat
 stretch of training does not turn noise into spikes. A step is a spike when its loss or gradient norm
 scores above its threshold *and* rises at least `min_rise` above the median. Only steps whose update
-was applied enter the window, and detection starts once `warmup` of them are in.
+was applied enter the window, and detection starts once `warmup` of them are in. On the steps that compute the
+instability signals, an attention logit above `attn_logit_threshold` is a spike as well.
 """
 
 from __future__ import annotations
@@ -43,11 +44,27 @@ class SpikeGuard:
             return None
         reason = " and ".join(f"{m} {evidence[m]:.4g} scores {evidence[m + '_score']:.1f} over the median "
                               f"{evidence[m + '_median']:.4g}" for m in ("loss", "grad_norm") if m in evidence)
-        if self.spike.response == "log":
-            return Action("continue", self.name, reason, evidence)
         if self.spike.response == "skip":
             return Action("skip", self.name, reason, evidence)
-        return Action("rollback", self.name, reason, evidence, to_step=report.step - self.cfg.rollback_steps,
+        return self._respond(report.step, reason, evidence)
+
+    def inspect_signals(self, step: int, signals: dict[str, float]) -> Action | None:
+        """After the update of `step`, a sampled step's instability signals (reduced over every rank): an
+        attention logit above the threshold is a spike (the loss often follows only later)."""
+        threshold = self.spike.attn_logit_threshold
+        value = signals.get("signals/attn_logit_max")
+        if self.spike.response == "off" or not threshold or value is None or not value > threshold:
+            return None
+        layers = [k.rsplit("_", 1)[-1] for k, v in signals.items()
+                  if k.startswith("signals/attn_logit_max/layer_") and v > threshold]
+        reason = (f"the largest attention logit {value:.4g} is above guard.spike.attn_logit_threshold = "
+                  f"{threshold:g} (layer {', '.join(layers)})")
+        return self._respond(step, reason, {"attn_logit_max": value, "threshold": threshold, "layers": layers})
+
+    def _respond(self, step: int, reason: str, evidence: dict) -> Action:
+        if self.spike.response == "log":
+            return Action("continue", self.name, reason, evidence)
+        return Action("rollback", self.name, reason, evidence, to_step=step - self.cfg.rollback_steps,
                       skip_batches=max(1, self.cfg.skip_batches), lr_scale=self.cfg.lr_scale,
                       lr_scale_steps=self.cfg.lr_scale_steps)
 

@@ -104,15 +104,17 @@ class GuardInspection(Builtin):
 
 
 class GuardCheck(Builtin):
-    """After the update: the replica fingerprints and the in-memory snapshot, when due."""
+    """After the update: the replica fingerprints, the instability signals of this step (`signals(step)`, empty
+    when it computed none) and the in-memory snapshot, when due."""
 
-    def __init__(self, guards: Guards, monitor: RunMonitor, inspection: GuardInspection) -> None:
-        self.guards, self.monitor, self.inspection = guards, monitor, inspection
+    def __init__(self, guards: Guards, monitor: RunMonitor, inspection: GuardInspection,
+                 signals: Callable[[int], dict[str, float]]) -> None:
+        self.guards, self.monitor, self.inspection, self.signals = guards, monitor, inspection, signals
 
     def on_step_end(self, step: Step) -> Action | None:
         with self.monitor.phase("guard_checks") as checking:
             # replica fingerprints before the state is saved or snapshotted
-            action = self.guards.check(step.state, step.save_due)
+            action = self.guards.check(step.state, step.save_due, self.signals(step.number))
         self.monitor.registry.add("time/guard_s", self.inspection.seconds + checking.seconds)
         return action
 

@@ -68,6 +68,7 @@ class InstabilitySignals(Callback):
                  n_layers: int, pp: int) -> None:
         self.interval, self.parts, self.optimizers, self.n_layers, self.pp = interval, parts, optimizers, n_layers, pp
         self.last: dict[str, float] = {}
+        self.last_step = 0
         self._handles: list[Any] = []
         self._attn: dict[int, torch.Tensor] = {}
         self._act: dict[int, tuple[torch.Tensor, int]] = {}
@@ -75,6 +76,7 @@ class InstabilitySignals(Callback):
 
     def on_step_start(self, step: Step) -> None:
         self._remove()  # a step abandoned by a rollback left them
+        self.last_step = 0  # this step's readings are not in yet (a step without an update computes none)
         if not self.interval or step.number % self.interval:
             return
         self._attn, self._act, self._log_z = {}, {}, None
@@ -94,7 +96,11 @@ class InstabilitySignals(Callback):
     def on_step_end(self, step: Step) -> None:
         if not self.interval or step.number % self.interval or not step.updated:
             return
-        self.last = self._reduce()
+        self.last, self.last_step = self._reduce(), step.number
+
+    def of_step(self, number: int) -> dict[str, float]:
+        """The readings of step `number` when it computed them (the same on every rank), else nothing."""
+        return self.last if self.last_step == number else {}
 
     def _remove(self) -> None:
         for handle in self._handles:

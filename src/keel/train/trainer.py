@@ -191,7 +191,7 @@ class Trainer:
                 (CheckpointDecision(ckpt, self.sync), 1),
                 (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),
-                (GuardCheck(self.guards, monitor, inspection), 1),
+                (GuardCheck(self.guards, monitor, inspection, signals.of_step), 1),
                 (writer, 1), (self.stopping, 1),
                 *[(user, 1) for user in users],
                 (WatchdogPhases(watchdog), 1), (StepEnd(monitor, self.events.emit, self.rank0), 1)]:

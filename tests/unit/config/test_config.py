@@ -371,3 +371,10 @@ def test_instability_signals_with_compiled_blocks_are_refused_in_one_line() -> N
         load_config(None, ["monitor.signals_interval=10", "parallel.compile=true"])
     assert len(str(e.value).splitlines()) == 1 and "parallel.compile = false" in str(e.value)
     assert load_config(None, ["monitor.signals_interval=10"]).monitor.signals_interval == 10
+
+
+def test_an_attention_logit_threshold_without_the_signals_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="set monitor.signals_interval"):
+        load_config(None, ["guard.spike.attn_logit_threshold=100"])
+    both = load_config(None, ["guard.spike.attn_logit_threshold=100", "monitor.signals_interval=10"])
+    assert both.guard.spike.attn_logit_threshold == 100

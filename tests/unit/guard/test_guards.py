@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.config import GuardConfig, OptimConfig
+from keel.config import GuardConfig, OptimConfig, SpikeConfig
 from keel.core.sync import StepReport
 from keel.guard.numerics import NumericsGuard
 from keel.guard.sdc import fingerprint, same_bits
@@ -189,3 +189,18 @@ def test_restoring_a_snapshot_from_before_the_first_update_clears_optimizer_stat
     ring.restore(ring.newest(0))
     assert not optimizer.state
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_an_attention_logit_above_the_threshold_is_a_spike_seen_after_the_update() -> None:
+    signals = {"signals/attn_logit_max": 250.0, "signals/attn_logit_max/layer_0": 12.0,
+               "signals/attn_logit_max/layer_1": 250.0}
+    off = SpikeGuard(GuardConfig())
+    assert off.inspect_signals(30, signals) is None  # threshold 0: not checked
+    guard = SpikeGuard(GuardConfig(rollback_steps=5, spike=SpikeConfig(attn_logit_threshold=100.0)))
+    assert guard.inspect_signals(30, {**signals, "signals/attn_logit_max": 99.0}) is None
+    assert guard.inspect_signals(30, {}) is None  # a step that computed no signals
+    action = guard.inspect_signals(30, signals)
+    assert action is not None and action.kind == "rollback" and action.to_step == 25
+    assert "attention logit 250 is above guard.spike.attn_logit_threshold = 100 (layer 1)" in action.reason
+    logged = SpikeGuard(GuardConfig(spike=SpikeConfig(attn_logit_threshold=100.0, response="log")))
+    assert logged.inspect_signals(30, signals).kind == "continue"  # type: ignore[union-attr]

@@ -111,7 +111,7 @@ def test_guard_inspection_scales_the_lr_and_skips_a_nonfinite_step(build: Build)
 
 def test_guard_check_snapshots_the_state_at_its_interval(build: Build) -> None:
     trainer = build([], "guard.snapshot_interval=2")
-    check = GuardCheck(trainer.guards, trainer.monitor, part(trainer, GuardInspection))
+    check = GuardCheck(trainer.guards, trainer.monitor, part(trainer, GuardInspection), lambda step: {})
     ring = trainer.guards.ring
     assert ring is not None and ring.newest(10).step == 0  # the start's snapshot
     for number in (1, 2, 3):
