@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from keel.report.compare import write_comparison
 from keel.report.html import write_report
 from tests.conftest import REPO, ReplicaRun
 from tests.unit.report.test_report import train_spiking_run
@@ -90,3 +91,14 @@ def test_replica_groups_section_renders_in_chromium(replica_run: ReplicaRun) -> 
     assert found["line"]["width"] > 200 and found["line"]["height"] > 20  # the step from 2 live groups to 1 and back
     assert len(found["bars"]) == 2 and min(found["bars"]) > 1
     assert any("\theal\t" in row and row.split("\t")[1] == "1" for row in found["heals"])
+
+
+def test_a_comparison_of_two_runs_renders_in_chromium(report: Path, reference_run: Path, tmp_path: Path) -> None:
+    page = write_comparison([report.parent, reference_run], tmp_path / "compare.html")
+    found = open_in_chromium(page, REPO / "test-artifacts" / "compare.png", lambda p: {
+        "widths": p.eval_on_selector_all("svg", "svgs => svgs.map(s => s.getBoundingClientRect().width)"),
+        "lines": p.eval_on_selector_all("path.series", "ps => ps.map(x => x.getBoundingClientRect().width)"),
+        "differences": p.locator("table").nth(1).locator("tr").count()})
+    assert len(found["widths"]) == 6 and min(found["widths"]) > 300  # six charts, each laid out readably
+    assert len(found["lines"]) >= 10 and sorted(found["lines"])[-6] > 100  # both runs drawn across the charts
+    assert found["differences"] > 2  # the spiking run's drill and step settings differ from the reference's

@@ -1,4 +1,4 @@
-"""Commands on a run directory while or after it runs: pause, status, report, quarantine."""
+"""Commands on a run directory while or after it runs: pause, status, report, runs, quarantine."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pa = sub.add_parser("pause", help="ask a running job to checkpoint at the next step and exit 75")
     pa.add_argument("run_dir", type=Path)
     pa.set_defaults(handler=cmd_pause)
-    r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time, goodput, hardware, events")
-    r.add_argument("run_dir", type=Path)
-    r.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
+    r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time, goodput, hardware, events; "
+                       "with several run directories, one page comparing them")
+    r.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html; for several runs "
+                   "./compare.html)")
     r.set_defaults(handler=cmd_report)
+    ls = sub.add_parser("runs", help="the run directories under DIR: state, step, losses, goodput")
+    ls.add_argument("root", type=Path, nargs="?", default=Path("runs"), metavar="DIR",
+                    help="where to look (default ./runs)")
+    ls.add_argument("--json", action="store_true", help="one JSON array")
+    ls.set_defaults(handler=cmd_runs)
     st = sub.add_parser("status", help="state, step, ETA, loss, goodput, last checkpoint, alerts, last events")
     st.add_argument("run_dir", type=Path)
     st.add_argument("--json", action="store_true", help="one JSON object")
@@ -54,10 +61,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from keel.report.compare import write_comparison
     from keel.report.html import write_report
 
-    path = write_report(args.run_dir, args.out)
+    if len(args.run_dirs) > 1:
+        path = write_comparison(args.run_dirs, args.out or Path("compare.html"))
+    else:
+        path = write_report(args.run_dirs[0], args.out)
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from keel.report.compare import list_runs, runs_lines
+    from keel.report.status import json_safe
+
+    rows = list_runs(args.root)
+    print(json.dumps(json_safe(rows)) if args.json else "\n".join(runs_lines(rows, args.root)))
     return 0
 
 
