@@ -14,7 +14,7 @@ import torch
 
 from keel.checkpoint.inspect import load_full_state, state_sha256
 from keel.rundir.events import read_jsonl
-from tests.conftest import REPO, SMALL_RUN, run_keel
+from tests.conftest import REPO, SMALL_RUN, run_keel, small_data
 
 pytestmark = pytest.mark.dist
 
@@ -221,3 +221,49 @@ def test_compiled_blocks_train_like_eager(one_process: Path, small_corpus: Path,
     assert sorted(got) == [1, 2, 3]
     for step, loss in got.items():
         assert math.isclose(loss, want[step], rel_tol=1e-4), (step, loss, want[step])
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus of 400 documents of 60 to 400 bytes, so that every 64-token sequence packs several."""
+    from keel.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("short")
+    lines = (REPO / "src" / "keel" / "model" / "llama.py").read_text().splitlines()
+    for i in range(400):
+        text, j = "", i
+        while len(text) < 60 + (i * 37) % 340:
+            text, j = text + lines[j % len(lines)] + "\n", j + 7
+        (root / "docs").mkdir(exist_ok=True)
+        (root / "docs" / f"{i:03d}.txt").write_text(text)
+    prepare(small_data([str(root / "docs")]), root / "corpus")
+    return root / "corpus"
+
+
+@pytest.fixture(scope="module")
+def document_runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """One process, FSDP over 2 and TP over 2 attending within documents (positions restarted), and one
+    process attending across them."""
+    root = tmp_path_factory.mktemp("documents")
+    masked = ["data.document_mask=true", "data.document_positions=true"]
+    runs = {"one": (1, masked), "dp2": (2, masked), "tp2": (2, [*masked, *LAYOUTS["tp2"][1]]), "across": (1, [])}
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        nproc, overrides = runs[name]
+        return root / name, run_keel(["train", "--nproc", str(nproc), "--run-dir", str(root / name), *RUN,
+                                      f"data.dir={short_documents}", *overrides], cwd=root)
+
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        return dict(zip(runs, pool.map(run, runs), strict=True))
+
+
+@pytest.mark.parametrize("name", ["dp2", "tp2"])
+def test_attention_within_documents_trains_alike_in_every_layout(name: str, document_runs: dict) -> None:
+    (reference, first), (run_dir, result), (_, across) = document_runs["one"], document_runs[name], \
+        document_runs["across"]
+    assert first.returncode == 0 and result.returncode == 0 and across.returncode == 0, \
+        (first.stderr + result.stderr + across.stderr)[-3000:]
+    assert_same_training(run_dir, reference, range(1, STEPS + 1))
+    within, without = losses(reference), losses(document_runs["across"][0])
+    assert all(within[step] != without[step] for step in range(1, STEPS + 1))  # the mask changes every step

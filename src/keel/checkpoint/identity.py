@@ -28,6 +28,7 @@ IDENTITY: dict[str, str] = {
     "train.seq_len": "sequence length", "train.global_batch": "global batch", "train.seed": "initialisation and "
     "data order", "data.tokenizer": "the corpus tokenizer", "data.corpus": "the corpus fingerprint",
     "data.mixture": "source weights", "data.schedule": "mixture phases begun by the checkpoint's step",
+    "data.document_mask": "attention within documents", "data.document_positions": "positions per document",
 }
 
 
@@ -42,6 +43,7 @@ def run_identity(cfg: Config, corpus_fingerprint: str, tokenizer: dict) -> dict[
         "data.corpus": corpus_fingerprint,
         "data.mixture": {name: s.weight for name, s in sorted(cfg.data.sources.items())},
         "data.schedule": [dataclasses.asdict(p) for p in cfg.data.schedule],
+        "data.document_mask": cfg.data.document_mask, "data.document_positions": cfg.data.document_positions,
     })
     return json.loads(json.dumps(values))
 

@@ -132,6 +132,9 @@ class DataConfig:
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
     prefetch: int = option(2, "batches prepared ahead by the background loader thread", ge=1)
     verify_checksums: bool = option(True, "check every shard's sha256 against the manifest at start")
+    document_mask: bool = option(False, "each token attends only to the earlier tokens of its own document (split "
+                                 "at the tokenizer's BOS), not across the documents packed into a sequence")
+    document_positions: bool = option(False, "with document_mask: RoPE positions restart at 0 at each document")
     allow_corpus_change: bool = option(False, "resume even if the corpus fingerprint differs from the checkpoint's")
     skip_batches: list[list[int]] = option([], "global batches never trained on, as [start, end) ranges of batch "
                                            "numbers, e.g. [[1200, 1500]] (a rollback adds its own)")

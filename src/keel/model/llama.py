@@ -31,9 +31,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of features of x (batch, seq, heads, head_dim) by the angles of each position."""
+    """Rotate pairs of features of x (batch, seq, heads, head_dim) by the angles of each position: `rope` is the
+    table of positions 0, 1, ... (rope_tables), or each token's own angles (batch, seq, head_dim // 2, 2)."""
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    if rope.dim() == 4:
+        cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    else:
+        cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -66,7 +70,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: which keys each query may attend to (batch, 1, seq, seq), None for causal attention."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -75,7 +80,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -101,8 +106,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -127,6 +132,10 @@ class Llama(nn.Module):
             output.weight = embeddings.weight
         self.register_buffer("rope", self._rope(None), persistent=False)
         self.output_multiplier = width_ratio(cfg)  # μP's readout multiplier
+        # data.document_mask: the token that starts a document (the corpus's BOS); None attends causally across
+        # the packed documents of a sequence.
+        self.document_start: int | None = None
+        self.document_positions = False  # data.document_positions: RoPE positions restart at each document
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
@@ -146,10 +155,32 @@ class Llama(nn.Module):
             return self.embedding_norm(x)
         return x * self.cfg.dim**0.5 if self.cfg.embedding_norm == "scale" else x
 
+    def mask_documents(self, start: int, positions: bool) -> None:
+        """Attend within documents from now on: `start` is the token each document begins with."""
+        self.document_start, self.document_positions = start, positions
+
+    def documents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention within documents: the mask letting each token see the earlier tokens of its own document
+        (a sequence's tokens before its first document start are one more document), and the RoPE angles (each
+        document's positions from 0 with `document_positions`)."""
+        assert self.document_start is not None
+        seq = tokens.shape[1]
+        starts = tokens == self.document_start
+        document = starts.cumsum(-1)
+        index = torch.arange(seq, device=tokens.device)
+        causal = index[None, :] <= index[:, None]
+        mask = (document[:, :, None] == document[:, None, :]) & causal
+        if not self.document_positions:
+            return self.rope, mask[:, None]
+        first = torch.where(starts, index, 0).cummax(-1).values  # where each token's document starts
+        return self.rope[index - first], mask[:, None]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens if self.tok_embeddings is None else self.embedded(self.tok_embeddings(tokens))
+        masked = self.document_start is not None and self.tok_embeddings is not None  # a stage sees hidden states
+        rope, mask = self.documents(tokens) if masked else (self.rope, None)
         for block in self.layers.values():
-            x = block(x, self.rope)
+            x = block(x, rope, mask)
         if self.output is None or self.norm is None:
             return x
         logits = self.output(self.norm(x))

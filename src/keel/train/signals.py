@@ -40,9 +40,10 @@ def _recomputing() -> bool:
 
 
 @torch.no_grad()
-def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.Tensor,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """The largest attention logit (q·k times the attention's scale, 1/√d by default) over this rank's heads
-    and every causal (query, key) pair of `x`."""
+    and every (query, key) pair of `x` that attends: causal, or as `mask` (batch, 1, seq, seq) says."""
     batch, seq = x.shape[0], x.shape[1]
     q = attention.wq(x).view(batch, seq, -1, attention.head_dim)
     k = attention.wk(x).view(batch, seq, -1, attention.head_dim)
@@ -56,7 +57,8 @@ def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.T
     for start in range(0, seq, _QUERY_CHUNK):
         scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + _QUERY_CHUNK], k) * scale
         queries = torch.arange(start, start + scores.shape[2], device=x.device)
-        scores = scores.masked_fill(keys[None, :] > queries[:, None], -math.inf)
+        hidden = keys[None, :] > queries[:, None] if mask is None else ~mask[:, :, start:start + scores.shape[2]]
+        scores = scores.masked_fill(hidden, -math.inf)
         largest = torch.maximum(largest, scores.max())
     return largest
 
@@ -112,7 +114,7 @@ class InstabilitySignals(Callback):
     def _on_attention(self, layer: int):  # noqa: ANN202 (a hook)
         def hook(module: Attention, args: tuple, output: Any) -> None:
             if not _recomputing():
-                value = largest_attention_logit(module, args[0], args[1])
+                value = largest_attention_logit(module, *args[:3])
                 self._attn[layer] = torch.maximum(self._attn[layer], value) if layer in self._attn else value
         return hook
 

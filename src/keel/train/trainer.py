@@ -9,7 +9,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -91,6 +91,9 @@ class Trainer:
         self._build_model()
         self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         self.corpus, self.data = corpus, build_data(cfg, self.mesh, corpus, accepted)
+        if cfg.data.document_mask:  # each packed document starts with the corpus tokenizer's BOS
+            for part in self.parts:
+                cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
         self.loader, self.loader_state = self.data.loader, self.data.loader_state
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
