@@ -50,6 +50,9 @@ LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.
           "optim.independent_weight_decay=true", "optim.weight_decay=1e-4", "monitor.signals_interval=5",
           "model.parametrization=mup", "model.base_dim=32"]
 LEVER_LAYOUTS = ("dp2", "tp2", "pp2xtp2")
+# Attention within documents: the mask over TP's head shards, and on pipeline stages that see no tokens (the
+# interleaved zero-bubble schedule runs two stages per rank, its backward split in two).
+DOCUMENT_LAYOUTS = ("dp2", "tp2", "pp2_1f1b", "pp2_interleaved_zb")
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).
 CONCURRENT = 2
@@ -243,11 +246,12 @@ def short_documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def document_runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """One process, FSDP over 2 and TP over 2 attending within documents (positions restarted), and one
-    process attending across them."""
+    """One process and DOCUMENT_LAYOUTS attending within documents (positions restarted), and one process
+    attending across them."""
     root = tmp_path_factory.mktemp("documents")
     masked = ["data.document_mask=true", "data.document_positions=true"]
-    runs = {"one": (1, masked), "dp2": (2, masked), "tp2": (2, [*masked, *LAYOUTS["tp2"][1]]), "across": (1, [])}
+    runs = {"one": (1, masked), "across": (1, []),
+            **{name: (LAYOUTS[name][0], [*masked, *LAYOUTS[name][1]]) for name in DOCUMENT_LAYOUTS}}
 
     def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
         nproc, overrides = runs[name]
@@ -258,7 +262,7 @@ def document_runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactor
         return dict(zip(runs, pool.map(run, runs), strict=True))
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2"])
+@pytest.mark.parametrize("name", DOCUMENT_LAYOUTS)
 def test_attention_within_documents_trains_alike_in_every_layout(name: str, document_runs: dict) -> None:
     (reference, first), (run_dir, result), (_, across) = document_runs["one"], document_runs[name], \
         document_runs["across"]

@@ -26,9 +26,6 @@ def check_consistency(cfg: Config) -> None:
     if cfg.data.document_positions and not cfg.data.document_mask:
         raise ConfigError("data.document_positions = true restarts positions per document, which needs "
                           "data.document_mask = true; set both or neither")
-    if cfg.data.document_mask and cfg.parallel.pp > 1:
-        raise ConfigError(f"data.document_mask = true with parallel.pp = {cfg.parallel.pp}: the later pipeline "
-                          f"stages do not see the tokens their mask comes from; use pp = 1 (FSDP, TP) or no mask")
     if cfg.guard.spike.attn_logit_threshold and not cfg.monitor.signals_interval:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")

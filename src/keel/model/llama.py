@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -175,13 +177,19 @@ class Llama(nn.Module):
         first = torch.where(starts, index, 0).cummax(-1).values  # where each token's document starts
         return self.rope[index - first], mask[:, None]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens if self.tok_embeddings is None else self.embedded(self.tok_embeddings(tokens))
-        masked = self.document_start is not None and self.tok_embeddings is not None  # a stage sees hidden states
-        rope, mask = self.documents(tokens) if masked else (self.rope, None)
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> Any:
+        """Tokens to logits; a pipeline stage maps tokens or hidden states to hidden states or logits. With a
+        document mask, a stage before the last also passes the tokens on (`tokens`), for the next stage's mask."""
+        if self.tok_embeddings is not None:
+            tokens, x = x, self.embedded(self.tok_embeddings(x))
+        if self.document_start is None:
+            rope, mask = self.rope, None
+        else:
+            assert tokens is not None, "a pipeline stage with a document mask needs the previous stage's tokens"
+            rope, mask = self.documents(tokens)
         for block in self.layers.values():
             x = block(x, rope, mask)
         if self.output is None or self.norm is None:
-            return x
+            return x if self.document_start is None else (x, tokens)
         logits = self.output(self.norm(x))
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
