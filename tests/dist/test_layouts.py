@@ -271,3 +271,19 @@ def test_attention_within_documents_trains_alike_in_every_layout(name: str, docu
     assert_same_training(run_dir, reference, range(1, STEPS + 1))
     within, without = losses(reference), losses(document_runs["across"][0])
     assert all(within[step] != without[step] for step in range(1, STEPS + 1))  # the mask changes every step
+
+
+def test_a_run_attending_within_documents_resumes_bitwise_after_sigkill(document_runs: dict, short_documents: Path,
+                                                                       tmp_path: Path) -> None:
+    reference, result = document_runs["one"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    # SIGKILL in the middle of step 8, once; the save of step 5 is synchronous, so it is there to resume from.
+    kill = ['drill.inject=["kill:step=8,rank=0"]', "checkpoint.async_save=false"]
+    killed = tmp_path / "killed"
+    result = run_keel(["train", "--run-dir", str(killed), *RUN, f"data.dir={short_documents}",
+                       "data.document_mask=true", "data.document_positions=true", *kill, "--max-restarts", "1"],
+                      cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [e["step"] for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"] == [5]
+    final = f"checkpoints/step-{STEPS:06d}"
+    assert state_sha256(killed / final) == state_sha256(reference / final)

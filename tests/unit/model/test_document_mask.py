@@ -53,7 +53,9 @@ def test_a_packed_sequence_computes_each_document_as_if_alone(model: Llama, posi
     start = 0
     for doc, logits in zip(docs, alone, strict=True):
         end = start + len(doc)
-        torch.testing.assert_close(losses(masked[start:end], doc), losses(logits, doc), rtol=0, atol=1e-5)
+        packed_loss, own = losses(masked[start:end], doc), losses(logits, doc)
+        torch.testing.assert_close(packed_loss, own, rtol=0, atol=1e-5)
+        assert abs(packed_loss.mean().item() / own.mean().item() - 1) < 1e-6
         start = end
     later = slice(len(docs[0]), None)  # past the first document, plain causal attention sees the earlier ones
     assert (unmasked[later] - torch.cat(alone)[later]).abs().max() > 1e-2
