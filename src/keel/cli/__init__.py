@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The profiler's own library prints a line to stderr at every start and stop of a profiled step; its
+    # messages stay available with KINETO_LOG_LEVEL set.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     p = parser()
     # Overrides may come before, between or after options: whatever is left over must be KEY=VALUE.
     args, rest = p.parse_known_args(argv)
@@ -42,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return args.handler(args)
+    except BrokenPipeError:  # the reader went away (`keel config --reference | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeelError as e:
         return _bad_input(str(e), e.exit_code, e.every_rank)
     except USER_PATH_ERRORS as e:

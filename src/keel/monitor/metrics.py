@@ -98,10 +98,13 @@ class StepMeter:
         now = time.perf_counter()
         step_s = (now - self._since) / max(1, self._steps)
         flops_per_device = self.flops_per_step / step_s / self.world_size
+        mfu = flops_per_device / self.peak_flops if self.peak_flops else None
         record = {
             "throughput/tokens_per_s": self.tokens_per_step / step_s,
             "throughput/tflops_per_device": flops_per_device / 1e12,
-            "throughput/mfu": flops_per_device / self.peak_flops if self.peak_flops else None,
+            # Above 1, the peak is wrong (a CPU's matmul probe measured while other work shared the cores):
+            # no MFU rather than an impossible one.
+            "throughput/mfu": mfu if mfu is None or mfu <= 1 else None,
             "time/step_s": step_s,
             "time/data_s": self._data_s / max(1, self._steps),
         }

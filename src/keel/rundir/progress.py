@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -78,11 +79,15 @@ class Progress:
 
 
 def summary_lines(s: dict) -> list[str]:
+    evaluated = isinstance(s.get("val_loss"), (int, float)) and math.isfinite(s["val_loss"])
+    validation = (f"validation loss {s['val_loss']:.4f} nats/token" if evaluated else
+                  "no validation (eval.final = false)")
     return [
         f"finished {s['name']} at step {s['step']} after {format_duration(s['train_seconds'])} of training",
-        f"  train loss {s['train_loss']:.4f} · validation loss {s['val_loss']:.4f} nats/token "
-        f"(unigram entropy of the corpus {s['unigram_entropy']:.4f})"
-        + (f" · {s['val_bpb']:.4f} bits per byte ({s['tokenizer']} tokenizer)" if "val_bpb" in s else ""),
+        f"  train loss {s['train_loss']:.4f} · {validation} (unigram entropy of the corpus "
+        f"{s['unigram_entropy']:.4f})"
+        + (f" · {s['val_bpb']:.4f} bits per byte ({s['tokenizer']} tokenizer)" if evaluated and "val_bpb" in s
+           else ""),
         f"  tokens seen {s['tokens_seen']:,} · {format_count(s['tokens_per_s'])} tokens/s",
         f"  run directory {s['run_dir']} · latest checkpoint {s['checkpoint']}",
     ]

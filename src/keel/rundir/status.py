@@ -74,7 +74,28 @@ def status_lines(info: dict) -> list[str]:
     lines.append(f"  last checkpoint: {info['last_checkpoint'] or 'none'}")
     for e in info["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
-        detail = ", ".join(f"{k}={v}" for k, v in e.get("detail", {}).items())
+        detail = readable(e.get("detail", {}))
         group = f"group {e['group']} " if "group" in e else ""  # one of a run's replica groups
         lines.append(f"  {when} {group}step {e['step']} rank {e['rank']} {e['kind']} {e['action']} {detail}".rstrip())
     return lines
+
+
+DETAIL_CHARS = 160  # an event's detail on one console line
+EPOCH_2020 = 1.5e9  # a float above this in an event's detail is a time stamp
+
+
+def _value(value: object) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "ok" in v for v in value):
+        failed = [str(v.get("name", "?")) for v in value if not v["ok"]]  # preflight's checks
+        return f"{len(value) - len(failed)}/{len(value)} passed" + (f" (failed: {', '.join(failed)})" if failed else "")
+    if isinstance(value, float):
+        return time.strftime("%H:%M:%S", time.localtime(value)) if value > EPOCH_2020 else f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def readable(detail: dict) -> str:
+    """An event's detail as `key=value` pairs a person reads: checks counted, time stamps as local times,
+    numbers to four figures, long values cut, the whole line kept short."""
+    text = ", ".join(f"{k}={_value(v)}" for k, v in detail.items())
+    return text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS - 3] + "..."
