@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from keel.core.dtensor import local
 from keel.core.process import in_background
+from keel.core.torch_private import copy_all_, set_local_tensor
 
 Signature = tuple[Any, ...]
 
@@ -106,7 +107,7 @@ class HostStager:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # the update that made this state is done
             with torch.cuda.stream(self._stream):
-                torch._foreach_copy_([b for b, _ in pairs], [s for _, s in pairs], non_blocking=True)
+                copy_all_([b for b, _ in pairs], [s for _, s in pairs], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
             return Staging(out, None, event, started)
@@ -118,7 +119,7 @@ class HostStager:
     def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], staging: Staging) -> None:
         # One call for every tensor: the interpreter lock is released once for the whole copy, rather than
         # taken back from the training thread between tensors (up to a switch interval each time).
-        torch._foreach_copy_([b for b, _ in pairs], [s for _, s in pairs])
+        copy_all_([b for b, _ in pairs], [s for _, s in pairs])
         staging.copy_s = time.perf_counter() - staging.started
 
     def _holder(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
@@ -143,5 +144,5 @@ class HostStager:
                                       shape=value.shape, stride=value.stride()), buffer
         # A device mesh: from_local would move the buffer to the device; a DTensor's host copy keeps its spec.
         on_host = cast(DTensor, value.detach().to("cpu"))
-        on_host._local_tensor = buffer
+        set_local_tensor(on_host, buffer)
         return on_host, buffer

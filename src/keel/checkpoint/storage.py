@@ -83,7 +83,7 @@ class Storage:
                 self.fs, _ = fsspec.core.url_to_fs(self.root)
             except (ImportError, ValueError) as e:
                 raise CheckpointError(f"checkpoint storage {root!r} cannot be opened ({e}); install the "
-                                      f"filesystem's package (for s3://: pip install 'keel[s3]')") from None
+                                      f"filesystem's package (for s3://: pip install 'keel-pretrain[s3]')") from None
 
     def __str__(self) -> str:
         return self.root
@@ -135,9 +135,10 @@ class Storage:
         from torch.distributed.checkpoint import FileSystemReader
 
         if self.remote:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            from keel.core.torch_private import fsspec_checkpoint_io
 
-            return FsspecReader(self.path(name))
+            reader, _ = fsspec_checkpoint_io()
+            return reader(self.path(name))
         return FileSystemReader(self.path(name))
 
     # ------------------------------------------------------------------ writing
@@ -145,9 +146,10 @@ class Storage:
     def writer(self, name: str) -> StorageWriter:
         """DCP's writer for a checkpoint: on a local directory, one that checksums as it writes (`digests`)."""
         if self.remote:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            from keel.core.torch_private import fsspec_checkpoint_io
 
-            return FsspecWriter(self.path(name), sync_files=False)
+            _, writer = fsspec_checkpoint_io()
+            return writer(self.path(name), sync_files=False)
         from keel.checkpoint.digesting import DigestingWriter
 
         return DigestingWriter(self.path(name))

@@ -30,13 +30,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
 import torch.distributed as dist
 
 from keel.config import WatchdogConfig
+from keel.core.torch_private import abort_process_group, default_store, process_groups, set_group_timeout
 from keel.errors import EXIT_HANG
 from keel.health.heartbeat import STACKS_SIGNAL, beat, beat_path, heartbeat_dir
 from keel.rundir.events import EventLog
@@ -294,7 +294,7 @@ def _store() -> Any:
     if not dist.is_initialized():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (ValueError, RuntimeError):
         return None
 
@@ -314,9 +314,9 @@ def set_collective_timeout(seconds: float) -> None:
     """The process groups' own timeout: a collective waiting longer than this raises in the main thread."""
     if not dist.is_initialized():
         return
-    for group in list(dist.distributed_c10d._world.pg_map):
+    for group in process_groups():
         with contextlib.suppress(Exception):
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            set_group_timeout(seconds, group)
 
 
 def abort_process_groups() -> None:
@@ -326,7 +326,7 @@ def abort_process_groups() -> None:
 
     def abort() -> None:
         with contextlib.suppress(Exception):  # not every backend can abort; exiting closes its sockets anyway
-            dist.distributed_c10d._abort_process_group()
+            abort_process_group()
 
     thread = threading.Thread(target=abort, daemon=True)
     thread.start()

@@ -4,7 +4,6 @@ per-block compile, then FSDP2 (HSDP across replicas). A one-process run wraps no
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -18,6 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from keel.config import ParallelConfig
+from keel.core.torch_private import checkpoint_wrapper
 from keel.model.llama import Llama
 from keel.parallel.mesh import Mesh
 

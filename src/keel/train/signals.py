@@ -21,6 +21,7 @@ from torch import nn
 
 from keel.core.callbacks import Callback, Step
 from keel.core.dtensor import local, plain
+from keel.core.torch_private import in_backward
 from keel.model.llama import Attention, Block, apply_rope
 from keel.model.loss import log_normaliser
 from keel.train.optim import applied_updates, copies_held
@@ -36,7 +37,7 @@ def _layer(name: str) -> int | None:
 
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: activation checkpointing recomputing a block."""
-    return torch._C._current_graph_task_id() != -1
+    return in_backward()
 
 
 @torch.no_grad()

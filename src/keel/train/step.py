@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.core.dtensor import local, plain
+from keel.core.torch_private import norms as grad_norms
 from keel.model.loss import objective
 
 
@@ -85,7 +86,7 @@ class Stepper:
         """Whether this rank's own loss or gradient shards hold a NaN or Inf (a host synchronisation:
         asked only once the step report says some rank does)."""
         grads = [local(p.grad) for p in self.params if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else []
+        norms = grad_norms(grads)
         return not bool(torch.isfinite(torch.stack([loss.detach().float().reshape(()), *norms])).all())
 
     def update(self, lr: float, total_norm: torch.Tensor) -> None:

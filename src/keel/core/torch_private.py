@@ -1,0 +1,74 @@
+"""Every private torch API keel calls, in one place, each with why keel needs it. A torch upgrade is checked
+here first (tests/unit/core/test_torch_private.py exercises each one on the installed torch); every other
+module imports these names, never a private torch one. (The worker server preloads torch._inductor.config by
+name without calling anything in it, marked there.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Activation checkpointing of a whole module (a block), as torchtitan applies it: torch.utils.checkpoint's public
+# API wraps a function, and its module wrapper lives only under this private path.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
+
+__all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "fsspec_checkpoint_io",
+           "in_backward", "norms", "process_groups", "set_group_timeout", "set_local_tensor"]
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor in one fused call (torch._foreach_norm, which clip_grad_norm_ itself uses)."""
+    return list(torch._foreach_norm(list(tensors))) if tensors else []
+
+
+def copy_all_(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+              non_blocking: bool = False) -> None:
+    """Copy every source into its destination in one call (torch._foreach_copy_): the interpreter lock is
+    released once for the whole state instead of once per tensor, which a checkpoint's staging relies on."""
+    torch._foreach_copy_(list(destinations), list(sources), non_blocking=non_blocking)
+
+
+def in_backward() -> bool:
+    """Whether the current code runs inside an autograd backward pass (activation checkpointing recomputing a
+    block's forward): torch._C._current_graph_task_id is -1 outside one, and no public API tells."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def default_store() -> Any:
+    """The default process group's TCP store, which the watchdog reads its peers' heartbeats through."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def process_groups() -> list[Any]:
+    """Every process group of this process (the default one and those made from it)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def set_group_timeout(seconds: float, group: Any) -> None:
+    """Change a live group's collective timeout: the watchdog tightens it once it has learned the step time
+    (init_process_group's timeout is fixed at creation)."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def abort_process_group() -> None:
+    """Abort the default group's pending collectives, so that a hung rank's exit is not held up by them."""
+    dist.distributed_c10d._abort_process_group()
+
+
+def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Point a DTensor at another local shard of the same shape: a checkpoint's pinned host buffer keeps the
+    DTensor's spec without DTensor.from_local moving the buffer to the mesh's device."""
+    dtensor._local_tensor = local
+
+
+def fsspec_checkpoint_io() -> tuple[type, type]:
+    """DCP's reader and writer for fsspec URLs (s3://...), which torch keeps under a private module; imported
+    when a remote checkpoint directory is used."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecReader, FsspecWriter
