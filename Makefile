@@ -12,9 +12,15 @@ BENCH_ARGS ?=
 
 .PHONY: train test test-fast lint bench clean
 
+# What training needs: torch, then keel (editable) with its runtime dependencies only.
 $(BIN)/keel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# The test, lint and benchmark tools on top (the `test` extra).
+$(VENV)/.test-tools: $(BIN)/keel
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -23,15 +29,15 @@ $(BIN)/keel: pyproject.toml
 train: $(BIN)/keel
 	$(BIN)/keel train --config configs/tiny.toml --nproc $(NPROC)
 
-test: $(BIN)/keel
+test: $(VENV)/.test-tools
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=25
 
-test-fast: $(BIN)/keel
+test-fast: $(VENV)/.test-tools
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist"
 
 # Style, complexity and statement counts (ruff), the package's import layers and cycles (import-linter), types
 # (mypy) and function length: every check runs, and any one failing fails the target.
-lint: $(BIN)/keel
+lint: $(VENV)/.test-tools
 	@failed=0; \
 	$(BIN)/ruff check src tests bench tools || failed=1; \
 	PYTHONPATH=src $(BIN)/lint-imports || failed=1; \
@@ -39,7 +45,7 @@ lint: $(BIN)/keel
 	$(BIN)/python tools/function_length.py || failed=1; \
 	exit $$failed
 
-bench: $(BIN)/keel
+bench: $(VENV)/.test-tools
 	$(BIN)/python bench/step_overhead.py $(BENCH_ARGS)
 
 clean:

@@ -85,7 +85,7 @@ def _byte_level(hf: Any) -> Any:
 def write_hf_tokenizer(tok: Tokenizer, directory: Path, max_length: int) -> list[str]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json of `tok` into `directory`.
     Returns the names written."""
-    hf = _hf_module()  # an error naming keel[bpe] without it
+    hf = _hf_module()  # an error naming keel-pretrain[bpe] without it
     directory = Path(directory)
     if isinstance(tok, ByteTokenizer):
         model = _byte_level(hf)

@@ -8,16 +8,25 @@ from pathlib import Path
 from keel.config import Config, load_config, reference, to_toml
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
+SHIPPED = Path(__file__).resolve().parent.parent / "configs"  # keel/configs, installed with the package
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help=f"TOML config (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", type=Path, help=f"TOML config, or the name of a shipped one (tiny, small, "
+                   f"llama3_8b, ...) (default: {DEFAULT_CONFIG})")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=50")
 
 
 def config_path(args: argparse.Namespace) -> Path | None:
-    """--config, else configs/tiny.toml where there is one, else None: the built-in defaults."""
-    return args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    """--config (a file, else a shipped config of that name), else configs/tiny.toml where there is one, else
+    None: the built-in defaults, which are the shipped tiny config."""
+    given: Path | None = args.config
+    if given is None:
+        return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+    shipped = SHIPPED / f"{given.name.removesuffix('.toml')}.toml"
+    if not given.exists() and given.parent == Path(".") and shipped.is_file():
+        return shipped
+    return given
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

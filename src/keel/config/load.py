@@ -171,7 +171,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         path = Path(path)
         if not path.is_file():
             problem = "is a directory" if path.is_dir() else "does not exist"
-            raise ConfigError(f"config file {str(path)!r} {problem}; pass a TOML file such as configs/tiny.toml")
+            raise ConfigError(f"config file {str(path)!r} {problem}; pass a TOML file such as configs/tiny.toml, "
+                              f"or a shipped config's name (tiny, small, llama3_8b, ...)")
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:

@@ -233,7 +233,7 @@ def _read_parquet(path: Path, text_field: str, malformed: list[str]) -> Iterator
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading .parquet files needs pyarrow; pip install 'keel[parquet]'") from None
+        raise DataError(f"{path}: reading .parquet files needs pyarrow; pip install 'keel-pretrain[parquet]'") from None
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:

@@ -194,7 +194,7 @@ def _hf_module() -> Any:
         import tokenizers
     except ImportError as e:
         raise DataError("BPE and tokenizer.json tokenizers need Hugging Face tokenizers: "
-                        "pip install 'keel[bpe]'") from e
+                        "pip install 'keel-pretrain[bpe]'") from e
     return tokenizers
 
 

@@ -285,7 +285,8 @@ def gpu_checks(device: torch.device) -> list[Check]:
     try:
         import pynvml
     except ImportError:
-        return [Check("gpu_nvml", True, "nvidia-ml-py not installed (pip install keel[gpu]): GPU checks skipped")]
+        return [Check("gpu_nvml", True, "nvidia-ml-py not installed (pip install keel-pretrain[gpu]): GPU checks "
+                      "skipped")]
     try:
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()

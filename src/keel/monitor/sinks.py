@@ -20,7 +20,7 @@ class TensorBoardSink:
             from keel.errors import ConfigError
 
             raise ConfigError("monitor.tensorboard = true needs the tensorboard package: pip install "
-                              "'keel[tensorboard]', or set monitor.tensorboard=false") from None
+                              "'keel-pretrain[tensorboard]', or set monitor.tensorboard=false") from None
         self.writer = SummaryWriter(str(log_dir))
 
     def write(self, record: dict[str, Any]) -> None:

@@ -192,7 +192,7 @@ class GpuSource(Source):
         try:
             import pynvml
         except ImportError:
-            raise Unavailable("nvidia-ml-py is not installed (pip install keel[gpu])") from None
+            raise Unavailable("nvidia-ml-py is not installed (pip install keel-pretrain[gpu])") from None
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:

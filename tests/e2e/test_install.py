@@ -1,0 +1,45 @@
+"""keel as a user installs it: `pip install .` (a wheel, not an editable install) into a new virtual environment,
+then `keel train` outside the source tree with a shipped config named on the command line. The environment
+holds keel's runtime dependencies only: no test, lint or benchmark tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, SMALL_RUN
+
+TEST_ONLY = ("pytest", "ruff", "mypy", "moto", "transformers", "playwright", "hypothesis", "datasketch")
+
+
+def test_a_wheel_install_trains_with_a_shipped_config(small_corpus: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=900, env=env)  # the CPU build, as make does
+    source = tmp_path / "source"  # what a source distribution holds; the build leaves its files there, not here
+    shutil.copytree(REPO / "src" / "keel", source / "src" / "keel", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([*pip, str(source)], check=True, timeout=900, env=env, cwd=tmp_path)
+    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"], check=True,
+                            capture_output=True, text=True, env=env).stdout
+    names = {p["name"].lower() for p in json.loads(listed)}
+    assert "keel-pretrain" in names and not names & set(TEST_ONLY), sorted(names)
+
+    work = tmp_path / "elsewhere"  # no configs/ here: the shipped tiny config comes from the installed package
+    work.mkdir()
+    result = subprocess.run([str(venv / "bin" / "keel"), "train", "--config", "tiny", "--run-dir", "run",
+                             *SMALL_RUN, f"data.dir={small_corpus}", "train.steps=2", "--quiet"], cwd=work,
+                            env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    assert summary["name"] == "tiny" and summary["step"] == 2
+    installed = subprocess.run([str(venv / "bin" / "python"), "-c", "import keel; print(keel.__file__)"],
+                               cwd=work, env=env, capture_output=True, text=True, check=True).stdout
+    assert str(REPO) not in installed and "site-packages" in installed  # not the source tree
