@@ -7,7 +7,7 @@ empty file, a source that holds nothing, or a file claimed by two sources (it wo
 and tilt the mixture).
 
 `read_documents` streams one file's documents as `str`. A text file is one document; every line of
-a JSON Lines file (plain or gzip) and every row of a Parquet file is one. Damage inside a file does
+a JSON Lines file (plain, gzip or zstd) and every row of a Parquet file is one. Damage inside a file does
 not stop a long preparation: a bad line or a null row is appended to the caller's `malformed` list
 as `path:line N: reason` and reading goes on; a truncated or corrupt compressed stream ends that
 file with a `path: reason` entry. Memory stays bounded by the largest single document: lines are
@@ -35,7 +35,7 @@ from keel.errors import DataError
 BUILTIN_STDLIB = "stdlib"
 CODE_SUFFIXES = (".py",)
 TEXT_SUFFIXES = (".txt", ".md") + CODE_SUFFIXES
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 PARQUET_BATCH_ROWS = 1024  # rows per record batch: bounds memory on files of long documents
@@ -58,7 +58,7 @@ class InputFile:
 
     @property
     def size(self) -> int:
-        """Bytes on disk (compressed size for .jsonl.gz and .parquet)."""
+        """Bytes on disk (compressed size for .jsonl.gz, .jsonl.zst and .parquet)."""
         return self.path.stat().st_size
 
 
@@ -209,22 +209,59 @@ def _jsonl_line(line: bytes, text_field: str) -> str:
     return _valid_unicode(text)
 
 
+ZSTD_CHUNK = 1 << 20  # compressed bytes read at a time
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a zstd file, frame after frame. A file that ends inside a frame raises EOFError after the
+    lines before the cut (zstandard's own readers end such a file without a word)."""
+    try:
+        import zstandard
+    except ImportError:
+        raise DataError(f"{path}: reading .jsonl.zst files needs zstandard; pip install 'keel-pretrain[zst]'") \
+            from None
+    decompressor, pending, in_frame = zstandard.ZstdDecompressor().decompressobj(), b"", False
+    with open(path, "rb") as fh:
+        while chunk := fh.read(ZSTD_CHUNK):
+            while chunk:
+                try:
+                    pending += decompressor.decompress(chunk)
+                except zstandard.ZstdError as e:
+                    raise OSError(f"corrupt zstd data: {e}") from None
+                in_frame = not decompressor.eof
+                chunk = decompressor.unused_data if decompressor.eof else b""
+                if decompressor.eof:  # the next frame, if any, needs a decompressor of its own
+                    decompressor = zstandard.ZstdDecompressor().decompressobj()
+            *lines, pending = pending.split(b"\n")
+            yield from (line + b"\n" for line in lines)
+    if in_frame:  # the text after the last whole line is cut short: not a line
+        raise EOFError("the file ends inside a zstd frame")
+    if pending:
+        yield pending
+
+
+def _jsonl_lines(path: Path) -> Iterator[bytes]:
+    if path.name.endswith(".zst"):
+        yield from _zstd_lines(path)
+        return
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as fh:
+        yield from fh
+
+
 def _read_jsonl(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
-    opener = gzip.open if path.name.endswith(".gz") else open
     lineno = 0
     try:
-        with opener(path, "rb") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = _jsonl_line(line, text_field)
-                except ValueError as e:
-                    malformed.append(f"{path}:{lineno}: {e}")
-                    continue
-                yield text
+        for lineno, line in enumerate(_jsonl_lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                text = _jsonl_line(line, text_field)
+            except ValueError as e:
+                malformed.append(f"{path}:{lineno}: {e}")
+                continue
+            yield text
     except (EOFError, OSError, zlib.error) as e:
-        # A truncated or corrupt gzip stream: what came before it is kept, the rest is unreadable.
+        # A truncated or corrupt compressed stream: what came before it is kept, the rest is unreadable.
         malformed.append(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})")
 
 

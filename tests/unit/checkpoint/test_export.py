@@ -513,6 +513,6 @@ def test_export_without_the_tokenizers_package_names_the_extra(tmp_path: Path, m
 
     save_checkpoint(build(TINY), tmp_path / "ckpt")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # what an environment without the package looks like
-    with pytest.raises(KeelError, match=r"pip install 'keel\[bpe\]'"):
+    with pytest.raises(KeelError, match=r"pip install 'keel-pretrain\[bpe\]'"):
         export_hf(tmp_path / "ckpt", TINY, tmp_path / "hf", tokenizer=ByteTokenizer())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "nothing written"

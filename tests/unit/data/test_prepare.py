@@ -373,3 +373,21 @@ def test_stdlib_files_are_stdlib_python():
     assert all(p.is_relative_to(root) for p in files)
     assert not any({"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts) for p in files)
     assert root / "json" / "__init__.py" in files
+
+
+def test_a_zstd_compressed_jsonl_file_gives_the_same_shards_as_plain_jsonl(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    rng = np.random.default_rng(4)
+    lines = "".join(json.dumps({"text": prose(rng, 80)}) + "\n" for _ in range(60)).encode()
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "plain" / "docs.jsonl").write_bytes(lines)
+    (tmp_path / "zst" / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    plain = prepare(DataConfig(sources={"main": SourceConfig(paths=[str(tmp_path / "plain")])}, val_fraction=0.2),
+                    tmp_path / "p")
+    zst = prepare(DataConfig(sources={"main": SourceConfig(paths=[str(tmp_path / "zst")])}, val_fraction=0.2),
+                  tmp_path / "z")
+    shards = {name: data for name, data in contents(tmp_path / "p").items() if name.endswith(".bin")}
+    assert shards and shards == {n: d for n, d in contents(tmp_path / "z").items() if n.endswith(".bin")}
+    assert (plain["documents"], plain["tokens"], plain["fingerprint"]) == (zst["documents"], zst["tokens"],
+                                                                          zst["fingerprint"])  # the same corpus

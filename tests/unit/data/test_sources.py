@@ -70,8 +70,8 @@ def test_stdlib_source() -> None:
 @pytest.mark.parametrize("entry, message", [
     ("missing.txt", "does not exist"),
     ("nothing/*.jsonl", "matches no files"),
-    ("corpus/notes.csv", "unsupported type; supported files end in .txt, .md, .py, .jsonl, .jsonl.gz or "
-                         ".parquet"),
+    ("corpus/notes.csv", "unsupported type; supported files end in .txt, .md, .py, .jsonl, .jsonl.gz, "
+                         ".jsonl.zst or .parquet"),
     ("empty.txt", "is empty"),
 ])
 def test_bad_paths_are_one_line_errors_naming_source_and_path(tree: Path, entry: str, message: str) -> None:
@@ -140,6 +140,25 @@ def test_jsonl_gz_is_read_and_a_truncated_stream_reported(tmp_path: Path) -> Non
     assert "EOFError" in malformed[0]
 
 
+def test_jsonl_zst_is_read_across_frames_and_a_cut_or_corrupt_stream_reported(tmp_path: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    rng = random.Random(0)
+    texts = ["".join(rng.choices("abcdefghij klmnop", k=200)) for _ in range(2000)]
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    compress = zstandard.ZstdCompressor().compress
+    payload = compress(raw[:100_001]) + compress(raw[100_001:])  # two frames, the first ending mid-line
+    f = resolve_inputs({"m": [str(write(tmp_path / "whole.jsonl.zst", payload))]})[0]
+    assert f.kind == "jsonl" and docs_of(f) == (texts, [])
+
+    cut = write(tmp_path / "cut.jsonl.zst", payload[: len(payload) * 3 // 4])
+    docs, malformed = docs_of(resolve_inputs({"m": [str(cut)]})[0])
+    assert 0 < len(docs) < len(texts) and docs == texts[: len(docs)]  # every whole line before the cut, no more
+    assert malformed == [f"{cut}: unreadable after line {len(docs)} (EOFError: the file ends inside a zstd frame)"]
+    corrupt = write(tmp_path / "corrupt.jsonl.zst", b"not zstd at all" * 10)
+    docs, malformed = docs_of(resolve_inputs({"m": [str(corrupt)]})[0])
+    assert docs == [] and len(malformed) == 1 and "corrupt zstd data" in malformed[0]
+
+
 def test_parquet_is_streamed_with_nulls_reported(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -161,7 +180,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path: Path, monkeypatc
     path = write(tmp_path / "p.parquet", b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail as if not installed
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(DataError, match=r"pip install 'keel\[parquet\]'"):
+    with pytest.raises(DataError, match=r"pip install 'keel-pretrain\[parquet\]'"):
         docs_of(resolve_inputs({"m": [str(path)]})[0])
 
 

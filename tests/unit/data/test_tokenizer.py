@@ -243,10 +243,10 @@ def test_parse_tokenizer_spec(tmp_path: Path) -> None:
 
 def test_missing_tokenizers_package_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # what an environment without the package looks like
-    with pytest.raises(DataError, match=r"pip install 'keel\[bpe\]'"):
+    with pytest.raises(DataError, match=r"pip install 'keel-pretrain\[bpe\]'"):
         train_bpe(["some text"], 512)
     (tmp_path / "t.json").write_text("{}")
-    with pytest.raises(DataError, match=r"keel\[bpe\]"):
+    with pytest.raises(DataError, match=r"keel-pretrain\[bpe\]"):
         load_tokenizer_file(tmp_path / "t.json")
     assert ByteTokenizer().encode_documents(["ok"])[0].tolist() == [256, 111, 107, 257]
 
