@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from keel.cli.config import add_config_args, config_from_args
+from keel.errors import KeelError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -32,11 +34,36 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.set_defaults(handler=cmd_plan)
 
 
+MAX_TOKENS = 1e16  # ten thousand trillion: beyond any planned run, and a Monte Carlo of it takes minutes
+MAX_TRIALS = 1_000_000
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every number of the question, before any planning: one line naming the flag and what would do."""
+    def bad(flag: str, value: object, valid: str) -> KeelError:
+        return KeelError(f"{flag} {value}: expected {valid}")
+
+    if args.gpus < 1:
+        raise bad("--gpus", args.gpus, "a positive number of accelerators")
+    if not (math.isfinite(args.tokens) and 0 < args.tokens <= MAX_TOKENS):
+        raise bad("--tokens", args.tokens, f"a token budget above 0 and at most {MAX_TOKENS:.0e}, e.g. 15e12")
+    for flag, value in (("--storage-gbps", args.storage_gbps), ("--mtbf-hours", args.mtbf_hours)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise bad(flag, value, "a finite number above 0")
+    if args.price is not None and not (math.isfinite(args.price) and args.price >= 0):
+        raise bad("--price", args.price, "a finite price per accelerator-hour, 0 or more")
+    if not 1 <= args.trials <= MAX_TRIALS:
+        raise bad("--trials", args.trials, f"between 1 and {MAX_TRIALS:,} Monte Carlo trials")
+    if args.seed < 0:
+        raise bad("--seed", args.seed, "0 or a positive integer")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
     from keel.plan.failures import DEFAULT_DEVICE_MTBF_H
     from keel.plan.report import Question, answer, lines, to_json, write_html
 
+    check_numbers(args)
     q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens,
                  price=DEFAULT_PRICE_PER_HOUR if args.price is None else args.price, storage_gbs=args.storage_gbps,
                  mtbf_hours=DEFAULT_DEVICE_MTBF_H if args.mtbf_hours is None else args.mtbf_hours,

@@ -77,3 +77,21 @@ def test_asking_for_cuda_without_it_is_bad_input(tmp_path: Path, capsys: pytest.
     assert main(["train", "--nproc", "2", "--run-dir", str(run_dir), "train.device=cuda"]) == 2
     assert "no usable CUDA device" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("flags", "expect"), [
+    (["--tokens", "nan"], "--tokens nan: expected a token budget above 0"),
+    (["--tokens", "inf"], "--tokens inf: expected a token budget above 0"),
+    (["--tokens", "1e30"], "at most 1e+16"),
+    (["--tokens", "1e9", "--storage-gbps", "0"], "--storage-gbps 0.0: expected a finite number above 0"),
+    (["--tokens", "1e9", "--storage-gbps", "-3"], "--storage-gbps -3.0: expected a finite number above 0"),
+    (["--tokens", "1e9", "--mtbf-hours", "-1"], "--mtbf-hours -1.0: expected a finite number above 0"),
+    (["--tokens", "1e9", "--price", "nan"], "--price nan: expected a finite price"),
+    (["--tokens", "1e9", "--trials", "0"], "--trials 0: expected between 1 and"),
+    (["--tokens", "1e9", "--trials", "-2"], "--trials -2: expected between 1 and"),
+    (["--tokens", "1e9", "--seed", "-1"], "--seed -1: expected 0 or a positive integer"),
+])
+def test_plan_numbers_out_of_range_are_one_line(flags: list[str], expect: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--gpus", "8", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and expect in err[0], err
