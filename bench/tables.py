@@ -25,6 +25,7 @@ RESULTS = REPO / "bench" / "results"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 CONFIGURATION = REPO / "docs" / "configuration.md"
 STABILITY = REPO / "docs" / "stability.md"
+TUNING = REPO / "docs" / "tuning.md"
 
 
 def _results(name: str) -> dict:
@@ -233,6 +234,12 @@ def stability() -> str:
     return markdown(_results("stability"))
 
 
+def transfer() -> str:
+    from bench.transfer import markdown
+
+    return markdown(_results("transfer"))
+
+
 def config_reference() -> str:
     from keel.cli import main
 
@@ -248,6 +255,7 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
                                           telemetry_overhead, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
+    TUNING: {"transfer": transfer},
 }
 
 
