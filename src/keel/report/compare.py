@@ -11,7 +11,7 @@ from pathlib import Path
 
 from keel.errors import KeelError
 from keel.report.html import CSS, LAYER_COLORS, STATE_COLOR, nodata, panel, trajectory
-from keel.report.status import RUN_FILES, Run, load_run, summary
+from keel.report.status import RUN_FILES, Run, is_run_dir, load_run, summary
 from keel.report.svg import Series, line_chart
 
 CURVES = (("Training loss", "train/loss", "nats/token"), ("Validation loss", "val/loss", "nats/token"),
@@ -96,10 +96,6 @@ def render_comparison(runs: list[Run]) -> str:
             f'<p class="sub">written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>{_summary_table(runs)}'
             f'<h2>Config differences</h2>{_differences_table(runs)}<h2>Curves</h2>'
             f'<div class="grid">{"".join(panels)}</div></main></body></html>\n')
-
-
-def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:

@@ -22,6 +22,7 @@ from keel.report.status import (
     by_time,
     goodput_ratio,
     group_dirs,
+    is_run_dir,
     load_run,
     quorum_events,
     replica_summary,
@@ -106,7 +107,7 @@ STATE_COLOR = {"running": BLUE, "finished": GREEN, "paused": SLATE, "stopped": A
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report (RUN_DIR/report.html unless `out` says otherwise) and return its path."""
-    if not run_dir.is_dir() or not any((run_dir / name).exists() for name in (*RUN_FILES, DRILL_FILE)):
+    if not is_run_dir(run_dir) and not (run_dir / DRILL_FILE).exists():
         raise KeelError(f"{str(run_dir)!r} is not a keel run directory: expected the --run-dir of a keel train "
                         f"job, holding {', '.join(RUN_FILES)}, or a keel drill --workdir holding {DRILL_FILE}")
     page = render(load_run(run_dir), load_drill(run_dir))

@@ -34,6 +34,11 @@ class Run:
     config: dict = field(default_factory=dict)
 
 
+def is_run_dir(path: Path) -> bool:
+    """A directory holding at least one of the files a keel train job writes."""
+    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())

@@ -81,7 +81,7 @@ def status_lines(info: dict) -> list[str]:
 
 
 DETAIL_CHARS = 160  # an event's detail on one console line
-EPOCH_2020 = 1.5e9  # a float above this in an event's detail is a time stamp
+STAMP_FLOOR = 1.5e9  # a float above this in an event's detail is a time stamp (seconds since 1970; 2017 on)
 
 
 def _value(value: object) -> str:
@@ -89,7 +89,7 @@ def _value(value: object) -> str:
         failed = [str(v.get("name", "?")) for v in value if not v["ok"]]  # preflight's checks
         return f"{len(value) - len(failed)}/{len(value)} passed" + (f" (failed: {', '.join(failed)})" if failed else "")
     if isinstance(value, float):
-        return time.strftime("%H:%M:%S", time.localtime(value)) if value > EPOCH_2020 else f"{value:.4g}"
+        return time.strftime("%H:%M:%S", time.localtime(value)) if value > STAMP_FLOOR else f"{value:.4g}"
     text = str(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

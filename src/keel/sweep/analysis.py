@@ -34,13 +34,11 @@ def optimum(lrs: Sequence[float], losses: Sequence[float | None]) -> tuple[float
     edge = best in (0, len(lrs) - 1)
     if edge or losses[best - 1] is None or losses[best + 1] is None:
         return lrs[best], edge
-    xs = [math.log(lrs[i]) for i in (best - 1, best, best + 1)]
-    ys = [losses[i] for i in (best - 1, best, best + 1)]
-    assert None not in ys
-    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    x0, x1, x2 = (math.log(lrs[i]) for i in (best - 1, best, best + 1))
+    y0, y1, y2 = (v for i in (best - 1, best, best + 1) if (v := losses[i]) is not None)
     denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
-    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom  # type: ignore[operator]
-    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom  # type: ignore[operator]
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
     if a <= 0:
         return lrs[best], False
     return math.exp(min(max(-b / (2 * a), x0), x2)), False

@@ -21,6 +21,7 @@ from keel.config import Config, to_toml
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, ConfigError
 from keel.health.lifeline import kill_when_parent_dies
 from keel.model.flops import param_count
+from keel.report.svg import finite
 from keel.rundir.events import read_jsonl
 from keel.rundir.lock import HELD_ENV, WORKERS_ENV
 from keel.rundir.status import read_status
@@ -81,8 +82,9 @@ class Sweep:
         tmp.write_text(json.dumps(self.outcomes, indent=1) + "\n")
         os.replace(tmp, self.root / OUTCOMES)
 
-    def done(self, point: Point) -> bool:
-        status = read_status(self.run_dir(point))
+    def done(self, point: Point, status: dict | None = None) -> bool:
+        """Whether the point needs no more training (`status`: its status.json, when already read)."""
+        status = read_status(self.run_dir(point)) if status is None else status
         finished = status.get("state") == "finished" and status.get("step") == self.steps
         return finished or self.outcomes.get(point.name) == EXIT_GUARD_STOP
 
@@ -173,10 +175,6 @@ def _finished(sweep: Sweep, point: Point, code: int, seconds: float, failed: lis
         say(f"  {what}: failed with exit code {code}; see {sweep.root / 'logs' / (point.name + '.log')}")
 
 
-def _float(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
 def point_result(sweep: Sweep, point: Point) -> dict:
     """What sweep.json says of a point, from its run directory alone (so a point resumed after a kill reads the
     same as one that ran straight through): nothing timed, no absolute path."""
@@ -184,21 +182,22 @@ def point_result(sweep: Sweep, point: Point) -> dict:
     run_dir = sweep.run_dir(point)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    done = sweep.done(point)
+    status = read_status(run_dir)
+    done = sweep.done(point, status)
     losses = [r["train/loss"] for r in metrics if "train/loss" in r]
-    train, val = _float(summary.get("train_loss")), _float(summary.get("val_loss"))
+    train, val = (float(v) if finite(v := summary.get(k)) else None for k in ("train_loss", "val_loss"))
     loss = val if val is not None else train
     initial = math.log(cfg.model.vocab_size)  # the loss of a uniform prediction, where a model starts
     diverged = done and (sweep.outcomes.get(point.name) == EXIT_GUARD_STOP or loss is None or loss >= initial
                          or not all(math.isfinite(v) for v in losses))
     signals = {key.removeprefix("signals/"): max(vals) for key in SIGNALS
-               if (vals := [r[key] for r in metrics if _float(r.get(key)) is not None])}
+               if (vals := [r[key] for r in metrics if finite(r.get(key))])}
     group = ", ".join(f"{k}={v}" for k, v in point.settings if k not in AXES)
     return {"name": point.name, "settings": dict(point.settings), "group": group, "width": cfg.model.dim,
             "lr": cfg.optim.lr, "params": param_count(cfg.model), "parametrization": cfg.model.parametrization,
             "base_dim": cfg.model.base_dim, "n_layers": cfg.model.n_layers, "warmup_steps": cfg.optim.warmup_steps,
             "tokens": sweep.steps * cfg.train.global_batch * cfg.train.seq_len, "initial_loss": initial, "done": done,
-            "step": summary.get("step", 0) if done else read_status(run_dir).get("step", 0),
+            "step": summary.get("step", 0) if done else status.get("step", 0),
             "train_loss": train, "val_loss": val, "loss": loss, "diverged": diverged, "signals": signals,
             "guard_events": sum(1 for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "guard")}
 
