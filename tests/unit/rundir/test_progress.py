@@ -42,7 +42,19 @@ def test_console_redraws_one_progress_line_on_a_terminal(tmp_path: Path, monkeyp
         progress.step(2, 10, RECORD)
         progress("validation loss 2.4")
         progress.close()
-    out = os.read(leader, 65536).decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
-    os.close(leader)
+    out = _read_all(leader).decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
     assert out.count("\r") == 2 and "step  2/10" in out
     assert out.index("step  2/10") < out.index("\n") < out.index("validation loss"), "a message ends the bar line"
+
+
+def _read_all(leader: int) -> bytes:
+    """Everything written to the terminal: one read may return only the first chunk, and the leader
+    reports EIO once the follower is closed and drained."""
+    chunks = []
+    try:
+        while chunk := os.read(leader, 65536):
+            chunks.append(chunk)
+    except OSError:
+        pass
+    os.close(leader)
+    return b"".join(chunks)
