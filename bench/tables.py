@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -165,6 +166,21 @@ def telemetry_overhead() -> str:
                     f"{r['step_s_off']:.3f}", f"**{r['ratio']:.3f}**", ", ".join(f"{x:.3f}" for x in r["ratios"])]])
 
 
+def trackers() -> str:
+    r = _results("trackers")
+    rows = []
+    for arm, name in (("none", "no tracker"), ("mlflow", "MLflow, server up"),
+                      ("mlflow_down", "MLflow, server killed mid-run")):
+        rate = statistics.median(run[arm]["tokens_per_s"] for run in r["runs"])
+        ratios = r["ratios"].get(arm)
+        lost = "" if arm != "mlflow_down" else \
+            ", ".join(f"{run[arm]['dropped']} + {run[arm]['refused']}" for run in r["runs"])
+        rows.append([name, f"{rate:,.0f}", f"**{r['ratio'][arm]:.3f}**" if ratios else "1",
+                     f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "", lost])
+    return _table(["run", "tokens/s (median)", f"ratio to no tracker (median of {r['repeats']})", "range",
+                   "dropped + refused, per repeat"], rows)
+
+
 def dedup() -> str:
     r = _results("dedup")
     return _table(["", "documents/s", "recall, pairs with J ≥ 0.9", "precision, pairs with J ≤ 0.5 not joined"],
@@ -252,7 +268,7 @@ def config_reference() -> str:
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, checkpoint, detection_matrix,
                                           guard_overhead, recovery, nonstop_recovery,
-                                          telemetry_overhead, dedup, prepare, prepare_floor)},
+                                          telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
     TUNING: {"transfer": transfer},

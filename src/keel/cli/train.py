@@ -79,7 +79,27 @@ def _train_command(args: argparse.Namespace, worker: bool) -> int:
     launches = not worker and not in_groups and (nproc > 1 or restart_budget(args, cfg) > 0 or elastic or groups > 1)
     if launches and nproc > 0:  # a bad --nproc is refused below, and the server ends with this process
         start_worker_server(nproc)  # first: its imports (torch's among them) overlap everything below
-    return _checked_start(args, cfg, worker, nproc, elastic, launches, in_groups)
+    code = _checked_start(args, cfg, worker, nproc, elastic, launches, in_groups)
+    if code == 0 and not worker and GROUP_ENV not in os.environ:  # the whole job, not one group's part
+        run_dir = args.run_dir or Path("runs") / cfg.name
+        report_to_trackers(cfg, run_dir, run_dir / "groups" / "0" if in_groups else run_dir)
+    return code
+
+
+def report_to_trackers(cfg: Config, run_dir: Path, logged_from: Path) -> None:
+    """A finished run's report, written and attached to the tracker runs it logged to (from `logged_from`)."""
+    from keel.monitor.trackers import attach_report, enabled_trackers
+    from keel.report.html import write_report
+
+    if not enabled_trackers(cfg):
+        return
+    try:
+        report = write_report(run_dir)
+    except (KeelError, OSError) as e:
+        print(f"keel: warning: the report for the trackers could not be written: {e}", flush=True)
+        return
+    for problem in attach_report(cfg, logged_from, report):
+        print(f"keel: warning: {problem}", flush=True)
 
 
 def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: int, elastic: bool, launches: bool,
@@ -154,6 +174,7 @@ def restart_budget(args: argparse.Namespace, cfg: Config) -> int:
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
     """What a start can check from its arguments and config alone, before it creates anything."""
     from keel.drill.faults import check_injections
+    from keel.monitor.trackers import check_trackers
     from keel.paths import check_writable_dir
     from keel.train.callbacks import check_callbacks
 
@@ -169,6 +190,7 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
         raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
     check_callbacks(cfg.callbacks)
+    check_trackers(cfg)
     check_injections(cfg.drill.inject)
 
 

@@ -21,6 +21,7 @@ from keel.config.schema import (
     HealthConfig,
     Layout,
     MixturePhase,
+    MlflowConfig,
     ModelConfig,
     MonitorConfig,
     NumericsConfig,
@@ -30,7 +31,9 @@ from keel.config.schema import (
     SourceConfig,
     SpikeConfig,
     StragglerConfig,
+    TrackerQueueConfig,
     TrainConfig,
+    WandbConfig,
     WatchdogConfig,
     option,
 )
@@ -38,8 +41,9 @@ from keel.config.schema import (
 __all__ = [
     "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
     "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "FaultToleranceConfig", "GuardConfig",
-    "HealthConfig",
-    "Layout", "MixturePhase", "ModelConfig", "MonitorConfig", "NumericsConfig", "OptimConfig", "ParallelConfig",
-    "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrainConfig", "WatchdogConfig", "option",
+    "HealthConfig", "Layout", "MixturePhase", "MlflowConfig", "ModelConfig", "MonitorConfig", "NumericsConfig",
+    "OptimConfig", "ParallelConfig",
+    "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrackerQueueConfig", "TrainConfig",
+    "WandbConfig", "WatchdogConfig", "option",
     "check_vocab_size", "load_config", "parse_override", "reference", "resolve_layout", "to_toml",
 ]

@@ -19,7 +19,7 @@ from keel.core.replica import GROUP_ENV
 from keel.monitor.alerts import Alerts
 from keel.monitor.goodput import GoodputLedger
 from keel.monitor.metrics import MetricsRegistry
-from keel.monitor.sinks import PrometheusExporter, TensorBoardSink
+from keel.monitor.sinks import PrometheusExporter, Sink, TensorBoardSink
 from keel.monitor.telemetry import Reading, Telemetry
 from keel.rundir.events import JsonlSink, RunLog
 from keel.rundir.quarantine import node_name
@@ -72,7 +72,9 @@ class RunMonitor:
         self.ledger = GoodputLedger(run_dir, started, write=self.rank0)
         self.labels = run_labels(run_dir, rank)
         self.alerts = Alerts(mc.alerts, log.events, log.say, self.labels)
-        self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if self.rank0 and mc.tensorboard else None
+        # Where metrics records go besides metrics.jsonl and the exporter (TensorBoard, the trackers).
+        self.sinks: list[Sink] = [TensorBoardSink(run_dir / "tensorboard")] if self.rank0 and mc.tensorboard else []
+        self.ended: str | None = None  # how the run ended, once it has (None: it failed)
         self.exporter: PrometheusExporter | None = None
         if mc.prometheus_port and (local_rank() == 0 or mc.prometheus_per == "rank"):
             port = exporter_port(mc)
@@ -154,8 +156,8 @@ class RunMonitor:
     def publish(self, record: dict[str, Any]) -> None:
         """A metrics record to every sink."""
         self.log.metric(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        for sink in self.sinks:
+            sink.write(record)
         if self.exporter is not None:
             self.exporter.publish(record)
 
@@ -186,15 +188,16 @@ class RunMonitor:
     def close(self, ended: str) -> None:
         """The worker ends normally (finished, paused, stopped): the ledger is closed."""
         self.ledger.close(self.step, ended)
+        self.ended = ended
 
     def stop(self) -> None:
-        """On every exit path: threads and the server stop, files close."""
+        """On every exit path: threads and the server stop, files close, the sinks end (told how the run ended)."""
         if self.telemetry is not None:
             self.telemetry.stop()
         if self.telemetry_sink is not None:
             self.telemetry_sink.close()
         self.alerts.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for sink in self.sinks:
+            sink.close(self.ended)
         if self.exporter is not None:
             self.exporter.close()

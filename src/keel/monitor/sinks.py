@@ -1,5 +1,5 @@
 """Where metrics go besides metrics.jsonl (keel.rundir.events): TensorBoard event files (optional) and a
-Prometheus exporter."""
+Prometheus exporter; experiment trackers are sinks too (keel.monitor.trackers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    """A destination of every metrics record of rank 0."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self, ended: str | None) -> None: ...  # ended: finished, paused, stopped; None: the run failed
 
 
 class TensorBoardSink:
@@ -29,7 +36,7 @@ class TensorBoardSink:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
 
-    def close(self) -> None:
+    def close(self, ended: str | None = None) -> None:
         self.writer.close()
 
 

@@ -32,7 +32,8 @@ from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama, width_ratio
 from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
-from keel.monitor.run_monitor import RunMonitor
+from keel.monitor.run_monitor import RunMonitor, replica_group
+from keel.monitor.trackers import Trackers, enabled_trackers
 from keel.parallel.mesh import Dist, Mesh
 from keel.rundir.events import RunLog, host
 from keel.rundir.progress import summary_lines
@@ -196,7 +197,7 @@ class Trainer:
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),
                 (GuardCheck(self.guards, monitor, inspection, signals.of_step), 1),
                 (writer, 1), (self.stopping, 1),
-                *[(user, 1) for user in users],
+                *[(tracking, 1) for tracking in self._trackers()], *[(user, 1) for user in users],
                 (WatchdogPhases(watchdog), 1), (StepEnd(monitor, self.events.emit, self.rank0), 1)]:
             hooks.add(component, every)
         self.recovery = Recovery(self.guards, self.manager, self.loader, self.parts, self.optimizers, self.state,
@@ -210,6 +211,15 @@ class Trainer:
             self.replicas.before_heal = self.manager.fence  # a save in flight has copied what a heal replaces
         for name, stateful in registered:
             self.state.register(name, stateful)
+
+    def _trackers(self) -> list[Trackers]:
+        """The experiment trackers, fed from rank 0 (of the first replica group: one tracker run per run)."""
+        if not (self.rank0 and enabled_trackers(self.cfg) and replica_group() in (None, "0")):
+            return []
+        trackers = Trackers(self.cfg, self.run_dir, self.events.emit, self.say)
+        self.monitor.sinks.append(trackers)
+        self.events.subscribe(trackers.on_event)
+        return [trackers]
 
     def _replica_groups(self) -> ReplicaGroups:
         return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,

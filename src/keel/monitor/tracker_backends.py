@@ -1,0 +1,157 @@
+"""The clients of the experiment trackers keel logs to (keel.monitor.trackers runs each on its own thread).
+Each is imported only when its tracker is enabled: both are optional extras."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, cast
+
+from keel.config import Config, MlflowConfig, WandbConfig
+
+# MLflow's limits per log_batch call, and on a key's characters.
+MLFLOW_PARAMS_PER_CALL, MLFLOW_METRICS_PER_CALL, MLFLOW_TAG_CHARS = 100, 1000, 5000
+_MLFLOW_KEY = re.compile(r"[^\w./\- :]")
+# The state a keel run ended in → MLflow's run status (a paused run is resumed later into the same MLflow run).
+MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+def flat_config(cfg: Config) -> dict[str, str]:
+    """The resolved config as `section.key` → text (lists as JSON), the way trackers show parameters."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
+
+    walk("", dataclasses.asdict(cfg))
+    return flat
+
+
+def mlflow_key(key: str) -> str:
+    """keel's metric names are MLflow's, but for characters MLflow refuses (a data source's name may hold any)."""
+    return _MLFLOW_KEY.sub("_", key)
+
+
+class MlflowBackend:
+    name = "mlflow"
+
+    def __init__(self, mc: MlflowConfig, run_name: str, run_dir: Path) -> None:
+        self.mc, self.run_name, self.run_dir = mc, mc.run_name or run_name, run_dir
+        # Requests give up quickly: the queue holds what is not sent yet, and a dead server must not hold
+        # the end of the run for MLflow's default two minutes per request.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(math.ceil(mc.timeout_s)))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+        self.client: Any = None
+        self.run_id = ""
+
+    def open(self, saved: dict | None) -> dict:
+        from mlflow import MlflowClient  # on the tracker's thread: its import takes seconds
+
+        self.client = MlflowClient(self.mc.tracking_uri or None)
+        uri = str(self.client.tracking_uri)
+        if saved and saved.get("tracking_uri") == uri:  # the same server: continue its run
+            self.run_id = saved["run_id"]
+            self.client.update_run(self.run_id, "RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(self.mc.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None else
+                             self.client.create_experiment(self.mc.experiment))
+            tags = {key: value if sep else "true" for key, sep, value in (tag.partition("=") for tag in self.mc.tags)}
+            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name,
+                                                 tags={**tags, "keel.run_dir": str(self.run_dir.resolve())}
+                                                 ).info.run_id
+        return {"run_id": self.run_id, "tracking_uri": uri}
+
+    def config(self, cfg: Config, resumed: bool) -> None:
+        """The resolved config as parameters (MLflow keeps a parameter's first value: a value changed on
+        resume is a `config.changed.KEY` tag) and as config.toml."""
+        from mlflow.entities import Param, RunTag
+
+        from keel.config import to_toml
+
+        flat = flat_config(cfg)
+        logged = self.client.get_run(self.run_id).data.params if resumed else {}
+        params = [Param(k, v[:6000]) for k, v in flat.items() if k not in logged]
+        tags = [RunTag(f"config.changed.{k}", v[:MLFLOW_TAG_CHARS]) for k, v in flat.items()
+                if k in logged and logged[k] != v[:6000]]
+        for i in range(0, max(len(params), len(tags)), MLFLOW_PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[i:i + MLFLOW_PARAMS_PER_CALL],
+                                  tags=tags[i:i + MLFLOW_PARAMS_PER_CALL])
+        self.client.log_text(self.run_id, to_toml(cfg), "config.toml")
+
+    def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:
+        from mlflow.entities import Metric
+
+        batch = [Metric(mlflow_key(k), v, int(time_s * 1000), step) for k, v in values.items()]
+        for i in range(0, len(batch), MLFLOW_METRICS_PER_CALL):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + MLFLOW_METRICS_PER_CALL])
+
+    def event(self, step: int, kind: str, text: str) -> None:
+        """The newest event of each kind, as the tag `event.KIND` (the whole log is events.jsonl)."""
+        self.client.set_tag(self.run_id, f"event.{mlflow_key(kind)}", text[:MLFLOW_TAG_CHARS])
+
+    def link(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value[:MLFLOW_TAG_CHARS])
+
+    def artifact(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def close(self, ended: str) -> None:
+        self.client.set_tag(self.run_id, "keel.state", ended)
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(ended, "FAILED"))
+
+
+class WandbBackend:
+    name = "wandb"
+
+    def __init__(self, wc: WandbConfig, run_name: str, run_dir: Path) -> None:
+        self.wc, self.run_name, self.run_dir = wc, wc.run_name or run_name, run_dir
+        self.run: Any = None
+
+    def open(self, saved: dict | None) -> dict:
+        import wandb
+
+        # The run's own files only: no console capture, system metrics, code or package list (keel
+        # monitors the machine itself).
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+                                  save_code=False, disable_git=True, x_save_requirements=False)
+        self.run = wandb.init(project=self.wc.project, entity=self.wc.entity or None, name=self.run_name,
+                              tags=list(self.wc.tags), mode=cast(Any, self.wc.mode), dir=str(self.run_dir),
+                              id=saved["id"] if saved else None, resume="allow" if saved else None,
+                              settings=settings)
+        return {"id": self.run.id, "project": self.wc.project, "mode": self.wc.mode}
+
+    def config(self, cfg: Config, resumed: bool) -> None:
+        self.run.config.update(dataclasses.asdict(cfg), allow_val_change=True)
+
+    def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:
+        self.run.log(values, step=step)
+
+    def event(self, step: int, kind: str, text: str) -> None:
+        """Each kind of event seen becomes a tag of the run; its newest is in the summary as `event/KIND`."""
+        if kind not in self.run.tags:
+            self.run.tags = (*self.run.tags, kind)
+        self.run.summary[f"event/{kind}"] = text
+
+    def link(self, key: str, value: str) -> None:
+        self.run.summary[key] = value
+
+    def artifact(self, path: Path) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.id}-{path.stem}", type=path.stem)
+        artifact.add_file(str(path))
+        self.run.log_artifact(artifact)
+
+    def close(self, ended: str) -> None:
+        self.run.summary["keel/state"] = ended
+        self.run.finish(exit_code=0 if ended in ("finished", "paused") else 1)
