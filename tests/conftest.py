@@ -184,3 +184,34 @@ def replica_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         kill_tagged(tag)
     yield ReplicaRun(run_dir, pages, while_down)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A moto S3 server in its own process on a free loopback port, with a bucket `keel`; yields the environment
+    that points boto3 and s3fs at it."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=log, start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "keel",
+           "AWS_SECRET_ACCESS_KEY": "keel", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
+                time.sleep(0.2)
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="keel",
+                     aws_secret_access_key="keel", region_name="us-east-1").create_bucket(Bucket="keel")
+        yield env
+    finally:
+        server.kill()
+        server.wait()
+        log.close()

@@ -4,10 +4,6 @@ loopback), and Hugging Face safetensors out of a run and back into a new one."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,7 @@ import torch
 
 from keel.checkpoint.inspect import load_full_state
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN, free_port, run_keel
+from tests.conftest import SMALL_RUN, run_keel
 
 pytestmark = pytest.mark.dist
 
@@ -27,36 +23,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 def train_cmd(corpus: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"train.steps={steps}",
             f"data.dir={corpus}", "checkpoint.interval=10", *extra]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory):
-    """A moto S3 server in its own process on a free loopback port, with a bucket `keel`."""
-    pytest.importorskip("s3fs")
-    boto3 = pytest.importorskip("boto3")
-    pytest.importorskip("moto.server")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "w")  # noqa: SIM115
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=log, start_new_session=True)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "keel",
-           "AWS_SECRET_ACCESS_KEY": "keel", "AWS_DEFAULT_REGION": "us-east-1"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
-                time.sleep(0.2)
-        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="keel",
-                     aws_secret_access_key="keel", region_name="us-east-1").create_bucket(Bucket="keel")
-        yield env
-    finally:
-        server.kill()
-        server.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

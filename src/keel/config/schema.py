@@ -53,8 +53,11 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    paths: list[str] = option(["stdlib"], "files, directories and globs (.txt, .py, .md, .jsonl, .jsonl.gz, .parquet), "
-                              "or 'stdlib' (the running interpreter's standard library sources)")
+    paths: list[str] = option(["stdlib"], "files, directories and globs (.txt, .py, .md, .jsonl, .jsonl.gz, "
+                              ".jsonl.zst, .parquet); fsspec URLs of such files, prefixes or globs (s3://bucket/"
+                              "prefix/*.parquet); Hugging Face datasets hf:NAME[:CONFIG][@SPLIT] (a Hub name, a "
+                              "save_to_disk directory, a directory of data files or one data file); or 'stdlib' "
+                              "(the running interpreter's standard library sources)")
     weight: float = option(1.0, "share of every global batch drawn from this source (weights are normalised)",
                            ge=0)
 

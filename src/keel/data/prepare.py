@@ -569,8 +569,10 @@ def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bo
     started by an external launcher) prepare it once."""
     out = Path(out)
     parse_tokenizer_spec(data.tokenizer)
-    inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()})
-    evals = resolve_inputs({"eval": data.decontam.eval_files}) if data.decontam.eval_files else []
+    cache = out.parent / f".{out.name}.sources"  # URLs and Hugging Face datasets, fetched (keel.data.remote)
+    inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()}, cache, data.text_field)
+    evals = resolve_inputs({"eval": data.decontam.eval_files}, cache, data.text_field) \
+        if data.decontam.eval_files else []
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -1,10 +1,11 @@
 """Input sources of `keel data prepare`: which files make up each named source, and their documents.
 
-`resolve_inputs` turns the configured paths of every source (files, directories, globs or 'stdlib')
-into one deterministic list of `InputFile`s, failing early with a one-line `DataError` on anything
-that would otherwise surface hours later: a missing path, a type we cannot read, an unreadable or
-empty file, a source that holds nothing, or a file claimed by two sources (it would be counted twice
-and tilt the mixture).
+`resolve_inputs` turns the configured paths of every source (files, directories, globs, 'stdlib', fsspec
+URLs such as s3://bucket/prefix/*.parquet, or Hugging Face datasets hf:NAME[:CONFIG][@SPLIT], the last two
+fetched into a local cache by keel.data.remote) into one deterministic list of `InputFile`s, failing
+early with a one-line `DataError` on anything that would otherwise surface hours later: a missing path, a
+type we cannot read, an unreadable or empty file, a source that holds nothing, or a file claimed by two
+sources (it would be counted twice and tilt the mixture).
 
 `read_documents` streams one file's documents as `str`. A text file is one document; every line of
 a JSON Lines file (plain, gzip or zstd) and every row of a Parquet file is one. Damage inside a file does
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.data.remote import fetch, is_remote
 from keel.errors import DataError
 
 BUILTIN_STDLIB = "stdlib"
@@ -96,25 +98,21 @@ def _walk(directory: Path) -> list[Path]:
     return sorted(found)
 
 
-def _expand(source: str, entry: str) -> list[Path]:
+def _expand(source: str, entry: str, cache: Path | None, text_field: str) -> list[Path]:
     """The files one configured path entry names. Files met inside directories or through a glob are
     filtered by type; an empty one among them (an `__init__.py`) is an empty document, which cleaning
-    removes as too short. A file named directly must be readable as it is, and not empty."""
+    removes as too short. A file named directly must be readable as it is, and not empty. A URL or a
+    Hugging Face dataset is fetched into `cache` first (keel.data.remote)."""
     if entry == BUILTIN_STDLIB:
         return stdlib_files()
+    if is_remote(entry):
+        if cache is None:
+            raise DataError(f"source {source!r}: path {entry!r} is not a local path; `keel data prepare` fetches it")
+        return fetch(source, entry, cache, text_field, file_kind)
+    entry = entry.removeprefix("file://")
     where = f"source {source!r}: path {entry!r}"
     if _GLOB_CHARS.search(entry) and not Path(entry).exists():
-        matches = sorted(glob.glob(entry, recursive=True))
-        if not matches:
-            raise DataError(f"{where} matches no files; give existing files, directories or globs "
-                            f"(*, ?, [...], **), or '{BUILTIN_STDLIB}'")
-        found: list[Path] = []
-        for match in map(Path, matches):
-            if match.is_dir():
-                found += _walk(match)
-            elif file_kind(match):
-                found.append(match)
-        return found
+        return _glob(where, entry)
     path = Path(entry)
     if path.is_dir():
         return _walk(path)
@@ -130,6 +128,20 @@ def _expand(source: str, entry: str) -> list[Path]:
     return [path]
 
 
+def _glob(where: str, pattern: str) -> list[Path]:
+    matches = sorted(glob.glob(pattern, recursive=True))
+    if not matches:
+        raise DataError(f"{where} matches no files; give existing files, directories or globs "
+                        f"(*, ?, [...], **), or '{BUILTIN_STDLIB}'")
+    found: list[Path] = []
+    for match in map(Path, matches):
+        if match.is_dir():
+            found += _walk(match)
+        elif file_kind(match):
+            found.append(match)
+    return found
+
+
 def _real_path(path: Path, directories: dict[str, str]) -> str:
     """os.path.realpath(path), resolving each directory once: a file that is not a link is its real directory
     and its name (realpath would look at every component of every file's path again)."""
@@ -141,16 +153,18 @@ def _real_path(path: Path, directories: dict[str, str]) -> str:
     return os.path.join(directories[parent], path.name)
 
 
-def resolve_inputs(sources: dict[str, list[str]]) -> list[InputFile]:
+def resolve_inputs(sources: dict[str, list[str]], cache: Path | None = None, text_field: str = "text"
+                   ) -> list[InputFile]:
     """Every input file of every source, sources in the given order and files sorted within each path
-    entry. A file reached twice within one source is read once; a file in two sources is an error."""
+    entry. A file reached twice within one source is read once; a file in two sources is an error. URLs
+    and Hugging Face datasets are fetched into `cache`, their JSON made of `text_field`."""
     inputs: list[InputFile] = []
     owner: dict[str, str] = {}
     directories: dict[str, str] = {}
     for source, entries in sources.items():
         count = 0
         for entry in entries:
-            for path in _expand(source, entry):
+            for path in _expand(source, entry, cache, text_field):
                 key = _real_path(path, directories)
                 if key in owner:
                     if owner[key] == source:
