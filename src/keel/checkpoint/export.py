@@ -402,6 +402,22 @@ def _load_model_tensors(checkpoint: Path | str, part: dict[str, torch.Tensor]) -
                                   f"{'; '.join(causes)}") from None
 
 
+def load_checkpoint_model(checkpoint: Path | str, cfg: ModelConfig, device: torch.device) -> Llama:
+    """The model of a keel checkpoint, whole, in this one process (as it trained: fp32 master weights)."""
+    metadata = _read_metadata(checkpoint)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Llama(cfg).named_parameters()}
+    stored = _stored_dtypes(checkpoint, metadata, shapes)  # refuses a config that does not fit the checkpoint
+    model = Llama(cfg)
+    params = dict(model.named_parameters())
+    part = {name: torch.empty(shapes[name], dtype=stored[name]) for name in shapes}
+    _load_model_tensors(checkpoint, part)
+    with torch.no_grad():
+        for name, tensor in part.items():
+            params[name].copy_(tensor)
+    return model.to(device).eval()
+
+
 def _move_into_place(tmp: Path, out: Path, written: list[str]) -> None:
     """Make the finished export in `tmp` durable and shared, then rename it to `out` (missing or empty)."""
     for file in written:

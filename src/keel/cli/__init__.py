@@ -1,4 +1,5 @@
-"""`keel` command line: train, pause, status, report, quarantine, plan, sweep, drill, data prepare, ckpt, config."""
+"""`keel` command line: train, pause, status, report, quarantine, plan, sweep, drill, data prepare, ckpt, eval,
+config."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import os
 import sys
 from typing import NoReturn
 
-from keel.cli import ckpt, config, data, drill, ops, plan, sweep, train
+from keel.cli import ckpt, config, data, drill, evaluate, ops, plan, sweep, train
 from keel.errors import EXIT_BAD_INPUT, KeelError
 
 # The command families in the order `keel --help` lists them.
-FAMILIES = (train, ops, plan, sweep, drill, data, ckpt, config)
+FAMILIES = (train, ops, plan, sweep, drill, data, ckpt, evaluate, config)
 
 
 class OneLineParser(argparse.ArgumentParser):

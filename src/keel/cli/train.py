@@ -191,6 +191,10 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
         raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
     check_callbacks(cfg.callbacks)
     check_trackers(cfg)
+    if cfg.eval.downstream_tasks:
+        from keel.downstream.tasks import check_tasks
+
+        check_tasks(cfg.eval.downstream_tasks, cfg.eval.downstream_include)
     check_injections(cfg.drill.inject)
 
 

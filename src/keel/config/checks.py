@@ -32,6 +32,9 @@ def check_consistency(cfg: Config) -> None:
     if cfg.monitor.signals_interval and cfg.parallel.compile:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
                           f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")
+    if cfg.eval.downstream_tasks and cfg.parallel.pp > 1:
+        raise ConfigError(f"eval.downstream_tasks runs lm-eval on the whole model, which parallel.pp = "
+                          f"{cfg.parallel.pp} splits into stages; evaluate its checkpoints with `keel eval` instead")
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")

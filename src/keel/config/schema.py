@@ -184,6 +184,13 @@ class EvalConfig:
                          "val_loss is the last pass's; NaN when there was none)")
     sequences: int = option(64, "validation sequences per pass, shared out over the processes (the same set "
                             "whatever the layout)", ge=1)
+    downstream_tasks: list[str] = option([], "lm-evaluation-harness tasks run on the model during training "
+                                         "(needs the eval extra), e.g. [\"hellaswag\", \"arc_easy\"] or tasks "
+                                         "of downstream_include; logged as eval/TASK/METRIC")
+    downstream_include: list[str] = option([], "directories of lm-eval task YAML files, for downstream_tasks")
+    downstream_interval: int = option(0, "steps between downstream evaluations (0: only at the last step)", ge=0)
+    downstream_limit: int = option(0, "at most this many examples per downstream task (0: all)", ge=0)
+    downstream_batch: int = option(8, "sequences per forward pass of a downstream evaluation", ge=1)
 
 
 @dataclass

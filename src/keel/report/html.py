@@ -239,6 +239,24 @@ def training(run: Run) -> str:
     return f'<h2>Training</h2>{loss}<div class="grid" style="margin-top:12px">{"".join(panels)}</div>'
 
 
+def downstream(run: Run) -> str:
+    """The downstream tasks evaluated during training (eval.downstream_tasks): one panel per task, a line per
+    metric (`eval/TASK/METRIC` records)."""
+    keys = sorted({k for r in run.metrics for k in r if k.startswith("eval/") and not k.endswith("_stderr")})
+    tasks: dict[str, list[str]] = {}
+    for key in keys:
+        tasks.setdefault(key.split("/")[1], []).append(key)
+    if not tasks:
+        return ""
+    panels = []
+    for task, metrics in tasks.items():
+        series = [_series(trajectory(run.metrics, key)[0], key, key.split("/", 2)[2],
+                          LAYER_COLORS[i % len(LAYER_COLORS)], dots=True) for i, key in enumerate(metrics)]
+        panels.append(panel(task, line_chart(series, label=task), legend=[(s.name, s.color) for s in series]))
+    return (f'<h2>Downstream tasks</h2><p class="note">lm-evaluation-harness every eval.downstream_interval '
+            f'steps.</p><div class="grid">{"".join(panels)}</div>')
+
+
 SIGNALS = (("Largest attention logit, per layer", "signals/attn_logit_max"),
            ("Activation RMS, per layer", "signals/act_rms"), ("Update RMS, per layer", "signals/update_rms"))
 LAYER_COLORS = (BLUE, ORANGE, GREEN, PURPLE, RED, CYAN, AMBER, SLATE)
@@ -491,8 +509,8 @@ def render(run: Run, drill: dict | None = None) -> str:
         title = f"{info['name']} · keel run report"
         starts = [e["time"] for e in run.events if e.get("kind") == "start" and finite(e.get("time"))]
         t0 = run.goodput["started"] if finite(run.goodput.get("started")) else min(starts, default=None)
-        body = (header(run, info) + drills + training(run) + signals(run) + goodput(run) + hardware(run, t0)
-                + event_table(run.events))
+        body = (header(run, info) + drills + training(run) + downstream(run) + signals(run) + goodput(run)
+                + hardware(run, t0) + event_table(run.events))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width, initial-scale=1"><title>{escape(title)}'
             f'</title><style>{CSS}</style></head><body><main>{body}</main></body></html>\n')

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -195,6 +196,7 @@ class Trainer:
                 (CheckpointDecision(ckpt, self.sync), 1),
                 (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
                 (self.evaluation, cfg.eval.interval or cfg.train.steps),
+                *[(downstream, cfg.eval.downstream_interval or cfg.train.steps) for downstream in self._downstream()],
                 (GuardCheck(self.guards, monitor, inspection, signals.of_step), 1),
                 (writer, 1), (self.stopping, 1),
                 *[(tracking, 1) for tracking in self._trackers()], *[(user, 1) for user in users],
@@ -211,6 +213,29 @@ class Trainer:
             self.replicas.before_heal = self.manager.fence  # a save in flight has copied what a heal replaces
         for name, stateful in registered:
             self.state.register(name, stateful)
+
+    def _downstream(self) -> list[Callback]:
+        """The lm-eval tasks on the model being trained (eval.downstream_tasks), on every rank."""
+        if not self.cfg.eval.downstream_tasks:
+            return []
+        from keel.data.tokenizer import open_tokenizer
+        from keel.downstream.adapter import KeelLM  # lm-eval: imported only where it is used
+        from keel.train.downstream import DownstreamEvaluation
+
+        model, device = self.parts[0], self.ctx.device
+        autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else None
+
+        def logits(tokens: torch.Tensor) -> torch.Tensor:
+            training = model.training
+            model.eval()
+            with torch.no_grad(), autocast or contextlib.nullcontext():
+                out = model(tokens)
+            model.train(training)
+            return out
+
+        tokenizer = open_tokenizer(self.corpus.dir, self.corpus.manifest["tokenizer"])
+        lm = KeelLM(logits, tokenizer, self.cfg.model.max_seq_len, device, self.cfg.eval.downstream_batch)
+        return [DownstreamEvaluation(self.cfg.eval, lm, self.watchdog, self.monitor, self.say, device)]
 
     def _trackers(self) -> list[Trackers]:
         """The experiment trackers, fed from rank 0 (of the first replica group: one tracker run per run)."""

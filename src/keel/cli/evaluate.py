@@ -1,0 +1,83 @@
+"""`keel eval`: downstream tasks through lm-evaluation-harness, on a checkpoint as keel runs it or on a
+Hugging Face export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from keel.errors import KeelError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval", help="downstream tasks (lm-evaluation-harness) on a checkpoint or a Hugging Face "
+                       "export")
+    e.add_argument("target", help="a run directory (its newest checkpoint that verifies), a checkpoints/step-NNNNNN "
+                   "directory, or a Hugging Face export (`keel ckpt export`)")
+    e.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks (e.g. hellaswag,arc_easy,piqa) or "
+                   "tasks of --include")
+    e.add_argument("--include", action="append", default=[], metavar="DIR",
+                   help="a directory of lm-eval task YAML files (repeatable)")
+    e.add_argument("--limit", type=int, help="at most this many examples per task")
+    e.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    e.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    e.add_argument("--tokenizer", type=Path, help="the tokenizer.json (or its corpus directory) of a checkpoint "
+                   "whose corpus has moved")
+    e.add_argument("--out", type=Path, help="also write the scores as JSON to this file")
+    e.add_argument("--json", action="store_true", help="print the scores as JSON")
+    e.set_defaults(handler=cmd_eval)
+
+
+def check_eval_args(args: argparse.Namespace) -> list[str]:
+    """The task names, once every number and path is one keel can use."""
+    for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
+                               ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < least:
+            raise KeelError(f"{flag} {value}: expected {least} or more")
+    if "://" not in args.target and not Path(args.target).exists():
+        raise KeelError(f"{args.target!r} does not exist; pass a run directory, a checkpoints/step-NNNNNN directory "
+                        f"or a Hugging Face export")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.out is not None and args.out.is_dir():
+        raise KeelError(f"--out {args.out} is a directory; give the JSON file to write")
+    return tasks
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from keel.downstream.models import hf_model, is_hf_export, keel_model
+    from keel.downstream.tasks import check_tasks, run_tasks
+    from keel.parallel.mesh import pick_device
+
+    tasks = check_eval_args(args)
+    manager = check_tasks(tasks, args.include)  # unknown tasks are refused before a model is loaded
+    device = pick_device(args.device)
+    target = Path(args.target)
+    if is_hf_export(target):
+        if args.tokenizer is not None:
+            raise KeelError(f"--tokenizer is for keel checkpoints; {target} is a Hugging Face export with its own")
+        lm, loaded = hf_model(target, device, args.batch_size)
+    else:
+        lm, loaded = keel_model(args.target, device, args.batch_size, args.tokenizer)
+    scores = run_tasks(lm, tasks, args.include, args.limit, args.num_fewshot, manager=manager)
+    report = {**loaded, "tasks": scores, "limit": args.limit, "num_fewshot": args.num_fewshot}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report) if args.json else "\n".join(table(report)))
+    return 0
+
+
+def table(report: dict) -> list[str]:
+    where = report.get("checkpoint") or report.get("export")
+    step = f" (step {report['step']})" if "step" in report else ""
+    lines = [f"{where}{step}", f"{'task':<28}{'metric':<22}{'value':>10}{'± stderr':>12}"]
+    for task, metrics in sorted(report["tasks"].items()):
+        for metric, value in sorted(metrics.items()):
+            if metric.endswith("_stderr"):
+                continue
+            stderr = metrics.get(f"{metric}_stderr")
+            spread = f"{stderr:>12.4f}" if isinstance(stderr, float) and stderr == stderr else f"{'':>12}"
+            lines.append(f"{task:<28}{metric:<22}{value:>10.4f}{spread}")
+    return lines

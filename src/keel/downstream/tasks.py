@@ -1,0 +1,64 @@
+"""Downstream tasks through lm-evaluation-harness: the tasks named (lm-eval's own, or YAML task files in the
+`include` directories), run on an lm-eval model, their scores as flat `TASK/METRIC` numbers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from keel.errors import ConfigError
+
+EXTRA = "pip install 'keel-pretrain[eval]'"
+
+
+def task_manager(include: list[str]) -> Any:
+    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError(f"downstream evaluation needs lm-evaluation-harness: {EXTRA}") from None
+    for path in include:
+        if not Path(path).is_dir():
+            raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
+    return TaskManager(include_path=list(include) or None, verbosity="ERROR")
+
+
+def check_tasks(tasks: list[str], include: list[str]) -> Any:
+    """The task manager, once every task is known to it (lm-eval's or the include directories')."""
+    if not tasks:
+        raise ConfigError("no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy) or tasks of --include")
+    manager = task_manager(include)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {', '.join(include)}" if include else " (pass --include DIR for task files of your own)"
+        raise ConfigError(f"unknown task {', '.join(map(repr, unknown))}: not an lm-eval task{where}")
+    return manager
+
+
+def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """lm-eval's results as {task: {metric: value}}: `acc,none` → `acc`, `exact_match,strict` →
+    `exact_match_strict`, standard errors as `METRIC_stderr`."""
+    flat: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            name, _, filt = key.partition(",")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not filt:
+                continue
+            name = name if filt == "none" else f"{name}_{filt}"
+            flat.setdefault(task, {})[name] = float(value)
+    return flat
+
+
+def run_tasks(lm: Any, tasks: list[str], include: list[str], limit: int | None = None,
+              num_fewshot: int | None = None, stderr: bool = True, manager: Any = None) -> dict[str, dict[str, float]]:
+    """Each task's scores for `lm` ({} on a process of local rank other than 0). `stderr=False` skips the
+    bootstrap of standard errors (in training)."""
+    from lm_eval import simple_evaluate
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager or check_tasks(tasks, include),
+                              limit=limit, num_fewshot=num_fewshot, log_samples=False,
+                              bootstrap_iters=1000 if stderr else 0, verbosity="ERROR")
+    # lm-eval keeps the scores on the process of local rank 0 (the others ran the same requests for the collectives)
+    return {} if results is None else scores(results)

@@ -1,0 +1,65 @@
+"""The downstream evaluation of a run: lm-evaluation-harness tasks (eval.downstream_tasks) on the model being
+trained, every eval.downstream_interval steps and at the last, logged as eval/TASK/METRIC.
+
+Every rank runs the same requests in the same order, so that the collectives of a sharded model (FSDP's
+gathers, tensor parallel's) match; rank 0 publishes the scores. lm-eval seeds Python's, NumPy's and
+torch's generators: their states are put back afterwards, so that a run with evaluations computes what
+it would without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from keel.config import EvalConfig
+from keel.core.callbacks import Step
+from keel.downstream.adapter import KeelLM
+from keel.downstream.tasks import check_tasks, run_tasks
+from keel.health.watchdog import Watchdog
+from keel.monitor.run_monitor import RunMonitor
+from keel.train.components import Builtin
+
+
+@contextlib.contextmanager
+def generators_kept(device: torch.device) -> Iterator[None]:
+    """Python's, NumPy's and torch's random states (the device's too) as they were before."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
+
+
+class DownstreamEvaluation(Builtin):
+    """Registered with frequency eval.downstream_interval (the run's length when 0): also called at the last step."""
+
+    def __init__(self, cfg: EvalConfig, lm: KeelLM, watchdog: Watchdog, monitor: RunMonitor,
+                 say: Callable[[str], None], device: torch.device) -> None:
+        self.cfg, self.lm, self.watchdog, self.monitor, self.say, self.device = cfg, lm, watchdog, monitor, say, device
+        self.manager: Any = check_tasks(cfg.downstream_tasks, cfg.downstream_include)
+        os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars, on every rank's console
+
+    def on_step_end(self, step: Step) -> None:
+        number = step.state.step
+        if not (step.last or self.cfg.downstream_interval and number % self.cfg.downstream_interval == 0):
+            return
+        self.watchdog.begin("eval", number)
+        with self.monitor.phase("evaluation", whole_step=False), generators_kept(self.device):
+            scores = run_tasks(self.lm, self.cfg.downstream_tasks, self.cfg.downstream_include,
+                               self.cfg.downstream_limit or None, stderr=False, manager=self.manager)
+        self.watchdog.end()
+        record = {f"eval/{task}/{metric}": value for task, metrics in scores.items()
+                  for metric, value in metrics.items()}
+        if not record:  # a rank whose scores lm-eval kept elsewhere
+            return
+        self.monitor.publish({"step": number, **record})
+        step.metrics.update(record)
+        self.say(f"step {number}: downstream " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}"
+                                                           for k, v in sorted(record.items())))
