@@ -41,6 +41,7 @@ LAYOUTS = {
                                "parallel.pp_stages_per_rank=2"]),
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp3_uneven": (3, ["parallel.pp=3"]),  # 4 blocks: 1, 2, 1
 }
 # Every stability lever at once, and μP at twice its base width, the z-loss large enough that a wrong reduction
 # over vocabulary shards shows in the gradient norms; run in the layouts whose code paths they touch: QK-norm

@@ -180,9 +180,9 @@ def check_vocab_size(cfg: Config, corpus_vocab: int) -> None:
 def _check_pipeline(cfg: Config, layout: Layout, per_rank: int) -> None:
     p, m = cfg.parallel, cfg.model
     stages = p.pp * p.pp_stages_per_rank
-    if m.n_layers % stages:
-        raise ConfigError(f"model.n_layers = {m.n_layers} must divide into pp × pp_stages_per_rank = {p.pp} × "
-                          f"{p.pp_stages_per_rank} stages")
+    if m.n_layers < stages:
+        raise ConfigError(f"model.n_layers = {m.n_layers} cannot fill pp × pp_stages_per_rank = {p.pp} × "
+                          f"{p.pp_stages_per_rank} stages of at least one block each")
     interleaved = p.pp_schedule.startswith("interleaved")
     if interleaved and p.pp_stages_per_rank < 2:
         raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp_stages_per_rank >= 2, "

@@ -20,6 +20,7 @@ from keel.config import Config
 from keel.core.dtensor import plain
 from keel.model.llama import Llama
 from keel.model.loss import objective
+from keel.model.split import stage_range
 from keel.parallel.mesh import Mesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -34,8 +35,7 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
 def stage_module(model: Llama, stage: int, n_stages: int) -> Llama:
     """A copy of the (meta-device) model that keeps only the blocks of `stage`; names are unchanged."""
     part = copy.deepcopy(model)
-    per_stage = model.cfg.n_layers // n_stages
-    keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    keep = {str(i) for i in stage_range(model.cfg.n_layers, n_stages, stage)}
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
