@@ -157,6 +157,10 @@ class TrainConfig:
     z_loss: float = option(0.0, "z-loss coefficient: the training objective adds z_loss * mean((log Z)^2), Z the "
                            "softmax's normaliser, against output-logit divergence (PaLM: 1e-4); the loss reported "
                            "stays the cross entropy", ge=0)
+    cross_entropy: str = option("torch", "how the loss is computed: torch (F.cross_entropy on an fp32 copy of the "
+                                "logits, 14 bytes per bf16 logit at its backward) or fused (keeps the logits and "
+                                "one log Z per token and writes the gradient over the logits: 2 bytes per bf16 "
+                                "logit; the same loss up to rounding)", choices=("torch", "fused"))
 
 
 @dataclass

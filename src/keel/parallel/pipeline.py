@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch.distributed.pipelining import (
@@ -19,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_lo
 from keel.config import Config
 from keel.core.dtensor import plain
 from keel.model.llama import Llama
-from keel.model.loss import objective
+from keel.model.loss import Objective
 from keel.model.split import stage_range
 from keel.parallel.mesh import Mesh
 
@@ -58,7 +59,7 @@ class Pipeline:
         device = next(parts[0].parameters()).device
         group = mesh.pp.get_group()
         self.parts, self.optimizers, self.loss_parallel = parts, optimizers, loss_parallel
-        self.z_loss = cfg.train.z_loss
+        self.objective = Objective.of(cfg.train)
         self.cross_entropies: list[torch.Tensor] = []  # of the micro-batches the last stage ran, in order
         self.pp_group = group
         self.has_first, self.has_last = 0 in stages, n_stages - 1 in stages
@@ -93,7 +94,7 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the objective it differentiates; the cross entropy is what is reported."""
-        differentiated, cross_entropy = objective(logits, targets, self.z_loss)
+        differentiated, cross_entropy = self.objective(logits, targets)
         self.cross_entropies.append(cross_entropy.detach())
         return differentiated
 
@@ -102,7 +103,9 @@ class Pipeline:
         n = sum(len(x) for x, _ in micro_batches) // self.chunk
         if n not in self.schedules:
             self.schedules[n] = self.cls(self.stages, n_microbatches=n, loss_fn=self._loss)
-        return self._run(self.schedules[n].step, micro_batches)
+        # The step's outputs (the logits of every micro-batch) are not wanted: unsaved, each is freed once
+        # its backward has run instead of at the end of the step.
+        return self._run(partial(self.schedules[n].step, return_outputs=False), micro_batches)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.core.dtensor import local, plain
 from keel.core.torch_private import norms as grad_norms
-from keel.model.loss import objective
+from keel.model.loss import TORCH_CROSS_ENTROPY, Objective
 
 
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -41,7 +40,7 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
                      autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
-                     z_loss: float = 0.0) -> torch.Tensor:
+                     objective: Objective = TORCH_CROSS_ENTROPY) -> torch.Tensor:
     """Accumulate the gradients of this rank's micro-batches' objective (`keel.model.loss`); returns its
     mean cross entropy as a tensor (no host synchronisation here). With `loss_parallel` the logits stay
     sharded over the vocabulary (tensor parallel) and the loss and its backward are computed on the shards."""
@@ -54,7 +53,8 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
         with amp:
             logits = model(inputs)
         with vocab_parallel_loss() if loss_parallel else nullcontext():
-            differentiated, cross_entropy = objective(logits, targets, z_loss)
+            differentiated, cross_entropy = objective(logits, targets)
+            del logits  # autograd keeps what the loss needs; the rest of the logits is freed before the backward
             (differentiated / len(micro_batches)).backward()
         loss_sum += plain(cross_entropy.detach() / len(micro_batches))
     return loss_sum
@@ -66,10 +66,10 @@ class Stepper:
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any, *,
                  grad_clip: float, autocast_dtype: torch.dtype | None, loss_parallel: bool,
-                 z_loss: float = 0.0) -> None:
+                 objective: Objective = TORCH_CROSS_ENTROPY) -> None:
         self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
         self.grad_clip, self.autocast_dtype, self.loss_parallel = grad_clip, autocast_dtype, loss_parallel
-        self.z_loss = z_loss
+        self.objective = objective
         self.params = [p for part in parts for p in part.parameters()]
         self.pp_group = pipeline.pp_group if pipeline is not None else None
 
@@ -77,7 +77,7 @@ class Stepper:
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
-                                loss_parallel=self.loss_parallel, z_loss=self.z_loss)
+                                loss_parallel=self.loss_parallel, objective=self.objective)
 
     def grad_norm(self) -> torch.Tensor:
         return grad_norm(self.params, self.pp_group)
@@ -127,7 +127,7 @@ class Stepper:
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             objective: Objective = TORCH_CROSS_ENTROPY) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token loss and token count of this rank's validation batches."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
@@ -140,7 +140,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
         with amp:
             logits = model(inputs)
         with vocab_parallel_loss() if loss_parallel else nullcontext():
-            total += plain(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")).double()
+            total += objective.summed(logits, targets)
         count += targets.numel()
     model.train(was_training)
     return total, count

@@ -31,6 +31,7 @@ from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama, width_ratio
+from keel.model.loss import Objective
 from keel.monitor.metrics import CommProfiler, StepMeter
 from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor, replica_group
@@ -144,10 +145,11 @@ class Trainer:
 
             self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp)
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
-                               autocast_dtype=autocast, loss_parallel=tp, z_loss=cfg.train.z_loss)
+                               autocast_dtype=autocast, loss_parallel=tp, objective=Objective.of(cfg.train))
         self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
-                         partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp))
+                         partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp,
+                                 objective=Objective.of(cfg.train)))
 
     def _measured_peak(self) -> float:
         """The matmul peak of these processes, measured once per job: a restart on the same hosts reuses it."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.model.llama import Llama
-from keel.model.loss import log_normaliser, objective
+from keel.model.loss import Objective, log_normaliser
 from tests.unit.model.test_model import TINY, build, tokens
 
 
@@ -70,14 +70,14 @@ def test_log_normaliser_is_logsumexp_even_where_exp_overflows() -> None:
 
 def test_without_a_z_loss_the_objective_is_the_cross_entropy_itself() -> None:
     logits, targets = torch.randn(2, 6, 61), torch.randint(0, 61, (2, 6))
-    differentiated, cross_entropy = objective(logits, targets, 0.0)
+    differentiated, cross_entropy = Objective()(logits, targets)
     assert differentiated is cross_entropy
     torch.testing.assert_close(cross_entropy, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
 def test_the_z_loss_adds_its_coefficient_times_the_mean_square_log_normaliser() -> None:
     logits, targets = (torch.randn(2, 6, 61) + 4).requires_grad_(), torch.randint(0, 61, (2, 6))
-    differentiated, cross_entropy = objective(logits, targets, 1e-2)
+    differentiated, cross_entropy = Objective(z_loss=1e-2)(logits, targets)
     log_z = torch.logsumexp(logits.detach().flatten(0, 1), dim=-1)
     torch.testing.assert_close(differentiated - cross_entropy, 1e-2 * log_z.square().mean())
     # It pulls log Z towards 0: a step down its gradient lowers every row's log Z here (all positive).
