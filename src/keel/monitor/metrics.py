@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
@@ -157,6 +158,22 @@ def _covered(spans: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total / 1e6
+
+
+class MemoryMeter:
+    """This rank's peak memory (`peak_memory`), and the part of it above what the rank held before its
+    model was built: on a CPU the runtime (interpreter, libraries, communicators) is in the resident set,
+    and the rest is what `keel.plan.memory` predicts. Made before the model is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.runtime = torch.cuda.memory_allocated(device) if cuda else psutil.Process().memory_info().rss
+
+    def peaks(self) -> tuple[int, int]:
+        """(peak, peak above the runtime), in bytes."""
+        peak = peak_memory(self.device)
+        return peak, peak - self.runtime
 
 
 def peak_memory(device: torch.device) -> int:

@@ -30,7 +30,7 @@ from keel.guard.engine import Guards
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
-from keel.monitor.metrics import CommProfiler, StepMeter, peak_memory
+from keel.monitor.metrics import CommProfiler, MemoryMeter, StepMeter
 from keel.monitor.run_monitor import RunMonitor
 from keel.rundir.events import EventLog
 from keel.rundir.progress import Progress
@@ -258,18 +258,20 @@ class IntervalMetrics(Builtin):
 
     def __init__(self, steps: int, monitor: RunMonitor, metering: Metering, loader: GlobalOrderLoader,
                  optimizers: list, pp: int, ckpt: Checkpointing, sources: list[Callable[[], dict[str, float]]],
-                 train_text: tuple[int, int], status: Callable[..., None], device: object) -> None:
+                 train_text: tuple[int, int], status: Callable[..., None], memory: MemoryMeter) -> None:
         self.steps, self.monitor, self.metering, self.loader = steps, monitor, metering, loader
         self.optimizers, self.pp = optimizers, pp
         self.train_loss = float("nan")
-        self.ckpt, self.sources, self.train_text, self.status, self.device = ckpt, sources, train_text, status, device
+        self.ckpt, self.sources, self.train_text, self.status, self.memory = ckpt, sources, train_text, status, memory
 
     def on_step_end(self, step: Step) -> None:
         assert step.report is not None
         state, report, registry = step.state, step.report, self.monitor.registry
         registry.add("optim/update_norm_sq", update_norm_sq(self.optimizers, self.pp) * step.updated,
                      reduce="sum")
-        registry.add("memory/peak_bytes_max_rank", peak_memory(self.device), reduce="max")  # type: ignore[arg-type]
+        peak, above_runtime = self.memory.peaks()
+        registry.add("memory/peak_bytes_max_rank", peak, reduce="max")
+        registry.add("memory/above_runtime_bytes_max_rank", above_runtime, reduce="max")
         reduced = registry.reduce()  # the interval's one reduction of every metric
         report.update_norm = reduced.pop("optim/update_norm_sq") ** 0.5
         step.metrics.update({"train/loss": report.loss, "train/bpb": bits_per_byte(report.loss, *self.train_text),

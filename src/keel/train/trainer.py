@@ -32,7 +32,7 @@ from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama, width_ratio
 from keel.model.loss import Objective
-from keel.monitor.metrics import CommProfiler, StepMeter
+from keel.monitor.metrics import CommProfiler, MemoryMeter, StepMeter
 from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor, replica_group
 from keel.monitor.trackers import Trackers, enabled_trackers
@@ -91,6 +91,7 @@ class Trainer:
         if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say, self.job)) is not None:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
+        self.memory = MemoryMeter(ctx.device)  # before the model: what the runtime holds
         self._build_model()
         self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         self.corpus, self.data = corpus, build_data(cfg, self.mesh, corpus, accepted)
@@ -187,7 +188,7 @@ class Trainer:
                                        [lambda: comm.last, lambda: signals.last, self.guards.metrics,
                                         lambda: straggler.last,
                                         self.replicas.metrics if self.replicas else dict],
-                                       self.data.train_text, self.status, ctx.device)
+                                       self.data.train_text, self.status, self.memory)
         self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
                                      monitor, hooks.notify, self.say, cfg.eval.interval, cfg.eval.final)
         writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
