@@ -20,10 +20,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "mi300x, l40s, tpu-v4, tpu-v5p, ...")
     pl.add_argument("--tokens", type=float, required=True, help="the run's token budget, e.g. 15e12")
     pl.add_argument("--price", type=float, default=None, help="price per accelerator-hour (default: docs/planning.md)")
-    pl.add_argument("--storage-gbps", type=float, default=2000.0, help="aggregate checkpoint write bandwidth in "
+    pl.add_argument("--storage-gbps", type=float, default=None, help="aggregate checkpoint write bandwidth in "
                     "GB/s (default 2000, Llama 3's storage)")
     pl.add_argument("--mtbf-hours", type=float, default=None, help="mean hours between failures of one "
                     "accelerator (default: derived from the Llama 3 report)")
+    pl.add_argument("--net-gbps", type=float, default=None, help="inter-node bandwidth per accelerator, GB/s one "
+                    "way (default: the accelerator catalog's, e.g. 50 for 400 Gb/s per H100)")
+    pl.add_argument("--detect-s", type=float, default=None, help="seconds until a failure is noticed (default 120)")
+    pl.add_argument("--restart-s", type=float, default=None, help="seconds to restart the job after a failure "
+                    "(default 300)")
+    pl.add_argument("--repair-h", type=float, default=None, help="hours until a failed node is back (default 4)")
+    pl.add_argument("--spares", default=None, metavar="N|auto", help="hot spare nodes kept (and billed) for "
+                    "failures (default auto: as many as pay for themselves)")
+    pl.add_argument("--fragmentation", type=float, default=None, help="memory the allocator reserves beyond the "
+                    "allocated peak, as a share of it (default 0.05; a CUDA run's max reserved / max allocated - 1)")
+    pl.add_argument("--cluster", type=Path, metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, "
+                    "detect_s, restart_s, repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation); "
+                    "flags win over it")
+    pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
+                    "dp_replicate, micro_batch, ac) and rank it among the searched ones; a config's [parallel] "
+                    "gives one too")
     pl.add_argument("--calibrate", type=Path, metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
     pl.add_argument("--sweep", type=Path, metavar="DIR", help="a keel sweep's directory: the learning rate and "
                     "warmup it transfers to this model, and the loss its power law extrapolates to")
@@ -47,11 +63,6 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise bad("--gpus", args.gpus, "a positive number of accelerators")
     if not (math.isfinite(args.tokens) and 0 < args.tokens <= MAX_TOKENS):
         raise bad("--tokens", args.tokens, f"a token budget above 0 and at most {MAX_TOKENS:.0e}, e.g. 15e12")
-    for flag, value in (("--storage-gbps", args.storage_gbps), ("--mtbf-hours", args.mtbf_hours)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise bad(flag, value, "a finite number above 0")
-    if args.price is not None and not (math.isfinite(args.price) and args.price >= 0):
-        raise bad("--price", args.price, "a finite price per accelerator-hour, 0 or more")
     if not 1 <= args.trials <= MAX_TRIALS:
         raise bad("--trials", args.trials, f"between 1 and {MAX_TRIALS:,} Monte Carlo trials")
     if args.seed < 0:
@@ -59,14 +70,17 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
-    from keel.plan.failures import DEFAULT_DEVICE_MTBF_H
+    from keel.plan.cluster import cluster_from
     from keel.plan.report import Question, answer, lines, to_json, write_html
 
     check_numbers(args)
-    q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens,
-                 price=DEFAULT_PRICE_PER_HOUR if args.price is None else args.price, storage_gbs=args.storage_gbps,
-                 mtbf_hours=DEFAULT_DEVICE_MTBF_H if args.mtbf_hours is None else args.mtbf_hours,
+    cluster = cluster_from(args.cluster, {name: getattr(args, name) for name in (
+        "net_gbps", "detect_s", "restart_s", "repair_h", "spares", "mtbf_hours", "storage_gbps", "price",
+        "fragmentation")})
+    q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens, price=cluster.price,
+                 storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
+                 fragmentation=cluster.fragmentation,
+                 recovery=cluster.recovery(), spares=cluster.spares, layout=args.layout,
                  calibrate_from=args.calibrate, sweep=args.sweep, trials=args.trials, seed=args.seed)
     a = answer(q)
     print(to_json(a) if args.json else "\n".join(lines(a)))

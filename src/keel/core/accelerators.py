@@ -35,6 +35,9 @@ class Accelerator:
     inter_bw: float  # bytes/s, one direction, per device, across nodes (0: unknown, measure)
     devices_per_node: int  # devices sharing the intra-node fabric
     source: str
+    # What the memory allocator reserves beyond the peak it has allocated, as a share of that peak: freed
+    # blocks it keeps for reuse that do not fit the next request (keel plan --fragmentation).
+    fragmentation: float = 0.05
 
 
 def _nv(bf16: float, fp8: float | None, tf32: float, fp32: float) -> dict[str, float]:

@@ -10,12 +10,13 @@ or restarts), and hot spare nodes are billed too. Each device-second of the run 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from keel.errors import KeelError
-from keel.plan.failures import Policy, Run, SimResult, down_time, expected_goodput, schedule
+from keel.plan.failures import Policy, Run, SimResult, down_time, expected_goodput, schedule, simulate
 
 # USD per accelerator-hour. Assumption dated 2024-12: DeepSeek-V3's rental price for its H800s, $2/GPU-hour
 # (arXiv 2412.19437, 2,788k H800-hours = $5.576M). H100 SXM on-demand list prices of specialised clouds were
@@ -98,3 +99,27 @@ def money_percentiles(result: SimResult, run: Run, price_per_hour: float = DEFAU
     money = devices * result.wall_s / 3600 * price_per_hour
     p10, p50, p90 = np.percentile(money, [10, 50, 90])
     return {"p10": float(p10), "p50": float(p50), "p90": float(p90), "mean": float(money.mean())}
+
+
+SPARE_OPTIONS = (0, 1, 2, 4, 8, 16, 32, 64)  # hot spare nodes `--spares auto` compares (up to the job's nodes)
+SPARE_TRIALS = 500  # Monte Carlo trials per option
+
+
+def best_spares(run: Run, base: Policy, price_per_hour: float, seed: int, trials: int) -> tuple[int, list[dict]]:
+    """The number of hot spare nodes that makes the run cheapest (then shortest), over SPARE_OPTIONS, each
+    simulated on the same failures; with each option's mean cost and wall time. A spare pays for itself when
+    the waits for repairs it saves cost more than keeping it for the whole run."""
+    nodes = math.ceil(run.devices / run.failures.devices_per_node)
+    rows = []
+    for spares in sorted({n for n in SPARE_OPTIONS if n <= nodes}):
+        try:
+            result = simulate(run, replace(base, spare_nodes=spares), seed, min(trials, SPARE_TRIALS))
+        except KeelError:  # the run cannot finish with so few spares
+            continue
+        rows.append({"spares": spares, "money": cost_of(result, run, price_per_hour).money,
+                     "wall_days": float(result.wall_s.mean()) / 86400})
+    if not rows:
+        raise KeelError("the run cannot finish whatever the number of spare nodes: shorten recovery (--detect-s, "
+                        "--restart-s, --repair-h) or use fewer accelerators")
+    best = min(rows, key=lambda r: (round(r["money"], 2), r["wall_days"], r["spares"]))
+    return int(best["spares"]), rows

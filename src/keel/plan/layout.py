@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
+from pathlib import Path
 
-from keel.config import ModelConfig
+from keel.config import Config, ModelConfig, ParallelConfig, load_config, resolve_layout
+from keel.errors import KeelError
 from keel.model.flops import flops_per_token, param_count
+from keel.model.split import stage_blocks
+from keel.rundir.events import read_jsonl
+
+ACS = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -19,12 +25,19 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch per rank
     ac: str = "none"  # activation checkpointing: none | selective | full
     sp: bool = True  # sequence parallel alongside tp > 1
+    # What dp_shard shards (ZeRO, arXiv 1910.02054): 3 = FSDP, parameters, gradients and optimizer state (what
+    # keel runs); 2 = gradients and optimizer state; 1 = optimizer state only.
+    zero: int = 3
 
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp_shard * self.dp_replicate
 
     def dp(self) -> int:
         return self.dp_shard * self.dp_replicate
+
+    def spec(self) -> str:
+        """The layout as `keel plan --layout` takes it."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "sp")
 
     def describe(self) -> str:
         parts = [f"{name}{value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("dp_shard", self.dp_shard),
@@ -34,6 +47,8 @@ class Layout:
         parts.append(f"mb{self.micro_batch}")
         if self.ac != "none":
             parts.append(f"ac={self.ac}")
+        if self.zero != 3 and self.dp_shard > 1:
+            parts.append(f"zero={self.zero}")
         return " ".join(parts)
 
 
@@ -44,6 +59,19 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     tokens: float = 0.0  # the run's token budget
     param_dtype: str = "bf16"
+    cross_entropy: str = "torch"  # train.cross_entropy: how much the loss keeps (keel.plan.memory.loss_buffer)
+    z_loss: bool = False  # train.z_loss > 0: torch's loss keeps the exponentials of the logits too
+    # Host copies of the parameters and optimizer state a rank keeps: the checkpoint's staging buffers and
+    # the guards' in-memory snapshots (guard.snapshots). They share the device's memory on a CPU only.
+    host_copies: int = 1
+
+    @classmethod
+    def of(cls, cfg: Config, tokens: float = 0.0, param_dtype: str = "bf16") -> Workload:
+        """The workload a config trains."""
+        g = cfg.guard
+        snapshots = g.snapshots if g.enabled and g.snapshot_interval else 0
+        return cls(cfg.model, cfg.train.seq_len, cfg.train.global_batch, tokens, param_dtype,
+                   cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots)
 
     @cached_property
     def n_params(self) -> int:
@@ -59,3 +87,118 @@ class Workload:
 
     def steps(self) -> int:
         return max(1, round(self.tokens / (self.global_batch * self.seq_len)))
+
+    @cached_property
+    def head_flops_per_token(self) -> float:
+        """Training FLOPs per token of the output projection (forward 2·V·d, backward 4·V·d)."""
+        return 6.0 * self.model.vocab_size * self.model.dim
+
+    def block_flops_per_token(self) -> float:
+        return (self.flops_per_token - self.head_flops_per_token) / self.model.n_layers
+
+
+def rank_blocks(work: Workload, layout: Layout) -> list[int]:
+    """Blocks on each pipeline rank: stage s of the pp × v stages (keel.model.split) is on rank s mod pp."""
+    blocks = [0] * layout.pp
+    for stage, count in enumerate(stage_blocks(work.model.n_layers, layout.pp * layout.v)):
+        blocks[stage % layout.pp] += count
+    return blocks
+
+
+def pipeline_imbalance(work: Workload, layout: Layout) -> float:
+    """The busiest pipeline rank's compute over the mean rank's: uneven splits, and the output projection and
+    loss on the last rank (the embedding lookup costs no matmul). The pipeline runs at its busiest rank's pace."""
+    if layout.pp == 1:
+        return 1.0
+    block, head = work.block_flops_per_token(), work.head_flops_per_token
+    loads = [n * block + (head if rank == layout.pp - 1 else 0.0) for rank, n in enumerate(rank_blocks(work, layout))]
+    return max(loads) / (sum(loads) / layout.pp)
+
+
+def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layout:
+    """A layout whose dp_shard may be -1 (what the others leave of `gpus`), checked against `gpus`."""
+    rest = int(values.get("tp", 1)) * int(values.get("pp", 1)) * int(values.get("dp_replicate", 1))
+    if values.get("dp_shard", -1) == -1:
+        if gpus % rest:
+            raise KeelError(f"{where}: tp × pp × dp_replicate = {rest} does not divide --gpus {gpus}")
+        values["dp_shard"] = gpus // rest
+    layout = Layout(**values)  # type: ignore[arg-type]
+    if layout.gpus() != gpus:
+        raise KeelError(f"{where} uses {layout.gpus()} devices (tp × pp × dp_shard × dp_replicate), not --gpus {gpus}")
+    return layout
+
+
+def parse_layout(text: str, gpus: int) -> Layout:
+    """`--layout tp=8,pp=16,dp_shard=16,micro_batch=1,ac=full` (dp_shard left out: what the rest leaves)."""
+    names = {f.name: f.type for f in fields(Layout)}
+    values: dict[str, int | str | bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in names:
+            raise KeelError(f"--layout {text!r}: {item!r} is not KEY=VALUE of {', '.join(names)}")
+        if key == "ac":
+            if raw not in ACS:
+                raise KeelError(f"--layout {text!r}: ac={raw}: expected one of {', '.join(ACS)}")
+            values[key] = raw
+        elif key == "sp":
+            values[key] = raw.lower() in ("1", "true", "yes")
+        elif not raw.lstrip("-").isdigit() or (int(raw) < 1 and not (key == "dp_shard" and int(raw) == -1)):
+            raise KeelError(f"--layout {text!r}: {key}={raw}: expected a positive whole number")
+        elif key == "zero" and int(raw) not in (1, 2, 3):
+            raise KeelError(f"--layout {text!r}: zero={raw}: expected 1 (optimizer state sharded), 2 (and "
+                            f"gradients) or 3 (and parameters: FSDP)")
+        else:
+            values[key] = int(raw)
+    return _filled(values, gpus, f"--layout {text!r}")
+
+
+# Settings of [parallel] the planner's models do not represent: named in its answer, never silently dropped.
+UNMODELLED = ("pp_schedule", "compile", "reduce_dtype", "ac_every")
+
+
+def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
+    """The layout a config's [parallel] gives (None when it sets nothing: the planner searches), and the
+    settings the planner does not model, as `key=value`."""
+    p, default = cfg.parallel, ParallelConfig()
+    if p == default:
+        return None, []
+    values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
+                                           "dp_replicate": p.dp_replicate, "micro_batch": cfg.train.micro_batch,
+                                           "ac": p.activation_checkpoint}
+    layout = _filled(values, gpus, "the config's [parallel]")
+    if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch
+        layout = replace(layout, micro_batch=max(1, cfg.train.global_batch // layout.dp() // p.pp_microbatches))
+    unmodelled = [f"parallel.{k}={getattr(p, k)}" for k in UNMODELLED if getattr(p, k) != getattr(default, k)]
+    return layout, unmodelled
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """What a keel run directory trained: its config, workload and layout, and its start event's details."""
+    cfg: Config
+    work: Workload
+    layout: Layout
+    start: dict
+
+    @property
+    def device(self) -> str:
+        return str(self.start["device"])
+
+
+def run_layout(run_dir: Path) -> TrainedRun:
+    """The workload and layout of a keel run directory (config.toml, events.jsonl's start event)."""
+    if not (run_dir / "config.toml").exists():
+        raise KeelError(f"{run_dir}: no config.toml, not a keel run directory")
+    cfg = load_config(run_dir / "config.toml", [])
+    starts = [r for r in read_jsonl(run_dir / "events.jsonl") if r.get("kind") == "start"]
+    if not starts:
+        raise KeelError(f"{run_dir}/events.jsonl has no start event: the run never trained")
+    start = starts[-1]["detail"]
+    p, kept = cfg.parallel, resolve_layout(cfg, int(start["world_size"]))
+    fp32 = cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and str(start["device"]).startswith("cpu"))
+    per_rank = cfg.train.global_batch // kept.dp
+    micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
+    layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
+                    dp_replicate=kept.dp_replicate, micro_batch=micro, ac=p.activation_checkpoint)
+    return TrainedRun(cfg, Workload.of(cfg, param_dtype="fp32" if fp32 else "bf16"), layout, start)

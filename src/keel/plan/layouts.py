@@ -2,8 +2,9 @@
 time, and why the best one wins.
 
 Enumerated: tp over the divisors of a node's device count that divide the heads, KV heads and sequence
-(keel's TP constraints); pp over the divisors of the layer count up to MAX_PP (no pipeline with tied
-embeddings); v = 2 chunks per rank (interleaved 1F1B) where the layers divide into 2·pp stages; every
+(keel's TP constraints); pp from 1 to the block count, at most MAX_PP (stages split as keel.model.split
+does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4 chunks per rank
+(interleaved 1F1B) where there are at least v·pp blocks; every
 split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); micro-batches of 1, 2, 4 …
 sequences dividing the per-rank batch (and, with a pipeline, leaving at least pp of them); activation
 checkpointing none, selective, full. Layouts that do not divide the batch are not layouts; those that do
@@ -13,16 +14,15 @@ predicted tokens/s per device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
-from keel.plan.layout import Layout, Workload
-from keel.plan.memory import GIB, MemoryBreakdown, memory
+from keel.plan.layout import ACS, Layout, Workload
+from keel.plan.memory import GIB, MemoryBreakdown, memory, suggest
 from keel.plan.throughput import DEFAULT, Efficiency, StepBreakdown, step_time
 
-MAX_PP = 16  # deeper pipelines need thousands of micro-batches to keep the bubble small
-ACS = ("none", "selective", "full")
+MAX_PP = 64  # deeper pipelines need thousands of micro-batches to keep the bubble small
 PART_NAMES = {"compute": "compute", "tp_comm": "TP collectives", "pp_p2p": "pipeline transfers",
               "bubble": "pipeline bubble", "fsdp_dp_exposed": "exposed FSDP/DP traffic"}
 
@@ -62,7 +62,8 @@ def layouts(work: Workload, gpus: int, hw: Accelerator) -> list[Layout]:
     per_node = max(1, int(hw.devices_per_node))
     tps = [t for t in _divisors(per_node) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
                                                                     or work.seq_len % t)]
-    pps = [1] if m.tie_embeddings else [p for p in _divisors(m.n_layers) if p <= MAX_PP]
+    # Any number of stages up to the blocks (keel.model.split balances them); no pipeline with tied embeddings.
+    pps = [1] if m.tie_embeddings else [p for p in range(1, min(m.n_layers, MAX_PP) + 1)]
     out: list[Layout] = []
     for tp in tps:
         for pp in pps:
@@ -72,7 +73,7 @@ def layouts(work: Workload, gpus: int, hw: Accelerator) -> list[Layout]:
             if work.global_batch % dp:
                 continue
             per_rank = work.global_batch // dp
-            vs = [1] + ([2] if pp > 1 and m.n_layers % (2 * pp) == 0 else [])
+            vs = [1] + [v for v in (2, 4) if pp > 1 and m.n_layers >= v * pp]
             for replicate in _divisors(dp):
                 for mb in _powers_of_two_dividing(per_rank):
                     if pp > 1 and per_rank // mb < pp:
@@ -120,6 +121,10 @@ def _versus(best: Candidate, alt: Candidate) -> str:
     """How `alt` compares with the best: its speed and the parts of its step that grew most."""
     if not alt.fits:
         return f"does not fit: {alt.memory.explain()}"
+    return _speed_versus(best, alt)
+
+
+def _speed_versus(best: Candidate, alt: Candidate) -> str:
     loss = alt.tokens_per_s / best.tokens_per_s - 1
     grown = {name: alt.step.parts()[name] - value for name, value in best.step.parts().items()}
     reasons = [f"{PART_NAMES[name]} +{delta:.2f} s" for name, delta in sorted(grown.items(), key=lambda kv: -kv[1])
@@ -173,3 +178,68 @@ def explain(candidates: list[Candidate]) -> list[str]:
     if dropped:
         lines.append(f"  {dropped} of {len(candidates)} layouts do not fit in {mem.usable / GIB:.1f} GiB usable")
     return lines
+
+
+def check_runnable(work: Workload, layout: Layout) -> None:
+    """What keel needs of a given layout to run it, each a one-line error naming the layout."""
+    m, dp, where = work.model, layout.dp(), f"layout {layout.describe()}"
+    if m.n_heads % layout.tp or m.n_kv_heads % layout.tp or work.seq_len % layout.tp:
+        raise KeelError(f"{where}: tp = {layout.tp} must divide the heads ({m.n_heads}), KV heads ({m.n_kv_heads}) "
+                        f"and the sequence ({work.seq_len})")
+    if layout.pp > 1 and m.tie_embeddings:
+        raise KeelError(f"{where}: a pipeline needs untied embeddings (model.tie_embeddings = false)")
+    if m.n_layers < layout.pp * layout.v:
+        raise KeelError(f"{where}: pp × v = {layout.pp * layout.v} stages need at least as many blocks, not "
+                        f"{m.n_layers}")
+    if work.global_batch % dp or (work.global_batch // dp) % layout.micro_batch:
+        raise KeelError(f"{where}: the global batch of {work.global_batch} sequences must split into {dp} "
+                        f"data-parallel ranks of whole micro-batches of {layout.micro_batch}")
+
+
+@dataclass(frozen=True)
+class Assessed:
+    """A given layout, predicted, and where it ranks among the searched ones."""
+
+    candidate: Candidate
+    rank: int  # 1 + the fitting searched layouts predicted faster
+    of: int  # fitting searched layouts
+    versus: str  # against the searched best
+
+    def row(self) -> dict:
+        c = self.candidate
+        return {"layout": c.layout.describe(), "memory_gib": c.memory.total / GIB, "step_s": c.step.total,
+                "tokens_per_s_per_gpu": c.tokens_per_s, "mfu": c.step.mfu, "rank": self.rank, "of": self.of,
+                "versus_best": self.versus, "fits": c.fits, "memory_verdict": "" if c.fits else c.why}
+
+
+def assess(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, candidates: list[Candidate]
+           ) -> Assessed:
+    """The given layout's memory and step (also when it does not fit: `why` says so and what would), refused in
+    one line when keel cannot run it."""
+    check_runnable(work, layout)
+    mem, step = memory(work, layout, hw), step_time(work, layout, hw, eff)
+    given = Candidate(layout, mem, step, f"{step.explain()}; {mem.total / GIB:.1f} GiB" if mem.fits else
+                      f"does not fit: {suggest(work, layout, hw)}")
+    fitting = [c for c in candidates if c.fits]
+    faster = sum(c.tokens_per_s > given.tokens_per_s * (1 + 1e-9) for c in fitting)
+    if not fitting or fitting[0].layout == layout:
+        versus = "it is the best searched layout"
+    else:
+        best = fitting[0]
+        versus = f"{_speed_versus(best, given)} against the best, {best.layout.describe()}"
+    return Assessed(given, faster + 1, len(fitting), versus)
+
+
+def untied_alternative(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency, best: Candidate | None) -> str:
+    """With tied embeddings keel runs no pipeline (the first stage's embedding would be the last stage's output
+    projection): what the same model untied would make with one, when that beats the best tied layout."""
+    if not work.model.tie_embeddings:
+        return ""
+    untied = replace(work, model=replace(work.model, tie_embeddings=False))
+    piped = next((c for c in search(untied, gpus, hw, eff) if c.fits and c.layout.pp > 1), None)
+    if piped is None or (best is not None and piped.tokens_per_s <= best.tokens_per_s):
+        return ""
+    gain = f" ({piped.tokens_per_s / best.tokens_per_s - 1:+.0%})" if best is not None else ""
+    return (f"  tied embeddings rule out pipeline layouts (keel does not share one weight between the first and "
+            f"the last stage); untied (model.tie_embeddings = false, {untied.n_params / 1e9:.1f}B parameters), the "
+            f"best is {piped.layout.describe()}: {piped.tokens_per_s:,.0f} tokens/s/device{gain}")

@@ -3,34 +3,51 @@ temporary buffers, and whether it fits the accelerator.
 
 Model state follows ZeRO's accounting (Rajbhandari et al. 2020, arXiv 1910.02054, §3.1): mixed-precision
 Adam keeps 16 bytes per parameter, 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master weights, Adam m
-and v). FSDP (ZeRO-3) shards all of it over dp_shard; each HSDP replica (dp_replicate) holds a full set of
+and v). FSDP (ZeRO-3) shards all of it over dp_shard, ZeRO-2 the gradients and optimizer state, ZeRO-1 the
+optimizer state only (`Layout.zero`); each HSDP replica (dp_replicate) holds a full set of
 shards; TP splits every layer's matrices over tp ranks; PP gives each rank its stages' layers, the first
 rank also the embedding and the last the final norm and output projection. Ranks differ, so the report is
 that of the fuller of the first and the last pipeline rank (as torchtitan reports the maximum over ranks).
 
-Usable memory is the capacity less a runtime reserve: the CUDA context, cuBLAS/cuDNN workspaces and
-kernels live outside PyTorch's allocator (taken as 1 GiB), and the caching allocator's reserved
-memory exceeds what is allocated by a few percent of the device (fragmentation). Not counted: the
-optimizer step's temporaries (foreach AdamW's fp32 scratch the size of the shard), which come after the
-backward pass has freed the activations.
+The peak is that of the backward pass: the model state, the activations kept for it (per block, by
+activation checkpointing mode), the micro-batches a pipeline keeps in flight, communication buffers, and
+the larger of the two transients that never overlap, the loss's buffers (by `train.cross_entropy`) and a
+block's backward. On a CPU the host copies of the state (checkpoint staging, in-memory snapshots) are in
+the same memory and count too; in fp32 (keel's CPU default) every state and activation byte count follows
+the dtype.
+
+The allocator reserves more than it allocates: freed blocks kept for reuse that the next request does not
+fit. That fragmentation is an explicit factor on the peak (`Accelerator.fragmentation`, 5% by default,
+`keel plan --fragmentation`; a CUDA run's own is its max reserved over max allocated, less 1). Usable memory
+is the capacity less a runtime reserve: the CUDA context, cuBLAS/cuDNN workspaces and kernels live outside
+PyTorch's allocator (taken as 1 GiB). Not counted: the optimizer step's temporaries (foreach AdamW's fp32
+scratch the size of the shard), which come after the backward pass has freed the activations.
+
+`check_run` compares the model with a keel run's own measured peak (tests/dist/test_memory_model.py:
+within ±15% on CPU layouts and sizes, bench/memory_model.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
-from keel.core.accelerators import Accelerator
+from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.model.llama import ffn_hidden_dim
-from keel.plan.layout import Layout, Workload
+from keel.model.loss import FUSED_CHUNK
+from keel.plan.layout import Layout, Workload, rank_blocks, run_layout
+from keel.rundir.events import read_jsonl
 
 GIB = 2**30
 RUNTIME_RESERVE = 1 * GIB  # CUDA context, library workspaces, kernel images
-FRAGMENTATION = 0.05  # share of the device the caching allocator holds beyond what is allocated
 NCCL_BUFFERS = 256 * 2**20  # per communicator: NCCL's default 4 MiB per channel, up to 32 channels, send + recv
 AC_EVERY = 2  # keel's parallel.ac_every: "selective" checkpoints one block in this many
 STATE_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # per parameter, mixed-precision Adam (ZeRO)
+GRAD_BUCKET_BYTES = 4  # fp32 gradient bucket of ZeRO-1/2's reducer
+# The parts of a device's peak, which add up to it.
+PARTS = ("params", "grads", "optimizer", "activations", "pipeline_inflight", "backward", "buffers", "host")
 
 
 @dataclass(frozen=True)
@@ -41,8 +58,11 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     pipeline_inflight: float
+    backward: float
     buffers: float
+    host: float
     total: float
+    reserved: float  # total and the allocator's fragmentation
     capacity: float
     usable: float
     headroom: float
@@ -51,44 +71,73 @@ class MemoryBreakdown:
     device: str
 
     def explain(self) -> str:
-        parts = sorted(((getattr(self, name), name) for name in
-                        ("params", "grads", "optimizer", "activations", "pipeline_inflight", "buffers")), reverse=True)
+        parts = sorted(((getattr(self, name), name) for name in PARTS), reverse=True)
         largest = ", ".join(f"{name} {value / GIB:.1f}" for value, name in parts[:3] if value > 0)
         verdict = f"fits, {self.headroom:.0%} headroom" if self.fits else "does not fit"
-        return (f"{self.total / GIB:.1f} GiB per device at {self.layout.describe()} ({largest}); "
+        return (f"{self.total / GIB:.1f} GiB per device at {self.layout.describe()} ({largest}; "
+                f"{self.reserved / GIB:.1f} reserved with fragmentation); "
                 f"{self.device} has {self.capacity / GIB:.0f} GiB, {self.usable / GIB:.1f} usable: {verdict}")
 
 
-def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool) -> tuple[float, float]:
+def act_bytes(work: Workload) -> int:
+    """Bytes of an activation element: the compute dtype's (bf16 or fp16: 2; fp32: 4)."""
+    return 2 if work.param_dtype in ("bf16", "fp16") else 4
+
+
+def state_bytes(work: Workload) -> dict[str, int]:
+    """Model state per parameter. Mixed precision (ZeRO's accounting, arXiv 1910.02054 §3.1): bf16 weights and
+    gradients, fp32 master weights and Adam's m and v (12). fp32 (keel on a CPU): weights, gradients, m, v."""
+    return STATE_BYTES if act_bytes(work) == 2 else {"params": 4, "grads": 4, "optimizer": 8}
+
+
+def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
+                      composite_norm: bool = False) -> tuple[float, float]:
     """(bytes one transformer block keeps for its backward pass, bytes it keeps when checkpointed).
 
     Korthikanti et al. 2022 (arXiv 2205.05198, §4.1) count a GPT block at s·b·h·(34 + 5·a·s/h) bytes in
     16-bit: attention 11sbh + 5as²b (the LayerNorm output feeding QKV, Q and K, V, softmax output and its
     dropout mask, the projection input, a dropout mask), MLP 19sbh (input, GeLU input and output at 4h,
-    a dropout mask), LayerNorm inputs 4sbh. keel's Llama block differs, and the count follows it:
+    a dropout mask), LayerNorm inputs 4sbh. keel's Llama block differs, and the count follows it (e bytes an
+    element of the compute dtype: 2 in bf16, 4 in fp32):
       - SDPA runs flash attention: no s² scores are kept (the backward pass recomputes them, which is what
         the paper's "selective recompute" buys, so it is already in this count); it keeps q, k, v, the
         output (which is also wo's input) and an fp32 log-sum-exp per head and position (4·a·s·b).
-      - grouped-query attention: k and v have n_kv_heads, 4·r·sbh with r = n_kv_heads / n_heads.
+      - grouped-query attention: k and v have n_kv_heads, 2·r·e·sbh with r = n_kv_heads / n_heads.
       - RMSNorm runs in fp32 on an up-cast input: CUDA's fused kernel keeps that 4sbh input (and a per-row
-        rstd) for each of the two norms. (CPU's composite rms_norm also keeps the normalised fp32 tensor.)
+        rstd) for each of the two norms; CPU's composite rms_norm (`composite_norm`) also keeps the
+        normalised fp32 tensor, 4sbh more per norm.
       - no dropout, so no masks.
       - SwiGLU with hidden size f = ffn_hidden_dim (ffn_dim_multiplier, multiple_of): w1 and w3 outputs,
-        silu(w1) and the product fed to w2, 4 × 2sbf; the norm outputs fed to wq/wk/wv and w1/w3, 2 × 2sbh.
-    Without recompute: (16 + 4r)·sbh + 8·sbf + 4·a·s·b; Llama 3 8B (r = 1/4, f = 3.5h) keeps 45·sbh.
+        silu(w1) and the product fed to w2, 4·e·sbf; the norm outputs fed to wq/wk/wv and w1/w3, 2·e·sbh.
+    Without recompute, in bf16: (16 + 4r)·sbh + 8·sbf + 4·a·s·b; Llama 3 8B (r = 1/4, f = 3.5h) keeps 45·sbh.
     Tensor parallelism splits heads and FFN columns: those terms are divided by tp. With sequence parallel
     the norm inputs are split along the sequence too (Korthikanti: everything / t), but keel's DTensor
     sequence parallelism all-gathers the inputs of the column-parallel linears and autograd keeps the
-    gathered tensors (Megatron keeps the shard and gathers again in the backward pass), so those 4sbh stay
-    whole. A checkpointed block keeps only its input: 2sbh (/tp under sequence parallel), as in the paper."""
-    m = work.model
+    gathered tensors (Megatron keeps the shard and gathers again in the backward pass), so those 2·e·sbh
+    stay whole. A checkpointed block keeps only its input: e·sbh (/tp under sequence parallel)."""
+    m, e = work.model, act_bytes(work)
     tokens, h, f = work.seq_len * micro_batch, m.dim, ffn_hidden_dim(m)
     r = m.n_kv_heads / m.n_heads
     seq_split = tp if tp > 1 and sp else 1
-    norms = 2 * 4 * tokens * h / seq_split
-    gathered = 2 * 2 * tokens * h
-    split = (tokens * h * (4 + 4 * r) + 8 * tokens * f + 4 * tokens * m.n_heads) / tp
-    return norms + gathered + split, 2 * tokens * h / seq_split
+    norms = 2 * 4 * tokens * h * (2 if composite_norm else 1) / seq_split
+    gathered = 2 * e * tokens * h
+    split = (tokens * h * (2 + 2 * r) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads) / tp
+    return norms + gathered + split, e * tokens * h / seq_split
+
+
+def loss_buffer(work: Workload, tokens: int, layout: Layout) -> float:
+    """Bytes the loss holds at its backward, the logits sharded over the vocabulary by tp (`keel.model.loss`).
+    torch's cross entropy: the fp32 log-probabilities, their gradient and the fp32 gradient of the logits, 12
+    bytes per logit; on vocabulary shards (DTensor's loss_parallel) its backward adds the exponentials of the
+    log-probabilities, 16; the z-loss keeps the fp32 exponentials of the logits too, 4 more. The logits
+    themselves are dropped by the step before the backward, but kept through it by torch's pipeline schedule.
+    The fused one: the logits, whose memory then holds their gradient, a log Z per token, and the slices it
+    computes in fp32 (one on fp32 logits, two with the up-cast copy of bf16 ones)."""
+    logits, e = tokens * work.model.vocab_size / layout.tp, act_bytes(work)
+    if work.cross_entropy == "fused":
+        return e * logits + (1 if e == 4 else 2) * 4 * min(logits, FUSED_CHUNK) + 4 * tokens
+    per_logit = (16 if layout.tp > 1 else 12) + (4 if work.z_loss else 0) + (e if layout.pp > 1 else 0)
+    return per_logit * logits
 
 
 def _sizes(work: Workload) -> tuple[int, int]:
@@ -98,21 +147,15 @@ def _sizes(work: Workload) -> tuple[int, int]:
     return (work.n_params - vocab * (1 if m.tie_embeddings else 2) - m.dim) // m.n_layers, vocab
 
 
-def _blocks(work: Workload, layout: Layout) -> int:
-    """Blocks on one pipeline rank: v stages of ceil(L / (pp·v)) (the fuller split when L does not divide)."""
+def _stages(work: Workload, layout: Layout) -> list[tuple[float, bool, bool, int]]:
+    """(parameters, holds the embedding, holds the output, blocks) of each distinct kind of pipeline rank
+    (keel.model.split decides its blocks). The final norm's gains (dim parameters) are left out, as are the
+    blocks' norm gains under TP."""
     if layout.pp == 1:
-        return work.model.n_layers
-    return layout.v * math.ceil(work.model.n_layers / (layout.pp * layout.v))
-
-
-def _stages(work: Workload, layout: Layout) -> list[tuple[float, bool, bool]]:
-    """(parameters, holds the embedding, holds the output) of the first and the last pipeline rank. The
-    final norm's gains (dim parameters) are left out, as are the blocks' norm gains under TP."""
-    if layout.pp == 1:
-        return [(work.n_params, True, True)]
+        return [(work.n_params, True, True, work.model.n_layers)]
     per_block, vocab = _sizes(work)
-    params = _blocks(work, layout) * per_block + vocab
-    return [(params, True, False), (params, False, True)]
+    kinds = {(blocks, rank == 0, rank == layout.pp - 1) for rank, blocks in enumerate(rank_blocks(work, layout))}
+    return [(blocks * per_block + vocab * (first or last), first, last, blocks) for blocks, first, last in kinds]
 
 
 def _inflight(work: Workload, layout: Layout) -> float:
@@ -126,57 +169,74 @@ def _inflight(work: Workload, layout: Layout) -> float:
     return min(m, p + (p - 1) / layout.v if layout.v > 1 else p)
 
 
-def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool) -> dict[str, float]:
-    m, lay = work.model, layout
+def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool, blocks: int,
+          cpu: bool) -> dict[str, float]:
+    """One pipeline rank's bytes. On a CPU, rms_norm is a composite (more kept), gloo has no NCCL buffers
+    and the host copies of the state share the device's memory."""
+    m, lay, e = work.model, layout, act_bytes(work)
     per_block, vocab = _sizes(work)
     local = params / lay.tp  # TP splits the matrices; norms' gains are negligible
-    state = {name: local * size / lay.dp_shard for name, size in STATE_BYTES.items()}
-    full, ckpt = block_activations(work, lay.micro_batch, lay.tp, lay.sp)
-    blocks = _blocks(work, lay)
+    # ZeRO-1 shards the optimizer state over dp_shard, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too.
+    sharded = {"optimizer": True, "grads": lay.zero >= 2, "params": lay.zero >= 3}
+    state = {name: local * size / (lay.dp_shard if sharded[name] else 1) for name, size in state_bytes(work).items()}
+    full, ckpt = block_activations(work, lay.micro_batch, lay.tp, lay.sp, composite_norm=cpu)
     checkpointed = {"none": 0, "full": blocks, "selective": math.ceil(blocks / AC_EVERY)}.get(lay.ac)
     if checkpointed is None:
         raise KeelError(f"activation checkpointing {lay.ac!r}: expected none, selective or full")
     kept = checkpointed * ckpt + (blocks - checkpointed) * full
     tokens = work.seq_len * lay.micro_batch
-    if last:  # final norm input (fp32) and the output projection's gathered input (bf16)
-        kept += 4 * tokens * m.dim / (lay.tp if lay.tp > 1 and lay.sp else 1) + 2 * tokens * m.dim
-    # The backward pass of a block holds gradients the size of its activations; a recomputed block
-    # materialises its activations once more.
+    if last:  # final norm input (fp32; and normalised on a CPU) and the output projection's gathered input
+        kept += 4 * tokens * m.dim * (2 if cpu else 1) / (lay.tp if lay.tp > 1 and lay.sp else 1)
+        kept += e * tokens * m.dim
+    # The backward pass peaks either at the loss (its logits buffers, last rank) or in a block: gradients the
+    # size of its activations, and a recomputed block's activations once more. The two never overlap.
     working = full * (2 if lay.ac != "none" else 1)
+    backward = max(working, loss_buffer(work, tokens, lay) if last else 0.0)
     inflight = (_inflight(work, lay) - 1) * kept if first else 0.0
-    buffers: float = NCCL_BUFFERS * sum(d > 1 for d in (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate))
-    if last:
-        # Logits, vocabulary-sharded over tp: at the loss's backward the bf16 logits (still referenced by
-        # the step), the fp32 log-probabilities, their gradient and the gradient of the logits in fp32.
-        buffers += (2 + 4 + 4 + 4) * tokens * m.vocab_size / lay.tp
-    if lay.dp_shard > 1 and lay.pp > 1:
-        # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage stays gathered (bf16)
-        # and accumulates unsharded fp32 gradients through the step.
-        buffers += local * (2 + 4)
+    # Host copies of the parameters and optimizer state (checkpoint staging, in-memory snapshots): on a CPU
+    # they are in the same memory.
+    host = (state["params"] + state["optimizer"]) * work.host_copies if cpu else 0.0
+    return {**state, "activations": kept, "pipeline_inflight": inflight, "backward": backward,
+            "buffers": _comm_buffers(work, lay, local, cpu), "host": host}
+
+
+def _comm_buffers(work: Workload, lay: Layout, local: float, cpu: bool) -> float:
+    """Bytes communication holds through the step: NCCL's buffers, gathered FSDP units, gradient buckets."""
+    per_block, vocab = _sizes(work)
+    e = act_bytes(work)
+    grad_bytes = e + (4 if e < 4 else 0)  # gradients in the parameters' dtype, and in fp32 for the reduction
+    buffers: float = 0 if cpu else NCCL_BUFFERS * sum(d > 1 for d in (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate))
+    if lay.dp_shard > 1 and lay.zero < 3:
+        # The parameters stay whole; the gradients (bucketed by the DDP-style reducer) are reduced into their
+        # shard, ZeRO-2 as they are produced (one bucket in flight, taken as one block's), ZeRO-1 at the end.
+        buffers += per_block * GRAD_BUCKET_BYTES / lay.tp
+    elif lay.dp_shard > 1 and lay.pp > 1:
+        # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage stays gathered and
+        # accumulates unsharded gradients through the step.
+        buffers += local * grad_bytes
     elif lay.dp_shard > 1:
-        # Two blocks gathered in bf16 (current and prefetched) plus the root unit (embedding, norm, output),
-        # which FSDP does not reshard after the forward pass; one unit's unsharded gradients in bf16 and in
-        # fp32 for the reduce-scatter.
-        root = work.n_params - m.n_layers * per_block
-        buffers += ((2 * per_block + root) * 2 + max(per_block, vocab) * (2 + 4)) / lay.tp
-    return {**state, "activations": kept + working, "pipeline_inflight": inflight, "buffers": buffers}
+        # Two blocks gathered (current and prefetched) plus the root unit (embedding, norm, output), which
+        # FSDP does not reshard after the forward pass; one unit's unsharded gradients.
+        root = work.n_params - work.model.n_layers * per_block
+        buffers += ((2 * per_block + root) * e + max(per_block, vocab) * grad_bytes) / lay.tp
+    return buffers
 
 
 def usable_bytes(hw: Accelerator) -> float:
-    return hw.memory_bytes * (1 - FRAGMENTATION) - RUNTIME_RESERVE
+    return hw.memory_bytes - RUNTIME_RESERVE
 
 
 def memory(work: Workload, layout: Layout, hw: Accelerator) -> MemoryBreakdown:
     """Peak bytes per device of training `work` with `layout` on `hw`."""
     if min(layout.tp, layout.pp, layout.v, layout.dp_shard, layout.dp_replicate, layout.micro_batch) < 1:
         raise KeelError(f"layout {layout}: every degree and the micro-batch must be at least 1")
-    ranks = [_rank(work, layout, *stage) for stage in _stages(work, layout)]
+    ranks = [_rank(work, layout, *stage, cpu=hw.key == "cpu") for stage in _stages(work, layout)]
     parts = max(ranks, key=lambda rank: sum(rank.values()))
     total = sum(parts.values())
-    usable = usable_bytes(hw)
-    return MemoryBreakdown(**parts, total=total, capacity=hw.memory_bytes, usable=usable,
-                           headroom=1 - total / usable if usable > 0 else -math.inf,
-                           fits=total <= usable, layout=layout, device=hw.name)
+    usable, reserved = usable_bytes(hw), total * (1 + hw.fragmentation)
+    return MemoryBreakdown(**parts, total=total, reserved=reserved, capacity=hw.memory_bytes, usable=usable,
+                           headroom=1 - reserved / usable if usable > 0 else -math.inf,
+                           fits=reserved <= usable, layout=layout, device=hw.name)
 
 
 def _moved(layout: Layout, dim: str, factor: int) -> Layout | None:
@@ -223,13 +283,50 @@ def _change(before: Layout, after: Layout) -> str:
 
 
 def suggest(work: Workload, layout: Layout, hw: Accelerator) -> str:
-    """One line: why `layout` does not fit and the first obvious change that makes it fit."""
+    """One line: why `layout` does not fit and the first obvious change that makes it fit: the fused cross
+    entropy where it is enough, and the first change of layout."""
     mem = memory(work, layout, hw)
     if mem.fits:
         return mem.explain()
     where = " ".join(f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "dp_shard", "dp_replicate")
                      if getattr(layout, name) > 1) or "one device"
-    head = (f"needs {mem.total / GIB:.0f} GiB per device at {where}; {hw.name} has {hw.memory_bytes / GIB:.0f} "
+    head = (f"needs {mem.reserved / GIB:.0f} GiB per device at {where}; {hw.name} has {hw.memory_bytes / GIB:.0f} "
             f"GiB ({mem.usable / GIB:.0f} usable)")
-    fix = first_fix(work, layout, hw)
-    return f"{head}; try {_change(layout, fix)}" if fix else f"{head}; no layout change found that fits"
+    tries = [_change(layout, fix)] if (fix := first_fix(work, layout, hw)) else []
+    if work.cross_entropy != "fused" and memory(replace(work, cross_entropy="fused"), layout, hw).fits:
+        tries.insert(0, "train.cross_entropy=fused")
+    return f"{head}; try {' or '.join(tries)}" if tries else f"{head}; no layout change found that fits"
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The memory model's prediction for a run beside what the run measured: the largest of its ranks' peaks
+    less what the rank held before building its model (`memory/above_runtime_bytes_max_rank`)."""
+    predicted: MemoryBreakdown
+    measured: float
+    note: str = ""  # what the measurement holds that the model does not
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, less 1."""
+        return self.predicted.total / self.measured - 1
+
+
+def check_run(run_dir: Path, hw: Accelerator | None = None) -> MemoryCheck:
+    """Predict a keel run's peak memory from its config and layout and compare it with its measurement. The
+    hardware is the run's own CPU, or `hw` for a GPU run."""
+    trained = run_layout(run_dir)
+    peaks = [r[METRIC] for r in read_jsonl(run_dir / "metrics.jsonl") if METRIC in r]
+    if not peaks:
+        raise KeelError(f"{run_dir}/metrics.jsonl has no {METRIC}: run it for at least monitor.interval steps")
+    on_cpu = trained.device.startswith("cpu")
+    if hw is None and not on_cpu:
+        raise KeelError(f"{run_dir} ran on {trained.device}: name its accelerator (--hardware)")
+    # The torch profiler's host buffers are in a CPU's resident set (on a GPU, not in CUDA's allocated memory).
+    note = "profiled: the profiler's buffers are in the measured peak" if (
+        on_cpu and trained.cfg.monitor.profile_interval > 0) else ""
+    return MemoryCheck(memory(trained.work, trained.layout, by_key("cpu") if on_cpu or hw is None else hw), max(peaks),
+                       note)
+
+
+METRIC = "memory/above_runtime_bytes_max_rank"

@@ -4,19 +4,19 @@ answered as a table, as JSON, or as an HTML page of plots."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from html import escape
 from pathlib import Path
 
 from keel.config import Config
-from keel.core.accelerators import by_key
+from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, cost_of, money_percentiles
+from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, best_spares, cost_of, money_percentiles
 from keel.plan.failures import (
     DEFAULT_DEVICE_MTBF_H,
     FailureModel,
     Policy,
+    Recovery,
     Run,
     Storage,
     checkpoint_bytes,
@@ -25,15 +25,14 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
-from keel.plan.layout import Workload
-from keel.plan.layouts import Candidate, explain, search
-from keel.plan.memory import GIB, suggest
-from keel.plan.throughput import DEFAULT, Efficiency, calibrate
+from keel.plan.layout import Workload, config_layout, parse_layout
+from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
+from keel.plan.memory import GIB, PARTS, check_run, suggest
+from keel.plan.throughput import Efficiency, calibrate, efficiency_for
 from keel.plan.tuning import from_sweep, tuning_lines
 from keel.rundir.progress import format_duration
 
 TOP = 5  # layouts shown
-SPARE_EVERY = 32  # hot spare nodes: one per this many nodes of the job (at least one)
 
 
 @dataclass(frozen=True)
@@ -45,32 +44,46 @@ class Question:
     price: float = DEFAULT_PRICE_PER_HOUR
     storage_gbs: float = 2000.0  # aggregate checkpoint write bandwidth, GB/s (Llama 3's 2 TB/s)
     mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # per accelerator
+    net_gbps: float | None = None  # inter-node GB/s per accelerator (None: the catalog's)
+    fragmentation: float = 0.05  # what the allocator reserves beyond the allocated peak, a share of it
+    recovery: Recovery = Recovery()
+    spares: int | None = None  # hot spare nodes; None: as many as pay for themselves
+    layout: str = ""  # `--layout tp=8,pp=16,...`: predict this layout (else the config's [parallel], if set)
     calibrate_from: Path | None = None
     sweep: Path | None = None  # a keel sweep's directory: the learning rate, warmup and loss it predicts
     trials: int = 2000
     seed: int = 0
 
 
+def hardware(q: Question) -> Accelerator:
+    """The accelerator of the question, with the cluster's own network when given and its allocator's
+    fragmentation."""
+    hw = replace(by_key(q.hardware), fragmentation=q.fragmentation)
+    return hw if q.net_gbps is None else replace(hw, inter_bw=q.net_gbps * 1e9)
+
+
 def answer(q: Question) -> dict:
     """Everything `keel plan` says, as one JSON-friendly dict."""
-    hw = by_key(q.hardware)
+    hw = hardware(q)
     if q.gpus < 1 or q.tokens <= 0:
         raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
-    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else DEFAULT
-    work = Workload(q.cfg.model, q.cfg.train.seq_len, q.cfg.train.global_batch, q.tokens)
+    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else efficiency_for(hw)
+    work = Workload.of(q.cfg, q.tokens)
     tuning = from_sweep(q.sweep, q.cfg, work.n_params, work.steps()) if q.sweep else None  # a bad one fails first
+    given, unmodelled = (parse_layout(q.layout, q.gpus), []) if q.layout else config_layout(q.cfg, q.gpus)
     candidates = search(work, q.gpus, hw, eff)
     fitting = [c for c in candidates if c.fits]
-    if not fitting:
+    assessed = assess(work, given, hw, eff, candidates) if given is not None else None
+    if not fitting and assessed is None:
         nearest = min(candidates, key=lambda c: c.memory.total)
         raise KeelError(f"no layout of {q.cfg.name} fits {q.gpus} × {hw.name}: "
                         f"{suggest(work, nearest.layout, hw)}")
-    best = fitting[0]
+    best = assessed.candidate if assessed is not None else fitting[0]  # the layout the run is planned on
     run = Run(work.steps() * best.step.total, q.gpus, checkpoint_bytes(work.n_params, q.gpus),
               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
-              Storage(write_bw=q.storage_gbs * 1e9))
-    nodes = math.ceil(q.gpus / hw.devices_per_node)
-    spares = max(1, math.ceil(nodes / SPARE_EVERY))
+              Storage(write_bw=q.storage_gbs * 1e9), q.recovery)
+    spares, options = (q.spares, []) if q.spares is not None else \
+        best_spares(run, Policy(), q.price, q.seed, q.trials)
     policies = compare_policies(run, seed=q.seed, trials=q.trials, base=Policy(
         name=f"async, optimal interval, disk restore, {spares} spare node(s)", spare_nodes=spares))
     chosen = policies[0]
@@ -79,15 +92,20 @@ def answer(q: Question) -> dict:
     return {
         "question": {"config": q.cfg.name, "gpus": q.gpus, "hardware": hw.name, "tokens": q.tokens,
                      "price_per_hour": q.price, "storage_gb_s": q.storage_gbs, "device_mtbf_hours": q.mtbf_hours,
-                     "seed": q.seed, "trials": q.trials},
+                     "net_gb_s": hw.inter_bw / 1e9, "detect_s": q.recovery.detect_s,
+                     "restart_s": q.recovery.restart_s, "repair_h": q.recovery.repair_s / 3600,
+                     "fragmentation": q.fragmentation, "seed": q.seed, "trials": q.trials},
+        "spares": {"nodes": spares, "auto": q.spares is None, "options": options},
         "model": {"parameters": work.n_params, "flops_per_token": work.flops_per_token, "seq_len": work.seq_len,
                   "global_batch": work.global_batch, "steps": work.steps()},
         "efficiency": asdict(eff),
+        "memory_check": _memory_check(q.calibrate_from, hw) if q.calibrate_from else None,
         "layouts": [_candidate(c) for c in fitting[:TOP]],
-        "why": explain(candidates),
+        "given": None if assessed is None else {**assessed.row(), "not_modelled": unmodelled},
+        "why": explain(candidates) + [line for line in [untied_alternative(work, q.gpus, hw, eff, fitting[0]
+                                                                           if fitting else None)] if line],
         "dropped": len(candidates) - len(fitting),
-        "memory": {k: getattr(best.memory, k) / GIB for k in ("params", "grads", "optimizer", "activations",
-                                                             "pipeline_inflight", "buffers", "total", "usable")},
+        "memory": {k: getattr(best.memory, k) / GIB for k in (*PARTS, "total", "reserved", "usable")},
         "step": best.step.parts() | {"total": best.step.total},
         "checkpoint": {"bytes": run.ckpt_bytes, "async_blocking_s": blocking, "write_s": write,
                        "job_mtbf_h": run.mtbf_s / 3600, "interval_s": young_daly(run, async_save=True)},
@@ -102,13 +120,34 @@ def answer(q: Question) -> dict:
 
 
 def _candidate(c: Candidate) -> dict:
-    return {"layout": c.layout.describe(), **asdict(c.layout), "memory_gib": c.memory.total / GIB,
-            "headroom": c.memory.headroom, "step_s": c.step.total, "tokens_per_s_per_gpu": c.tokens_per_s,
-            "mfu": c.step.mfu}
+    return {"layout": c.layout.describe(), "spec": c.layout.spec(), **asdict(c.layout),
+            "memory_gib": c.memory.total / GIB, "headroom": c.memory.headroom, "step_s": c.step.total,
+            "tokens_per_s_per_gpu": c.tokens_per_s, "mfu": c.step.mfu}
 
 
 def _days(stats: dict[str, float]) -> dict[str, float]:
     return {k: v / 86400 for k, v in stats.items()}
+
+
+def _memory_check(run_dir: Path, hw: Accelerator) -> dict:
+    """The memory model against the calibration run's own measured peak."""
+    try:
+        check = check_run(run_dir, hw)
+    except KeelError as e:
+        return {"unavailable": str(e)}
+    return {"run": Path(run_dir).name, "layout": check.predicted.layout.describe(),
+            "measured_gib": check.measured / GIB, "predicted_gib": check.predicted.total / GIB, "error": check.error,
+            "note": check.note}
+
+
+def _memory_line(check: dict | None) -> list[str]:
+    if not check:
+        return []
+    if "unavailable" in check:
+        return [f"memory model: not checked ({check['unavailable']})"]
+    return [f"memory model on {check['run']} ({check['layout']}): {check['predicted_gib']:.2f} GiB predicted, "
+            f"{check['measured_gib']:.2f} measured above the runtime ({check['error']:+.0%})"
+            + (f"; {check['note']}" if check["note"] else "")]
 
 
 def lines(a: dict) -> list[str]:
@@ -118,21 +157,37 @@ def lines(a: dict) -> list[str]:
            f"sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
            f"{m['global_batch']} × {m['seq_len']} on {q['gpus']:,} × {q['hardware']}",
            f"efficiency factors: compute {a['efficiency']['compute']:.2f}, overlap {a['efficiency']['overlap']:.2f}, "
-           f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", "",
+           f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", *_memory_line(a["memory_check"]), "",
            f"{'layout':<40}{'GiB/GPU':>9}{'headroom':>10}{'s/step':>9}{'tokens/s/GPU':>14}{'MFU':>7}"]
     for c in a["layouts"]:
         out.append(f"{c['layout']:<40}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"
                    f"{c['tokens_per_s_per_gpu']:>14,.0f}{c['mfu']:>7.1%}")
     out += [f"({a['dropped']} layouts do not fit or do not divide the batch)", *a["why"], ""]
-    mem = a["memory"]
-    out.append("memory per GPU, best layout (GiB): " + ", ".join(
-        f"{k} {mem[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "pipeline_inflight", "buffers"))
-        + f"; total {mem['total']:.1f} of {mem['usable']:.1f} usable")
-    out.append("step time, best layout (s): " + ", ".join(f"{k} {v:.3g}" for k, v in a["step"].items()))
+    if (g := a["given"]) is not None:
+        out += [f"given layout {g['layout']}: {g['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {g['mfu']:.1%}, "
+                f"{g['step_s']:.3g} s/step, {g['memory_gib']:.1f} GiB; ranks {g['rank']} of {g['of']} fitting "
+                f"layouts: {g['versus_best']}; the breakdowns, checkpoints, run and cost below are for it"]
+        if not g["fits"]:
+            out.append(f"  WARNING: it {g['memory_verdict']}")
+        if g["not_modelled"]:
+            out.append(f"  not modelled by the planner: {', '.join(g['not_modelled'])}")
+        out.append("")
+    mem, planned = a["memory"], "given layout" if a["given"] else "best layout"
+    out.append(f"memory per GPU, {planned} (GiB): " + ", ".join(
+        f"{k} {mem[k]:.1f}" for k in PARTS)
+        + f"; total {mem['total']:.1f}, {mem['reserved']:.1f} reserved with the allocator's "
+        f"{q['fragmentation']:.0%} fragmentation, of {mem['usable']:.1f} usable")
+    out.append(f"step time, {planned} (s): " + ", ".join(f"{k} {v:.3g}" for k, v in a["step"].items()))
     out += ["", f"checkpoint {ck['bytes'] / 1e12:.2f} TB ({ck['bytes'] / q['gpus'] / 1e9:.2f} GB per GPU): an async "
             f"save blocks {ck['async_blocking_s']:.1f} s and writes in {ck['write_s']:.1f} s at "
             f"{q['storage_gb_s']:,.0f} GB/s; job MTBF {ck['job_mtbf_h']:.1f} h (per GPU "
             f"{q['device_mtbf_hours']:,.0f} h); Young/Daly interval {format_duration(ck['interval_s'])}"]
+    spares = a["spares"]
+    chosen = f"{spares['nodes']} hot spare node(s)" + (" (auto: " + ", ".join(
+        f"{o['spares']} → {dollars(o['money'])}" for o in spares["options"]) + " mean cost)"
+        if spares["auto"] else "")
+    out.append(f"recovery: detect {format_duration(q['detect_s'])}, restart {format_duration(q['restart_s'])}, "
+               f"repair {q['repair_h']:g} h; {chosen}; network {q['net_gb_s']:g} GB/s per GPU across nodes")
     w, g, n = run["wall_days"], run["goodput"], run["interruptions"]
     out += [f"run ({q['trials']:,} Monte Carlo trials, seed {q['seed']}): {run['work_days']:.1f} days of compute; "
             f"wall time P10/P50/P90 {w['p10']:.1f} / {w['p50']:.1f} / {w['p90']:.1f} days; goodput "
@@ -151,6 +206,10 @@ def lines(a: dict) -> list[str]:
     if a["tuning"]:
         out += ["", *tuning_lines(a["tuning"])]
     return out
+
+
+def dollars(money: float) -> str:
+    return f"${money / 1e6:,.2f}M" if money >= 1e6 else f"${money:,.0f}"
 
 
 def to_json(a: dict) -> str:
@@ -173,18 +232,17 @@ def write_html(q: Question, a: dict, path: Path) -> Path:
         counts.append(gpus)
         walls.append(other["run"]["wall_days"]["p50"])
         costs.append(other["cost"]["money"]["p50"] / 1e6)
-    hw = by_key(q.hardware)
-    work = Workload(q.cfg.model, q.cfg.train.seq_len, q.cfg.train.global_batch, q.tokens)
+    hw = hardware(q)
+    work = Workload.of(q.cfg, q.tokens)
     best = search(work, q.gpus, hw, Efficiency(**a["efficiency"]))[0]
     run = Run(work.steps() * best.step.total, q.gpus, a["checkpoint"]["bytes"],
               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
-              Storage(write_bw=q.storage_gbs * 1e9))
+              Storage(write_bw=q.storage_gbs * 1e9), q.recovery)
     optimum = a["checkpoint"]["interval_s"]
     intervals = [optimum * 2 ** (k / 4) for k in range(-12, 13)]
     goodputs = [100 * expected_goodput(run, Policy(interval_s=t)) for t in intervals]
     mem = a["memory"]
-    bars = [(k, mem[k], "#2563eb", f"{mem[k]:.1f} GiB") for k in ("params", "grads", "optimizer", "activations",
-                                                                  "pipeline_inflight", "buffers")]
+    bars = [(k, mem[k], "#2563eb", f"{mem[k]:.1f} GiB") for k in PARTS]
     panels = [
         ("Wall time (P50 days) against GPUs", line_chart([Series("wall days", counts, walls, "#2563eb", dots=True)])),
         ("Cost (P50, $M) against GPUs", line_chart([Series("cost", counts, costs, "#dc2626", dots=True)])),

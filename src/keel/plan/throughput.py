@@ -25,6 +25,9 @@ What each parallelism costs per step and device (keel's FSDP2 and pipelining beh
   (reshard after forward), reduce-scatter of fp32 gradients (keel's reduce_dtype default), one call per
   block. Without a pipeline keel syncs every micro-batch; with one, the schedule gathers once and
   reduces once per step.
+- ZeRO-1/2 over dp_shard (`Layout.zero`): parameters whole on every rank; gradients reduce-scattered into
+  their shard (ZeRO-2 every micro-batch, ZeRO-1 once per step) and the updated parameters all-gathered once
+  per step (Rajbhandari et al. 2020, arXiv 1910.02054, §5-7).
 - HSDP/DP over dp_replicate: all-reduce of this shard's fp32 gradients across replicas.
 - PP: the bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time when interleaved with v
   chunks per rank (Narayanan et al. 2021, arXiv 2104.04473, §2.2); activations (sharded over tp with
@@ -40,10 +43,9 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from keel.config import load_config, resolve_layout
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.layout import Layout, Workload
+from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, run_layout
 from keel.rundir.events import read_jsonl
 
 BASE_LATENCY = 8.4e-6  # s, NCCL ring Simple base latency (src/graph/tuning.cc baseLat)
@@ -53,14 +55,34 @@ RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # forwards recomputed;
 GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, torchtitan's too)
 
 
+# Compute efficiency grows with the model's width: larger matmuls keep the tensor cores busier and the
+# element-wise kernels weigh less. torchtitan's Llama 3.1 8B, 70B and 405B, on the same H100s and software,
+# imply 0.43, 0.47 and 0.51 of the peak at widths 4,096, 8,192 and 16,384 (docs/planning.md): about
+# (dim / 8,192)^0.15. Below 256 the factor stops falling (such models are not planned on accelerators).
+SIZE_REFERENCE, SIZE_EXPONENT = 8192, 0.15
+# Compute efficiency at width 8,192 by accelerator generation, each fitted (geometric midpoint of the extremes,
+# after the width factor) to the published runs of that generation in the validation table.
+GENERATIONS: dict[tuple[str, ...], tuple[float, str]] = {
+    ("h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl"): (
+        0.481, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
+    ("a100", "a100-40"): (0.595, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
+    ("tpu-v4",): (0.585, "TPU v4: PaLM 540B"),
+}
+
+
+def size_factor(dim: int, exponent: float = SIZE_EXPONENT) -> float:
+    """How much more (or less) of the peak a model of width `dim` reaches than one of width 8,192."""
+    return (max(dim, 256) / SIZE_REFERENCE) ** exponent
+
+
 @dataclass(frozen=True)
 class Efficiency:
-    """The factors that turn peak figures into time. One default set predicts every published run of
-    the validation table (tests/unit/plan/test_throughput.py) within ±25%:
-    - compute 0.52: the share of the dense peak the whole forward/backward reaches (matmuls alone reach
-      ~80% on H100, [ME]'s MAMF table; attention, norms and element-wise kernels dilute it). Published
-      runs need 0.40-0.45 on torchtitan's H100s and 0.62-0.68 on A100/TPU v4 (Megatron-LM, MegaScale,
-      PaLM); 0.52 is the single value whose worst error over the table is smallest (+21% / −21%).
+    """The factors that turn peak figures into time (tests/unit/plan/test_throughput.py checks them against
+    every published run of the validation table):
+    - compute: the share of the dense peak the whole forward/backward reaches at width 8,192 (times
+      `size_factor` at other widths); matmuls alone reach ~80% on H100 ([ME]'s MAMF table), attention,
+      norms and element-wise kernels dilute it. By generation where published runs give it (GENERATIONS:
+      0.48 Hopper, 0.60 Ampere, 0.59 TPU v4); 0.54, the midpoint of every run's, on other hardware.
     - overlap 0.9: FSDP2 prefetch and backward reduce-scatter hide nearly all data-parallel traffic that
       fits under compute: torchtitan's Llama 3.1 8B lost 2.7% per GPU going from FSDP over NVLink (8
       GPUs) to FSDP over InfiniBand (128 GPUs), where its traffic is ~70% of the compute time.
@@ -68,13 +90,22 @@ class Efficiency:
       A100 all-reduce ~80%: ml-engineering network chapter).
     `calibrate` fits them to a measured run instead."""
 
-    compute: float = 0.52
+    compute: float = 0.54
     overlap: float = 0.9
     link: float = 0.8
     source: str = "defaults"
+    size_exponent: float = SIZE_EXPONENT  # 0 once calibrated: a measured run fixes the efficiency at its width
 
 
 DEFAULT = Efficiency()
+
+
+def efficiency_for(hw: Accelerator) -> Efficiency:
+    """The default factors with the compute efficiency of `hw`'s generation where published runs give one."""
+    for keys, (compute, source) in GENERATIONS.items():
+        if hw.key in keys:
+            return replace(DEFAULT, compute=compute, source=f"defaults; compute from {source}")
+    return DEFAULT
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,33 @@ def peak_flops(work: Workload, hw: Accelerator) -> float:
     return peak
 
 
+def _data_parallel_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, layers: int,
+                        m_micro: int, act_dtype: int) -> tuple[float, float]:
+    """(FSDP or ZeRO traffic over dp_shard (stride tp), DP traffic over dp_replicate (stride tp·dp_shard·pp))
+    of one step, `layers` blocks on the busiest pipeline rank."""
+    local_params = work.n_params / (layout.tp * layout.pp)
+    calls = layers + 1  # one unit per block and the root (embeddings, norm, output)
+    syncs = 1 if layout.pp > 1 else m_micro
+    gathers = 1 if layout.pp > 1 else 2 * m_micro
+    fsdp_link = _link(hw, layout.tp, layout.dp_shard, eff)
+    fsdp_comm = 0.0
+    if layout.dp_shard > 1 and layout.zero >= 3:
+        gather = collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link)
+        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, layout.dp_shard, fsdp_link)
+        fsdp_comm = calls * (gathers * gather + syncs * scatter)
+    elif layout.dp_shard > 1:
+        # ZeRO-1/2: the whole parameters stay; the gradients are reduce-scattered into their shard (ZeRO-2: every
+        # micro-batch outside a pipeline; ZeRO-1: once per step) and the updated parameters all-gathered once.
+        reduces = syncs if layout.zero == 2 else 1
+        fsdp_comm = calls * (reduces * collective("reduce_scatter", GRAD_BYTES * local_params / calls,
+                                                  layout.dp_shard, fsdp_link)
+                             + collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link))
+    dp_link = _link(hw, layout.tp * layout.dp_shard * layout.pp, layout.dp_replicate, eff)
+    dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / layout.dp_shard / calls,
+                                         layout.dp_replicate, dp_link)
+    return fsdp_comm, dp_comm
+
+
 def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency = DEFAULT) -> StepBreakdown:
     """Predicted time of one optimizer step of `work` laid out as `layout` on `hw`."""
     m = work.model
@@ -153,10 +211,12 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
     recompute = RECOMPUTE[layout.ac]
     peak = peak_flops(work, hw)
     tokens_per_device = work.global_batch * work.seq_len / gpus
-    compute = tokens_per_device * work.flops_per_token * (1 + recompute / 3) / (peak * eff.compute)
+    # The pipeline runs at its busiest rank's pace: its compute is the step's.
+    compute = tokens_per_device * work.flops_per_token * (1 + recompute / 3) \
+        / (peak * eff.compute * size_factor(m.dim, eff.size_exponent)) * pipeline_imbalance(work, layout)
 
     act_dtype = 2 if work.param_dtype in ("bf16", "fp16") else 4
-    layers = m.n_layers / layout.pp  # per device, all its chunks
+    layers = max(rank_blocks(work, layout))  # on the busiest pipeline rank, all its chunks
     act = layout.micro_batch * work.seq_len * m.dim * act_dtype  # one micro-batch's hidden states
 
     # TP: the bytes of one all-reduce (= reduce-scatter + all-gather with SP) per pair of collectives.
@@ -168,20 +228,7 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
         one = collective("all_reduce", act, layout.tp, tp_link)
     tp_comm = layers * m_micro * per_layer / 2 * one if layout.tp > 1 else 0.0
 
-    # FSDP over dp_shard (stride tp) and DP over dp_replicate (stride tp·dp_shard·pp).
-    local_params = work.n_params / (layout.tp * layout.pp)
-    calls = layers + 1  # one unit per block and the root (embeddings, norm, output)
-    syncs = 1 if layout.pp > 1 else m_micro
-    gathers = 1 if layout.pp > 1 else 2 * m_micro
-    fsdp_link = _link(hw, layout.tp, layout.dp_shard, eff)
-    fsdp_comm = 0.0
-    if layout.dp_shard > 1:
-        gather = collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link)
-        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, layout.dp_shard, fsdp_link)
-        fsdp_comm = calls * (gathers * gather + syncs * scatter)
-    dp_link = _link(hw, layout.tp * layout.dp_shard * layout.pp, layout.dp_replicate, eff)
-    dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / layout.dp_shard / calls,
-                                         layout.dp_replicate, dp_link)
+    fsdp_comm, dp_comm = _data_parallel_comm(work, layout, hw, eff, layers, m_micro, act_dtype)
 
     # PP: activations forward and gradients back across each stage boundary, per micro-batch and chunk.
     pp_p2p = bubble = 0.0
@@ -240,13 +287,7 @@ def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
     """Workload, layout, hardware and measured step of a keel run directory (config.toml, metrics.jsonl,
     events.jsonl)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").exists():
-        raise KeelError(f"{run_dir}: no config.toml, not a keel run directory")
-    cfg = load_config(run_dir / "config.toml", [])
-    starts = _records(run_dir / "events.jsonl", "start")
-    if not starts:
-        raise KeelError(f"{run_dir}/events.jsonl has no start event: the run never trained")
-    world, device = int(starts[-1]["detail"]["world_size"]), str(starts[-1]["detail"]["device"])
+    trained = run_layout(run_dir)
     windows = [r for r in _records(run_dir / "metrics.jsonl") if r.get("time/step_s") and r.get("throughput/mfu")]
     windows = windows[1:] if len(windows) > 1 else windows
     profiled = [r for r in windows if r.get("time/comm_share") is not None]
@@ -259,16 +300,8 @@ def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
     peak = statistics.fmean(r["throughput/tflops_per_device"] * 1e12 / r["throughput/mfu"] for r in windows)
     checks = [c for r in _records(run_dir / "events.jsonl", "preflight") for c in r["detail"].get("checks", [])]
     busbw = [c["values"]["busbw_gbs"] * 1e9 for c in checks if "busbw_gbs" in c.get("values", {})]
-    p = cfg.parallel
-    kept = resolve_layout(cfg, world)
-    fp32 = cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and device.startswith("cpu"))
-    per_rank = cfg.train.global_batch // kept.dp
-    micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
-    layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
-                    dp_replicate=kept.dp_replicate, micro_batch=micro, ac=p.activation_checkpoint)
-    work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, param_dtype="fp32" if fp32 else "bf16")
-    hw = _run_hardware(device, peak, statistics.fmean(busbw) if busbw else 0.0, hw)
-    return MeasuredRun(work, layout, hw, step_s, comm_share * step_s, mfu,
+    hw = _run_hardware(trained.device, peak, statistics.fmean(busbw) if busbw else 0.0, hw)
+    return MeasuredRun(trained.work, trained.layout, hw, step_s, comm_share * step_s, mfu,
                        statistics.fmean(r["throughput/tokens_per_s"] for r in windows))
 
 
@@ -281,7 +314,8 @@ def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
     the predicted traffic even with nothing hidden, the link is slower than assumed: overlap = 0 and
     the link factor shrinks until the prediction matches."""
     run = measured_run(run_dir, hw)
-    nominal = step_time(run.work, run.layout, run.hw, Efficiency(compute=1.0, overlap=0.0, link=DEFAULT.link))
+    nominal = step_time(run.work, run.layout, run.hw, Efficiency(compute=1.0, overlap=0.0, link=DEFAULT.link,
+                                                                 size_exponent=0.0))
     layout = run.layout
     bubble_share = (layout.pp - 1) / (layout.v * run.work.micro_batches(layout)) if layout.pp > 1 else 0.0
     fixed = nominal.tp_comm + nominal.pp_p2p  # never hidden
@@ -297,4 +331,5 @@ def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
         link = DEFAULT.link * (fixed + hideable) / max(exposed, 1e-12)
     else:
         overlap = min(1.0, max(0.0, 1 - (exposed - fixed) / hideable))
-    return Efficiency(compute=compute, overlap=overlap, link=link, source=f"calibrated on {Path(run_dir).name}")
+    return Efficiency(compute=compute, overlap=overlap, link=link, source=f"calibrated on {Path(run_dir).name}",
+                      size_exponent=0.0)

@@ -86,7 +86,16 @@ def test_asking_for_cuda_without_it_is_bad_input(tmp_path: Path, capsys: pytest.
     (["--tokens", "1e9", "--storage-gbps", "0"], "--storage-gbps 0.0: expected a finite number above 0"),
     (["--tokens", "1e9", "--storage-gbps", "-3"], "--storage-gbps -3.0: expected a finite number above 0"),
     (["--tokens", "1e9", "--mtbf-hours", "-1"], "--mtbf-hours -1.0: expected a finite number above 0"),
-    (["--tokens", "1e9", "--price", "nan"], "--price nan: expected a finite price"),
+    (["--tokens", "1e9", "--price", "nan"], "--price nan: expected a finite number at least 0"),
+    (["--tokens", "1e9", "--net-gbps", "0"], "--net-gbps 0.0: expected a finite number above 0"),
+    (["--tokens", "1e9", "--detect-s", "-5"], "--detect-s -5.0: expected a finite number at least 0"),
+    (["--tokens", "1e9", "--restart-s", "inf"], "--restart-s inf: expected a finite number"),
+    (["--tokens", "1e9", "--repair-h", "1e9"], "--repair-h 1000000000.0: expected a finite number at least 0 and "
+                                               "at most 8760"),
+    (["--tokens", "1e9", "--fragmentation", "nan"], "--fragmentation nan: expected a finite number at least 0 and "
+                                                    "at most 1"),
+    (["--tokens", "1e9", "--spares", "-1"], "--spares '-1': expected auto or a number of spare nodes"),
+    (["--tokens", "1e9", "--spares", "many"], "--spares 'many': expected auto or a number of spare nodes"),
     (["--tokens", "1e9", "--trials", "0"], "--trials 0: expected between 1 and"),
     (["--tokens", "1e9", "--trials", "-2"], "--trials -2: expected between 1 and"),
     (["--tokens", "1e9", "--seed", "-1"], "--seed -1: expected 0 or a positive integer"),

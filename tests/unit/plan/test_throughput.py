@@ -26,7 +26,9 @@ from keel.plan.throughput import (
     _link,
     calibrate,
     collective,
+    efficiency_for,
     measured_run,
+    size_factor,
     step_time,
 )
 from tests.conftest import REPO
@@ -170,6 +172,17 @@ MEGATRON = ModelConfig(dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, voc
 GPT3 = ModelConfig(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=51200, multiple_of=256,
                    tie_embeddings=True)
 
+# BLOOM-176B (BigScience 2022, arXiv 2211.05100, §3.4): 70 layers, hidden 14,336, 112 heads, vocabulary 250,880
+# tied with the output, seq 2,048, batch 2,048; TP 4 × PP 12 × DP 8 on 384 A100 80GB (48 nodes of 8, 4 ×
+# 100 Gb/s per node), micro-batch 2, full activation checkpointing; 156 TFLOP/s per GPU counting the
+# recomputed forward (Megatron's formula), so compared with HFU × 312 TFLOP/s. 70 blocks on 12 stages: 5 on
+# the first and last, 6 on the others (keel.model.split).
+BLOOM = ModelConfig(dim=14336, n_layers=70, n_heads=112, n_kv_heads=112, vocab_size=250880, multiple_of=256,
+                    tie_embeddings=True)
+BLOOM_A100 = replace(A100, inter_bw=4 * 100e9 / 8 / 8)
+# Llama 3 405B (arXiv 2407.21783, Table 4): 16,384 H100, TP 8 × CP 1 × PP 16 × DP 128, seq 8,192, 16 sequences
+# per data-parallel rank (batch 2,048), 41% BF16 MFU (38-43% across its configurations); the interleaved
+# schedule with one block fewer on the first and last stages (§3.3.2): 4 stages per rank assumed.
 PUBLISHED = [
     # name, workload, layout, hardware, published value, quantity
     ("torchtitan Llama 3.1 8B, 8 H100, FSDP", ("llama3_8b", 8192, 16),
@@ -189,29 +202,46 @@ PUBLISHED = [
      Layout(tp=8, pp=64, dp_replicate=6, micro_batch=1, ac="full"), A100, 0.52, "hfu"),
     ("MegaScale 175B, 12,288 GPUs", (GPT3, 2048, 6144),
      Layout(tp=8, pp=8, v=2, dp_replicate=192, micro_batch=1), A100, 0.552, "mfu"),
+    ("BLOOM-176B, 384 A100, TP 4 x PP 12 x DP 8", (BLOOM, 2048, 2048),
+     Layout(tp=4, pp=12, dp_replicate=8, micro_batch=2, ac="full"), BLOOM_A100, 156e12 / 312e12, "hfu"),
+    ("Llama 3 405B, 16,384 H100, TP 8 x PP 16 x DP 128", ("llama3_405b", 8192, 2048),
+     Layout(tp=8, pp=16, v=4, dp_shard=128, micro_batch=1), H100, 0.41, "mfu"),
 ]
 
 
-def predict(shape: tuple, layout: Layout, hw, quantity: str) -> float:
+
+def predict(shape: tuple, layout: Layout, hw, quantity: str, eff: Efficiency | None = None) -> float:
     cfg, seq, batch = shape
     work = Workload(model(cfg) if isinstance(cfg, str) else cfg, seq, batch)
-    step = step_time(work, layout, hw)
+    step = step_time(work, layout, hw, eff or efficiency_for(hw))
     return {"tokens/s": step.tokens_per_s_per_device, "mfu": step.mfu, "hfu": step.hfu}[quantity]
 
 
 @pytest.mark.parametrize(("name", "shape", "layout", "hw", "published", "quantity"), PUBLISHED,
                          ids=[row[0] for row in PUBLISHED])
-def test_published_runs_are_predicted_within_25_percent(name: str, shape: tuple, layout: Layout, hw,
+def test_published_runs_are_predicted_within_10_percent(name: str, shape: tuple, layout: Layout, hw,
                                                         published: float, quantity: str) -> None:
+    """With the compute efficiency of the accelerator's generation (fitted to these runs: in-sample; the
+    leave-one-out errors are in docs/planning.md), and with one default for every generation within 25%."""
     assert str(layout.gpus()) in name.replace(",", "")  # the published device count
     predicted = predict(shape, layout, hw, quantity)
-    assert abs(predicted / published - 1) <= 0.25, f"{name}: {quantity} {predicted:.4g} vs {published}"
+    assert abs(predicted / published - 1) <= 0.10, f"{name}: {quantity} {predicted:.4g} vs {published}"
+    anywhere = predict(shape, layout, hw, quantity, DEFAULT)
+    assert abs(anywhere / published - 1) <= 0.25, f"{name}: {quantity} {anywhere:.4g} vs {published} (default)"
+
+
+def test_wider_models_reach_more_of_the_peak() -> None:
+    assert size_factor(8192) == 1.0 and size_factor(4096) < 1.0 < size_factor(16384)
+    assert size_factor(64) == size_factor(256)
+    assert efficiency_for(H100).compute < efficiency_for(A100).compute  # torchtitan's H100s vs A100 runs
+    assert efficiency_for(by_key("mi300x")) == DEFAULT
 
 
 def test_the_published_model_shapes_match_their_papers() -> None:
     assert Workload(PALM, 2048, 1).n_params == pytest.approx(540.35e9, rel=0.01)
     assert Workload(MEGATRON, 2048, 1).n_params == pytest.approx(1008e9, rel=0.01)
     assert Workload(GPT3, 2048, 1).n_params == pytest.approx(175e9, rel=0.01)
+    assert Workload(BLOOM, 2048, 1).n_params == pytest.approx(176.2e9, rel=0.01)
 
 
 def test_calibration_reproduces_the_measured_run() -> None:
@@ -279,12 +309,13 @@ def test_search_over_1024_gpus_is_fast_ranked_and_complete() -> None:
         lay = c.layout
         assert lay.gpus() == 1024 and lay.tp <= 8 and cfg.model.n_kv_heads % lay.tp == 0
         assert work.global_batch % (lay.dp() * lay.micro_batch) == 0
-        assert cfg.model.n_layers % (lay.pp * lay.v) == 0
+        assert lay.pp * lay.v <= cfg.model.n_layers  # every stage holds a block (keel.model.split)
         assert lay.pp == 1 or work.micro_batches(lay) >= lay.pp
         assert c.memory.fits == c.fits and (c.fits or "does not fit" in c.why)
     assert {c.layout.ac for c in found} == {"none", "selective", "full"}
-    assert {c.layout.v for c in found} == {1, 2}
+    assert {c.layout.v for c in found} == {1, 2, 4}
     assert any(c.layout.dp_replicate > 1 for c in fitting)
+    assert any(cfg.model.n_layers % (c.layout.pp * c.layout.v) for c in fitting)  # uneven splits are searched
     best = fitting[0]
     assert best.layout.tp == 8  # 70B over InfiniBand: tensor parallel over NVLink beats sharding wider
 

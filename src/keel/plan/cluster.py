@@ -1,0 +1,97 @@
+"""The cluster's own figures for `keel plan`: its network, how fast it notices and recovers from a failure,
+how often its accelerators fail, its spare nodes, its storage, its price and its memory allocator's
+fragmentation; from flags, a TOML file
+(`--cluster FILE`, the same names), or the defaults below, each with its source (docs/planning.md).
+
+A flag wins over the file, the file over the default. Every figure is checked (finite, in range) before
+anything is planned: one line naming it and what would do.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from keel.errors import KeelError
+from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
+from keel.plan.failures import DEFAULT_DEVICE_MTBF_H, Recovery
+
+YEAR_H = 365 * 24.0
+MAX_SPARES = 100_000
+
+
+@dataclass(frozen=True)
+class Cluster:
+    # GB/s per accelerator, one direction, across nodes (None: the accelerator catalog's typical figure).
+    net_gbps: float | None = None
+    detect_s: float = Recovery.detect_s  # a failure noticed: heartbeat/watchdog timeouts
+    restart_s: float = Recovery.restart_s  # reschedule, start every rank, communicator init, warm-up
+    repair_h: float = Recovery.repair_s / 3600  # a failed node back: drain, diagnose, swap, burn-in
+    spares: int | None = None  # hot spare nodes (None: auto, as many as pay for themselves)
+    mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # hours of one accelerator per job interruption
+    storage_gbps: float = 2000.0  # aggregate checkpoint write bandwidth (Llama 3's 2 TB/s)
+    price: float = DEFAULT_PRICE_PER_HOUR  # per accelerator-hour
+    fragmentation: float = 0.05  # memory the allocator reserves beyond its allocated peak, a share of it
+
+    def recovery(self) -> Recovery:
+        return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600)
+
+
+# name → (lowest, whether the lowest itself is allowed, highest, what it is)
+LIMITS: dict[str, tuple[float, bool, float, str]] = {
+    "net_gbps": (0.0, False, 10_000.0, "GB/s per accelerator across nodes"),
+    "detect_s": (0.0, True, YEAR_H * 3600, "seconds to notice a failure"),
+    "restart_s": (0.0, True, YEAR_H * 3600, "seconds to restart the job"),
+    "repair_h": (0.0, True, YEAR_H, "hours to repair a failed node"),
+    "mtbf_hours": (0.0, False, 1e9, "hours of one accelerator between interruptions"),
+    "storage_gbps": (0.0, False, 1e6, "GB/s of aggregate checkpoint writes"),
+    "price": (0.0, True, 1e6, "price per accelerator-hour"),
+    "fragmentation": (0.0, True, 1.0, "share of the peak the memory allocator reserves beyond it"),
+}
+FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"]}
+FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"
+
+
+def checked(name: str, value: Any, where: str) -> Any:
+    """`value` for the figure `name` when valid; else one line naming `where` it came from."""
+    if name == "spares":
+        if value in (None, "auto"):
+            return None
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SPARES:
+            raise KeelError(f"{where} {value!r}: expected auto or a number of spare nodes from 0 to {MAX_SPARES:,}")
+        return value
+    low, inclusive, high, what = LIMITS[name]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
+            not (low <= value if inclusive else low < value) or value > high:
+        bound = f"{'at least' if inclusive else 'above'} {low:g} and at most {high:g}"
+        raise KeelError(f"{where} {value!r}: expected a finite number {bound} ({what})")
+    return float(value)
+
+
+def read_cluster(path: Path) -> dict[str, Any]:
+    """The figures of a cluster file, checked: a TOML table of the names above."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise KeelError(f"--cluster {path}: cannot be read ({e.strerror or e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise KeelError(f"--cluster {path}: not valid TOML ({e})") from None
+    known = [f.name for f in fields(Cluster)]
+    for key in data:
+        if key not in known:
+            raise KeelError(f"--cluster {path}: unknown figure {key!r}; expected some of {', '.join(known)}")
+    return {key: checked(key, value, f"--cluster {path}: {key} =") for key, value in data.items()}
+
+
+def cluster_from(path: Path | None, flags: dict[str, Any]) -> Cluster:
+    """The cluster: the defaults, then the file's figures, then the flags given (None: not given)."""
+    values = read_cluster(path) if path is not None else {}
+    for name, value in flags.items():
+        if value is not None:
+            values[name] = checked(name, value, FLAGS[name])
+    return Cluster(**values)

@@ -1,0 +1,86 @@
+"""The cluster's own figures in `keel plan`: a TOML file and flags (flags win), each checked in one line; the
+network, detection, restart and repair times reach the predictions; spare nodes only where they pay."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from keel.config import load_config
+from keel.errors import KeelError
+from keel.plan.cluster import Cluster, cluster_from
+from keel.plan.failures import Recovery
+from keel.plan.report import Question, answer
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def question(gpus: int, cluster: Cluster, config: str = "llama3_8b", tokens: float = 1e11) -> Question:
+    cfg = load_config(REPO / "configs" / f"{config}.toml", [])
+    return Question(cfg, gpus, "h100", tokens, price=cluster.price, storage_gbs=cluster.storage_gbps,
+                    mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps, recovery=cluster.recovery(),
+                    spares=cluster.spares, trials=200)
+
+
+def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("net_gbps = 25\ndetect_s = 600\nrestart_s = 900\nrepair_h = 48\nspares = 2\nmtbf_hours = 14000\n")
+    cluster = cluster_from(path, {"restart_s": 60.0, "spares": "auto", "detect_s": None})
+    assert cluster == Cluster(net_gbps=25.0, detect_s=600.0, restart_s=60.0, repair_h=48.0, spares=None,
+                              mtbf_hours=14000.0)
+    assert cluster.recovery() == Recovery(detect_s=600.0, restart_s=60.0, repair_s=48 * 3600.0)
+    assert cluster_from(None, {}) == Cluster()  # the documented defaults
+
+
+@pytest.mark.parametrize("text, message", [
+    ("net_gbs = 25\n", "unknown figure 'net_gbs'; expected some of net_gbps, detect_s"),
+    ("repair_h = -1\n", "repair_h = -1: expected a finite number at least 0"),
+    ("net_gbps = 'fast'\n", "net_gbps = 'fast': expected a finite number above 0"),
+    ("spares = 1.5\n", "spares = 1.5: expected auto or a number of spare nodes"),
+    ("fragmentation = 1.5\n", "fragmentation = 1.5: expected a finite number at least 0 and at most 1"),
+    ("detect_s = \n", "not valid TOML"),
+])
+def test_a_bad_cluster_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(KeelError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        cluster_from(path, {})
+    assert "\n" not in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_recovery_times_and_the_network_reach_the_prediction() -> None:
+    base = answer(question(1024, Cluster(spares=1), tokens=1e13))  # two weeks, a failure every two days
+    slow = answer(question(1024, Cluster(spares=1, detect_s=1800, restart_s=3600), tokens=1e13))
+    assert slow["run"]["expected_goodput"] < base["run"]["expected_goodput"] - 0.01
+    assert slow["run"]["wall_days"]["mean"] > base["run"]["wall_days"]["mean"] + 0.1
+    assert (slow["question"]["detect_s"], slow["question"]["restart_s"]) == (1800, 3600)
+    thin = answer(question(1024, Cluster(spares=1, net_gbps=3.125), tokens=1e13))  # 25 Gb/s per GPU instead of 400
+    assert thin["question"]["net_gb_s"] == 3.125 and base["question"]["net_gb_s"] == 50
+    assert thin["layouts"][0]["tokens_per_s_per_gpu"] < base["layouts"][0]["tokens_per_s_per_gpu"]
+
+
+def test_the_allocators_fragmentation_decides_what_fits() -> None:
+    """torchtitan's 8B layout with full AC on 8 H100: its allocated peak leaves room for 5% fragmentation,
+    not for 70%."""
+    cfg = load_config(REPO / "configs" / "llama3_8b.toml", [])
+    layout = "dp_shard=8,micro_batch=2,ac=full"
+    tight = answer(Question(cfg, 8, "h100", 1e11, layout=layout, trials=50))
+    loose = answer(Question(cfg, 8, "h100", 1e11, layout=layout, trials=50, fragmentation=0.7))
+    assert tight["question"]["fragmentation"] == 0.05 and tight["given"]["fits"]
+    assert loose["memory"]["total"] == tight["memory"]["total"]
+    assert loose["memory"]["reserved"] == pytest.approx(1.7 * loose["memory"]["total"]) and not loose["given"]["fits"]
+
+
+def test_spares_are_kept_only_where_they_pay_for_themselves() -> None:
+    small = answer(question(8, Cluster()))
+    assert small["spares"]["auto"] and small["spares"]["nodes"] == 0  # a spare would double an 8-GPU job's bill
+    assert small["cost"]["parts"]["failures.spares"]["share"] == 0
+    large = answer(question(16384, Cluster(), "llama3_405b", 15e12))
+    options = {o["spares"]: o["money"] for o in large["spares"]["options"]}
+    chosen = large["spares"]["nodes"]
+    assert chosen > 0 and options[chosen] == min(options.values()) and options[0] > 1.5 * options[chosen]
+    fixed = answer(replace(question(8, Cluster(spares=3))))
+    assert fixed["spares"] == {"nodes": 3, "auto": False, "options": []}
+    assert fixed["cost"]["parts"]["failures.spares"]["share"] > 0.5  # 3 idle nodes beside 1 working one
