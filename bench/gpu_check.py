@@ -275,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device, hw = device_entry(cuda)
     peak = hw.peak_flops.get("bf16") if hw else None
-    # The planner's figure for this model, batch and layout; its total does not depend on the device.
-    plan = memory(Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch),
+    # The planner's figure for this model, batch, loss and layout on this device (a CPU adds its host copies).
+    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
+    plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"),
                   Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint),
                   hw or by_key("h100" if cuda else "cpu"))
     head = [*context(cfg, device, hw, cuda), f"planner: {plan.explain()}"]
