@@ -26,6 +26,7 @@ RESULTS = REPO / "bench" / "results"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 CONFIGURATION = REPO / "docs" / "configuration.md"
 STABILITY = REPO / "docs" / "stability.md"
+PLANNING = REPO / "docs" / "planning.md"
 TUNING = REPO / "docs" / "tuning.md"
 
 
@@ -181,6 +182,21 @@ def trackers() -> str:
                    "dropped + refused, per repeat"], rows)
 
 
+def memory_model() -> str:
+    r = _results("memory_model")
+    rows = [[name, str(r["configs"][name]["nproc"]), f"`{' '.join(r['configs'][name]['overrides']) or '(none)'}`",
+             row["layout"],
+             f"{row['predicted_mib']:,.0f}", f"{row['measured_mib']:,.0f}", f"**{row['error']:+.1%}**",
+             f"{r['default_allocator'][name]['measured_mib']:,.0f}",
+             f"{r['default_allocator'][name]['measured_mib'] / row['measured_mib'] - 1:+.0%}"]
+            for name, row in r["tight"].items()]
+    rows += [[name, "1", f"`model.vocab_size={name[5:].split('_')[0]} train.cross_entropy={name.split('_')[1]}`",
+              row["layout"], f"{row['predicted_mib']:,.0f}", f"{row['measured_mib']:,.0f}",
+              f"**{row['error']:+.1%}**", "", ""] for name, row in r["cross_entropy"].items()]
+    return _table(["configuration", "processes", "overrides", "layout", "predicted MiB", "measured MiB", "error",
+                   "glibc default MiB", "fragmentation"], rows)
+
+
 def dedup() -> str:
     r = _results("dedup")
     return _table(["", "documents/s", "recall, pairs with J ≥ 0.9", "precision, pairs with J ≤ 0.5 not joined"],
@@ -272,6 +288,7 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
     TUNING: {"transfer": transfer},
+    PLANNING: {"memory_model": memory_model},
 }
 
 
