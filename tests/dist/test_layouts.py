@@ -42,8 +42,7 @@ LAYOUTS = {
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
     "pp3_uneven": (3, ["parallel.pp=3"]),  # 4 blocks: 1, 2, 1
-    # The fused cross entropy on vocabulary-sharded logits, and as the pipeline's loss function.
-    "tp2_fused_ce": (2, ["parallel.tp=2", "parallel.dp_shard=1", "train.cross_entropy=fused"]),
+    # The fused cross entropy on vocabulary-sharded logits, as the pipeline's loss function.
     "pp2xtp2_fused_ce": (4, ["parallel.pp=2", "parallel.tp=2", "train.cross_entropy=fused"]),
 }
 # Every stability lever at once, and μP at twice its base width, the z-loss large enough that a wrong reduction

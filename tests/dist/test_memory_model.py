@@ -1,6 +1,7 @@
-"""The memory model against keel's own measured peak memory: real `keel train` runs on this CPU in eight
-layouts and sizes (bench/memory_model.py's), each rank's peak resident memory above what it held before
-building its model, within ±15% of what `keel.plan.memory` predicts from the run's config and layout.
+"""The memory model against keel's own measured peak memory: real `keel train` runs on this CPU in six of
+bench/memory_model.py's layouts (every term of the model: the loss by cross entropy, activation checkpointing,
+FSDP, TP and PP; the bench adds full AC and a wider model), each rank's peak resident memory above what it held
+before building its model, within ±15% of what `keel.plan.memory` predicts from the run's config and layout.
 
 glibc's allocator runs with MALLOC_MMAP_THRESHOLD_, so that freed tensors leave the resident set and it
 follows what is allocated (the allocator's own fragmentation is the planner's separate headroom factor,
@@ -16,14 +17,15 @@ from bench.memory_model import CONFIGS, MIB, TIGHT, measure_all
 from keel.plan.memory import MemoryCheck
 
 pytestmark = pytest.mark.dist
+TESTED = {name: CONFIGS[name] for name in ("one", "fused_ce", "ac_selective", "fsdp2", "tp2", "pp2")}
 
 
 @pytest.fixture(scope="module")
 def checks(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, MemoryCheck]:
-    return measure_all(small_corpus, tmp_path_factory.mktemp("memory"), CONFIGS, TIGHT)
+    return measure_all(small_corpus, tmp_path_factory.mktemp("memory"), TESTED, TIGHT)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(TESTED))
 def test_the_memory_model_predicts_the_measured_peak_within_15_percent(name: str, checks: dict) -> None:
     check = checks[name]
     print(f"{name}: predicted {check.predicted.total / MIB:.0f} MiB, measured {check.measured / MIB:.0f} MiB "
