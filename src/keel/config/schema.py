@@ -162,6 +162,10 @@ class TrainConfig:
                                 "one log Z per token and writes the gradient over the logits: 2 bytes per bf16 "
                                 "logit; the same loss up to rounding)", choices=("torch", "fused"))
 
+    def compute_precision(self, device_type: str) -> str:
+        """bf16 or fp32: what `precision` means on a device of this type (the trainer and the planner)."""
+        return "bf16" if self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda") else "fp32"
+
 
 @dataclass
 class OptimConfig:

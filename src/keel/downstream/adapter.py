@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from keel.core.dtensor import plain
 from keel.data.tokenizer import Tokenizer
 
 Logits = Callable[[torch.Tensor], torch.Tensor]  # (batch, seq) token ids → (batch, seq, vocab) logits
@@ -63,9 +64,7 @@ class KeelLM(TemplateLM):
         batch = torch.full((len(sequences), width), self.tok.pad, dtype=torch.long)
         for row, seq in enumerate(sequences):
             batch[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        logits = self.logits(batch.to(self.target))
-        if hasattr(logits, "full_tensor"):  # tensor parallel: the vocabulary's shards gathered
-            logits = logits.full_tensor()
+        logits = plain(self.logits(batch.to(self.target)))  # tensor parallel: the vocabulary's shards gathered
         logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
         return [logprobs[row, :len(seq)] for row, seq in enumerate(sequences)]
 

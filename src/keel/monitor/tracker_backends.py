@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
+from keel.checkpoint.identity import flat_config as settings
 from keel.config import Config, MlflowConfig, WandbConfig
 
 # MLflow's limits per log_batch call, and on a key's characters.
@@ -22,17 +23,8 @@ MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED"
 
 def flat_config(cfg: Config) -> dict[str, str]:
     """The resolved config as `section.key` → text (lists as JSON), the way trackers show parameters."""
-    flat: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, inner)
-        else:
-            flat[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
-
-    walk("", dataclasses.asdict(cfg))
-    return flat
+    return {key: json.dumps(value) if isinstance(value, list) else str(value)
+            for key, value in settings(cfg).items()}
 
 
 def mlflow_key(key: str) -> str:

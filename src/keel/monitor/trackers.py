@@ -279,5 +279,5 @@ def attach_report(cfg: Config, run_dir: Path, report: Path) -> list[str]:
             backend.artifact(report)
             backend.close("finished")
         except Exception as e:
-            problems.append(f"{name}: the report was not attached ({type(e).__name__}: {str(e)[:200]})")
+            problems.append(f"{name}: the report was not attached ({cause(e)})")
     return problems

@@ -196,9 +196,9 @@ def run_layout(run_dir: Path) -> TrainedRun:
         raise KeelError(f"{run_dir}/events.jsonl has no start event: the run never trained")
     start = starts[-1]["detail"]
     p, kept = cfg.parallel, resolve_layout(cfg, int(start["world_size"]))
-    fp32 = cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and str(start["device"]).startswith("cpu"))
     per_rank = cfg.train.global_batch // kept.dp
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
                     dp_replicate=kept.dp_replicate, micro_batch=micro, ac=p.activation_checkpoint)
-    return TrainedRun(cfg, Workload.of(cfg, param_dtype="fp32" if fp32 else "bf16"), layout, start)
+    precision = cfg.train.compute_precision(str(start["device"]).split(":")[0])  # "cuda:0" → cuda
+    return TrainedRun(cfg, Workload.of(cfg, param_dtype=precision), layout, start)

@@ -93,9 +93,7 @@ def gather_hosts(world_size: int) -> list[str]:
 
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cfg.train.compute_precision(device.type) == "bf16" else torch.float32
 
 
 def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
