@@ -26,10 +26,10 @@ pytestmark = pytest.mark.dist
 
 STEPS = 40
 FAULT_AT = 10
-# In a run with a kill (or a killed lighthouse), every group sleeps this long in each step, so that what was
-# killed is back (process start, torchrun, heal) well before the run ends; the sleep changes nothing the run
-# computes, and a run without a kill goes at its own pace.
-PACE = "slow:rank=-1,seconds=0.4"
+# In a run with a kill (or a killed lighthouse), every group sleeps this long in each step from the fault's on,
+# so that what was killed is back (process start, torchrun, heal) well before the run ends; the sleep changes
+# nothing the run computes, and the steps before the fault, or a run without one, go at their own pace.
+PACE = f"slow:rank=-1,seconds=0.4,from_step={FAULT_AT}"
 # After a kill, 20 slower steps (14 s in all): time for the killed group to restart and heal (3-7 s on an
 # idle machine) on a loaded one.
 CATCH_UP = f"slow:rank=-1,seconds=0.3,from_step={FAULT_AT + 1},steps=20"
