@@ -76,6 +76,9 @@ class Watchdog:
         self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
         self._promised: tuple[str, float] = ("", -1.0)  # the last beat's section, and the seconds it promised
+        # The loop and this thread both beat; a beat read before and replaced after the other's would leave
+        # the older one in place, naming a section the rank has left (until the next poll).
+        self._beating = threading.RLock()  # reentrant: a signal handler on the loop may beat inside a beat
 
     # ------------------------------------------------------------ what the loop calls
 
@@ -193,11 +196,11 @@ class Watchdog:
         if self.heartbeats is None:
             return
         host = self.hosts[self.rank] if self.rank < len(self.hosts) else node_name()
-        promised = valid_s or self.timeouts.get(self.section_name, self.timeouts["step"])
-        self._promised = (self.section_name, promised)
-        with contextlib.suppress(OSError):
-            beat(self.heartbeats, self.rank, {"where": self._where(), "host": host, "timeouts": self._rounded()},
-                 promised)
+        with self._beating, contextlib.suppress(OSError):
+            where = self._where()
+            promised = valid_s or self.timeouts.get(where["section"], self.timeouts["step"])
+            self._promised = (where["section"], promised)
+            beat(self.heartbeats, self.rank, {"where": where, "host": host, "timeouts": self._rounded()}, promised)
 
     def _rounded(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in self.timeouts.items()}

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +142,42 @@ for step in range(1, 1000):
     time.sleep(0.1)
     dog.end()
 """
+
+
+def test_the_watchdog_thread_never_replaces_a_newer_beat_of_the_loop(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread reads "idle" and is held in its write while the loop enters step 31 and beats: the beat
+    left in place is the loop's, or a rank stopped right then would be named in the wrong section."""
+    import keel.health.watchdog as watchdog_module
+
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    monkeypatch.setenv(ENV, str(beats))
+    dog, _ = make_watchdog(tmp_path, poll_s=3600)  # the test plays the thread's part itself
+    dog.timeouts.update(step=4.0, checkpoint=4.0)
+    dog.start()
+    writing, loop_beat = threading.Event(), threading.Event()
+    original = watchdog_module.beat
+
+    def held_beat(*args: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            loop_beat.wait(timeout=1.0)  # without the order of beats, the loop's lands while this one waits
+        original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watchdog_module, "beat", held_beat)
+    try:
+        dog.begin("checkpoint", 30)
+        dog.end()
+        thread = threading.Thread(target=dog._beat)
+        thread.start()
+        assert writing.wait(timeout=5)
+        dog.begin("step", 31)
+        loop_beat.set()
+        thread.join()
+        assert read_beat(beats, 0)["where"]["section"] == "step"  # type: ignore[index]
+    finally:
+        dog.stop()
 
 
 def test_launcher_names_a_stopped_worker_dumps_the_others_stacks_and_ends_both(tmp_path: Path) -> None:
