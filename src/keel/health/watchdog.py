@@ -76,9 +76,9 @@ class Watchdog:
         self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
         self._promised: tuple[str, float] = ("", -1.0)  # the last beat's section, and the seconds it promised
-        # The loop and this thread both beat; a beat read before and replaced after the other's would leave
-        # the older one in place, naming a section the rank has left (until the next poll).
-        self._beating = threading.RLock()  # reentrant: a signal handler on the loop may beat inside a beat
+        # The loop and this thread both beat: one at a time, or a beat read before the other's and renamed
+        # after it would name a section the rank has left (until the next poll).
+        self._beating = threading.Lock()
 
     # ------------------------------------------------------------ what the loop calls
 
