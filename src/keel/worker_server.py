@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import keel
 from keel.health.lifeline import AGENT_PID_ENV, die_with_launcher
+from keel.health.signals import SIGNALS as PAUSE_SIGNALS
 
 # What a worker imports before its first step: the worker server imports them once for every worker it forks.
 # torch._inductor.config: torch.use_deterministic_algorithms imports it, and torch's compiler with it (a second).
@@ -84,6 +85,8 @@ def become_worker(launcher_env: dict[str, str]) -> None:
     end it dies with (keel.health.lifeline); and keel's clock started now, not when the server started."""
     for sig in IGNORED:  # what the server ignores, a worker takes as a fresh Python process does
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    # Sent since the fork, they waited: now they act. A pause waits on until `keel train` keeps it for its loop.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(IGNORED) - set(PAUSE_SIGNALS))
     own = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**launcher_env, **own})
@@ -102,3 +105,6 @@ if os.environ.get(SERVER_OF) == str(os.getppid()):
     die_with_launcher()
     for _sig in IGNORED:
         signal.signal(_sig, signal.SIG_IGN)
+    # Blocked as well: a worker inherits the mask, so a signal the agent sends it before it has handlers of its
+    # own (a pause asked for as the workers start) stays pending for them instead of being ignored and lost.
+    signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)

@@ -67,3 +67,40 @@ def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_
     assert seen["dies_with"] == seen["parent"] != seen["launcher"]  # the server, which dies with the launcher
     assert seen["server_alive"] and seen["sigterm_default"]  # a job-wide SIGTERM is for the workers, not the server
     assert seen["clock_restarted"]  # keel.STARTED: when the worker was forked, not when the server started
+
+
+# The agent passes a pause on to workers that are still starting: one forked worker, signalled as it starts.
+PAUSED_AS_IT_STARTS = """
+import multiprocessing, os
+from keel.worker_server import start_worker_server
+from tests.unit.test_worker_server import asked_to_pause_while_starting
+
+start_worker_server(1)
+ctx = multiprocessing.get_context("forkserver")
+queue = ctx.Queue()
+worker = ctx.Process(target=asked_to_pause_while_starting, args=(queue, dict(os.environ)))
+worker.start()
+worker.join(60)
+print(queue.get(timeout=1) if worker.exitcode == 0 else f"exit code {worker.exitcode}")
+"""
+
+
+def asked_to_pause_while_starting(queue, launcher_env: dict[str, str]) -> None:
+    """SIGUSR1 before keel's entry has run, SIGTERM after it and before `keel train` listens: both kept for
+    the loop, the first one named."""
+    os.kill(os.getpid(), signal.SIGUSR1)
+    from keel.health.signals import stop_requested_early, stop_signals_kept
+    from keel.worker_server import become_worker
+
+    become_worker(launcher_env)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with stop_signals_kept():
+        queue.put(f"kept {stop_requested_early()}")
+
+
+def test_a_pause_sent_while_a_worker_starts_waits_for_its_handlers(tmp_path: Path) -> None:
+    env = {**keel_env(), "PYTHONPATH": os.pathsep.join([str(Path.cwd()), keel_env()["PYTHONPATH"]])}
+    out = subprocess.run([sys.executable, "-c", PAUSED_AS_IT_STARTS], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "kept SIGUSR1"  # not lost to the server's SIG_IGN, nor killed by SIG_DFL

@@ -30,6 +30,8 @@ def stop_signals_kept() -> Iterator[None]:
     so a pause asked for at any moment ends in a pause. The handlers are put back afterwards."""
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
     previous = {sig: signal.signal(sig, _keep) for sig in SIGNALS} if main else {}
+    if main:  # a worker's worker server blocked them until now: one sent since the fork is kept here
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     try:
         yield
     finally:
