@@ -46,12 +46,14 @@ def check_eval_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from keel.downstream.models import hf_model, is_hf_export, keel_model
     from keel.downstream.tasks import check_tasks, run_tasks
-    from keel.parallel.mesh import pick_device
 
     tasks = check_eval_args(args)
     manager = check_tasks(tasks, args.include)  # unknown tasks are refused before a model is loaded
+    # torch and the model code only now: bad input is answered without waiting for them
+    from keel.downstream.models import hf_model, is_hf_export, keel_model
+    from keel.parallel.mesh import pick_device
+
     device = pick_device(args.device)
     target = Path(args.target)
     if is_hf_export(target):
