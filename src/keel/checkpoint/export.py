@@ -38,8 +38,9 @@ from keel.checkpoint.storage import fsync_path, locate
 from keel.config import ModelConfig
 from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
+from keel.model.flops import ffn_hidden_dim
 from keel.model.init import canonical_name
-from keel.model.llama import Llama, ffn_hidden_dim, width_ratio
+from keel.model.llama import Llama, width_ratio
 from keel.paths import check_writable_dir
 
 CONFIG = "config.json"

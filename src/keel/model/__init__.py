@@ -1,3 +1,1 @@
-from keel.model.llama import Llama
-
-__all__ = ["Llama"]
+"""The Llama model, its loss, its split into pipeline stages, and its sizes (keel.model.flops, without torch)."""

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.model.flops import ffn_hidden_dim
 
 HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
 
@@ -17,12 +18,6 @@ def width_ratio(cfg: ModelConfig) -> float:
     """μP's base_dim / dim, by which hidden matrices' learning rate and the output logits scale (1 under the
     standard parametrization, and at the base width)."""
     return (cfg.base_dim or cfg.dim) / cfg.dim if cfg.parametrization == "mup" else 1.0
-
-
-def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """Llama's rule: 2/3 of 4·dim, scaled by the multiplier, rounded up to `multiple_of`."""
-    hidden = int(cfg.ffn_dim_multiplier * int(2 * 4 * cfg.dim / 3))
-    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:

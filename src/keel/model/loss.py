@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from keel.config import TrainConfig
 from keel.core.dtensor import plain
+from keel.model.flops import FUSED_CHUNK
 
 CROSS_ENTROPY = ("torch", "fused")
-FUSED_CHUNK = 2**24  # elements of a slice of logits computed in fp32 at once (64 MiB)
 
 
 def log_normaliser(logits: torch.Tensor) -> torch.Tensor:

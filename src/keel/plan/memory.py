@@ -35,8 +35,7 @@ from pathlib import Path
 
 from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
-from keel.model.llama import ffn_hidden_dim
-from keel.model.loss import FUSED_CHUNK
+from keel.model.flops import FUSED_CHUNK, ffn_hidden_dim
 from keel.plan.layout import Layout, Workload, rank_blocks, run_layout
 from keel.rundir.events import read_jsonl
 

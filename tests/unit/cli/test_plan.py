@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_keel
+from tests.conftest import REPO, keel_env, run_keel
 
 PLAN_70B = ["plan", "--config", str(REPO / "configs" / "llama3_70b.toml"), "--gpus", "1024", "--hardware", "h100",
             "--tokens", "15e12"]
@@ -60,3 +62,12 @@ def test_unknown_hardware_names_the_valid_keys(tmp_path: Path) -> None:
     result = run_keel([*PLAN_70B[:3], "--gpus", "8", "--hardware", "x100", "--tokens", "1e12"], cwd=tmp_path,
                       timeout=60)
     assert result.returncode == 2 and "unknown hardware 'x100'" in result.stderr and "h100" in result.stderr
+
+
+def test_the_planner_answers_without_loading_torch(tmp_path: Path) -> None:
+    """Arithmetic on a config: a plan, or a one-line error, in a fraction of a second on any laptop."""
+    plan = f"import sys; from keel.cli import main; main({PLAN_70B!r}); print('torch' in sys.modules, file=sys.stderr)"
+    done = subprocess.run([sys.executable, "-c", plan], env=keel_env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "memory per GPU" in done.stdout, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "False"
