@@ -7,6 +7,7 @@ import os
 GROUP_ENV = "KEEL_REPLICA_GROUP"  # this process's replica group (unset: not in a run of replica groups)
 ROOT_ENV = "KEEL_REPLICA_ROOT"  # the run directory above the groups' own
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse address
+PARTICIPANTS = "ft/participants"  # the metric: replica groups in the quorum a step is made by
 
 
 def replica_group() -> int:

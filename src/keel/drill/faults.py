@@ -17,7 +17,7 @@ import torch.distributed as dist
 from keel.checkpoint.manifest import step_name
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
-from keel.core.replica import replica_group
+from keel.core.replica import PARTICIPANTS, replica_group
 from keel.core.state import TrainState
 from keel.errors import ConfigError
 from keel.rundir.events import EventLog
@@ -247,12 +247,22 @@ class SignalInStep(_InStep):
 class SlowRank(Injector):
     """Make `rank` (-1: every rank) slower from step `from_step` on, for `steps` steps (0: to the end): after
     its backward it sleeps for `seconds`, or else for (factor − 1) × the time the step took it so far (outside
-    any collective)."""
+    any collective). `while_missing`: only in the steps made while fewer replica groups are in the quorum
+    than this process has seen in one (the live groups wait for a lost one to come back and heal, and go at
+    their own pace once it has)."""
 
     def __init__(self, rank: int = 1, factor: float = 3.0, from_step: int = 1, seconds: float = 0.0,
-                 steps: int = 0) -> None:
+                 steps: int = 0, while_missing: bool = False) -> None:
         self.rank, self.factor, self.from_step, self.seconds, self.steps = rank, factor, from_step, seconds, steps
+        self.while_missing, self.most_groups = while_missing, 0
         self.started = 0.0
+
+    def _paced(self, step: Step) -> bool:
+        if not self.while_missing:
+            return True
+        live = step.metrics.get(PARTICIPANTS, 0)
+        self.most_groups = max(self.most_groups, live)
+        return live < self.most_groups
 
     def on_batch(self, step: Step) -> None:
         self.started = time.perf_counter()
@@ -260,7 +270,7 @@ class SlowRank(Injector):
     def on_backward(self, step: Step, replaying: bool) -> None:
         n = step.number
         if (not replaying and n >= self.from_step and self.rank in (-1, dist.get_rank())
-                and (not self.steps or n < self.from_step + self.steps)):
+                and (not self.steps or n < self.from_step + self.steps) and self._paced(step)):
             if not self.announced and dist.get_rank() == max(self.rank, 0):
                 self.announced = True
                 self.announce(n, attempt=attempt())

@@ -113,8 +113,10 @@ def _poisoned(steps: int = 80, snapshot: int = 10, rollback: int = 5, skip: int 
 
 
 # Every group sleeps this long in each step, so that a killed group is back (process start, torchrun, heal)
-# well before the run ends; the sleep changes nothing the run computes.
+# well before the run ends; the sleep changes nothing the run computes. PACE_WHILE_MISSING: only in the steps
+# the live groups make without a lost one (as long as PACE would give it), at their own pace once it healed.
 PACE = "slow:rank=-1,seconds=0.4"
+PACE_WHILE_MISSING = f"{PACE},while_missing=true"
 SURVIVOR_ALONE = ("quorum", "change", {"group": 0, "participants": 1})  # group 0 goes on without group 1
 HEALED = ("quorum", "heal", {"group": 1})
 REPLICA_PROMISE = ("survivors lose no step; the run ends as the fault-free replica-group run (within "
@@ -127,13 +129,14 @@ def _replica_groups(plan: Plan) -> list[Scenario]:
                                 recovered_by=HEALED)
     return [
         Scenario("group_loss", f"a replica group SIGKILLed mid-step heals from the live one; {REPLICA_PROMISE}",
-                 inject=(PACE, f"kill:step={at},rank=-1,group=1"), **lost),
+                 inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1"), **lost),
         Scenario("group_loss_in_allreduce", "a replica group SIGKILLed while its peer waits for it in the gradient "
                  f"all-reduce: that step is made again, the group heals; {REPLICA_PROMISE}",
-                 inject=(PACE, f"kill_in_reduce:step={at},group=1"), **lost),
+                 inject=(PACE_WHILE_MISSING, f"kill_in_reduce:step={at},group=1"), **lost),
         Scenario("group_hang", "a replica group stopped (SIGSTOP) is left behind after the heartbeat timeout, "
                  f"restarted by its own launcher and heals; {REPLICA_PROMISE}",
-                 inject=(PACE, f"signal:step={at},rank=-1,group=1,signal=SIGSTOP"), tuning=FAST_WATCHDOG, **lost),
+                 inject=(PACE_WHILE_MISSING, f"signal:step={at},rank=-1,group=1,signal=SIGSTOP"), tuning=FAST_WATCHDOG,
+                 **lost),
         Scenario("flapping_group", "a replica group killed again in its first step after it healed heals a "
                  f"second time; {REPLICA_PROMISE}",
                  inject=("slow:rank=-1,seconds=0.8", f"kill:step={at},rank=-1,group=1", "kill_rejoined:group=1"),

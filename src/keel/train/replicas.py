@@ -32,7 +32,7 @@ from keel.config import FaultToleranceConfig
 from keel.core.actions import Action
 from keel.core.callbacks import Step
 from keel.core.dtensor import local
-from keel.core.replica import LIGHTHOUSE_ENV, ROOT_ENV, replica_group
+from keel.core.replica import LIGHTHOUSE_ENV, PARTICIPANTS, ROOT_ENV, replica_group
 from keel.core.state import TrainState, rng_state, set_rng_state
 from keel.data.loader import GlobalOrderLoader
 from keel.errors import EXIT_QUARANTINE, ConfigError
@@ -180,6 +180,9 @@ class ReplicaGroups(Builtin):
         self.joined = False
         self.position = self.loader.state_dict()
 
+    def on_step_start(self, step: Step) -> None:
+        step.metrics[PARTICIPANTS] = float(self.participants)  # what this step's quorum holds, from its start
+
     def _quorum(self) -> bool:
         started, step_before = time.perf_counter(), self.manager.current_step()
         self.manager.start_quorum()  # synchronous: a heal is applied before this returns
@@ -284,7 +287,7 @@ class ReplicaGroups(Builtin):
         return Action("stop", "replica_groups", reason, exit_code=EXIT_QUARANTINE)
 
     def metrics(self) -> dict[str, float]:
-        return {"ft/participants": float(self.participants), "ft/heals_total": float(self.heals),
+        return {PARTICIPANTS: float(self.participants), "ft/heals_total": float(self.heals),
                 "ft/heal_s": self.heal_s, "ft/quorum_changes_total": float(self.quorums),
                 "ft/retries_total": float(self.retries)}
 

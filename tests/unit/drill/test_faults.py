@@ -60,3 +60,23 @@ def test_a_killed_group_holds_back_its_restart_after_the_kill_only(
     counter.write_text("6\n" * delivered)
     faults.inject("kill:step=6,rank=-1,down_s=2.5", 0, str(tmp_path))
     assert slept == held_back
+
+
+def test_a_rank_slowed_while_a_group_is_missing_sleeps_only_in_the_steps_without_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: None) -> None:
+    """Two groups in the quorum, then one (a group lost), then two again (it healed): the sleeps fall in the
+    steps made by one group alone."""
+    import keel.drill.faults as faults
+    from keel.core.callbacks import Step
+    from keel.core.replica import PARTICIPANTS
+    from keel.core.state import TrainState
+
+    slept: list[int] = []
+    slow = faults.inject("slow:rank=-1,seconds=0.5,while_missing=true", 0, str(tmp_path))
+    state = TrainState()
+    for number, live in enumerate([2, 2, 1, 1, 2, 2], start=1):
+        step = Step(number, state, last=False, metrics={PARTICIPANTS: float(live)})
+        monkeypatch.setattr(faults.time, "sleep", lambda s, n=number: slept.append(n))
+        slow.on_batch(step)
+        slow.on_backward(step, replaying=False)
+    assert slept == [3, 4]
