@@ -26,13 +26,14 @@ pytestmark = pytest.mark.dist
 
 STEPS = 40
 FAULT_AT = 10
-# In a run with a kill (or a killed lighthouse), every group sleeps this long in each step from the fault's on,
-# so that what was killed is back (process start, torchrun, heal) well before the run ends; the sleep changes
-# nothing the run computes, and the steps before the fault, or a run without one, go at their own pace.
+# In a run with a killed lighthouse, every group sleeps this long in each step from the fault's on, so that the
+# lighthouse is back well before the run ends; the sleep changes nothing the run computes, and the steps before
+# the fault, or a run without one, go at their own pace.
 PACE = f"slow:rank=-1,seconds=0.4,from_step={FAULT_AT}"
-# After a kill, 20 slower steps (14 s in all): time for the killed group to restart and heal (3-7 s on an
-# idle machine) on a loaded one.
-CATCH_UP = f"slow:rank=-1,seconds=0.3,from_step={FAULT_AT + 1},steps=20"
+# After a kill, the live groups sleep this long in every step they make without the killed one: up to 21 s
+# over the 30 steps left, time for it to restart and heal (3-7 s on an idle machine) on a loaded one; once
+# it has healed, both go at their own pace.
+WHILE_MISSING = "slow:rank=-1,seconds=0.7,while_missing=true"
 # A killed group stays down this long before its restart builds anything: past the lighthouse's heartbeat
 # timeout, so that the survivor goes on without it (restarted workers are otherwise back within a second,
 # and the survivor's quorum waits for them instead).
@@ -43,7 +44,7 @@ TOLERANCE = 1e-4  # float32 sums in another order, compounded over the steps aft
 def ft_cmd(corpus: Path, run_dir: Path, fault: str = "", paced: bool = False) -> list[str]:
     probe = f'callbacks=[{{path = "tests.dist.replica_probe:StepLedger", args = {{out = "{run_dir / "probe"}"}}}}]'
     killed = "kill" in fault
-    faults = ", ".join(f'"{f}"' for f in (PACE if paced or killed else "", CATCH_UP if killed else "", fault) if f)
+    faults = ", ".join(f'"{f}"' for f in (PACE if paced else "", WHILE_MISSING if killed else "", fault) if f)
     return ["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(run_dir), *SMALL_RUN,
             f"train.steps={STEPS}", f"data.dir={corpus}", "eval.interval=0", "checkpoint.interval=100",
             "fault_tolerance.max_restarts=2", probe, f"drill.inject=[{faults}]"]
@@ -152,7 +153,7 @@ def test_spike_rollback_is_taken_by_every_group_at_the_same_step(small_corpus: P
     run_dir = tmp_path / "spike"
     guards = ["guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=4",
               "guard.spike.warmup=20", "guard.spike.window=40"]
-    faults = f'drill.inject=["{PACE}", "{CATCH_UP}", "kill:step={FAULT_AT},rank=-1,group=1", "poison_batch:batch=34"]'
+    faults = f'drill.inject=["{WHILE_MISSING}", "kill:step={FAULT_AT},rank=-1,group=1", "poison_batch:batch=34"]'
     done = run_keel([*ft_cmd(small_corpus, run_dir), *guards, faults], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     heal = group_events(run_dir, 1, "quorum")[-1]

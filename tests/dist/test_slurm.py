@@ -207,9 +207,9 @@ def test_time_limit_pauses_requeues_and_resumes_bitwise(slurm: SlurmCluster, ref
 
 
 REPLICA_STEPS = 30
-# After the kill the groups sleep 25 s over the next 10 steps, so that the killed group is back (torchrun's
-# restart and its heal) well before the survivor's last step.
-REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,from_step=11,steps=10"]'
+# After the kill the live group sleeps 2.5 s in each step it makes without the killed one (up to 50 s over the
+# 20 steps left), so that it is back (torchrun's restart and its heal) well before the survivor's last step.
+REPLICA_FAULTS = 'drill.inject=["kill:step=10,rank=-1,group=1", "slow:rank=-1,seconds=2.5,while_missing=true"]'
 
 
 def test_replica_groups_share_a_node_and_a_killed_group_heals(slurm: SlurmCluster, small_corpus: Path,
