@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,23 +13,37 @@ from keel.errors import ConfigError
 EXTRA = "pip install 'keel-pretrain[eval]'"
 
 
-def task_manager(include: list[str]) -> Any:
-    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors."""
+def task_manager(include: list[str], tasks: list[str]) -> Any:
+    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors.
+    When the directories hold every task named (as tasks, not groups or tags that may name lm-eval's own), the
+    index of the directories alone: indexing lm-eval's thousands of task files takes seconds."""
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise ConfigError(f"downstream evaluation needs lm-evaluation-harness: {EXTRA}") from None
     for path in include:
         if not Path(path).is_dir():
             raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
-    return TaskManager(include_path=list(include) or None, verbosity="ERROR")
+    if include:
+        own = _indexed(tuple(include), with_lm_eval=False)
+        if set(tasks) <= set(own.all_subtasks):
+            return own
+    return _indexed(tuple(include), with_lm_eval=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed(include: tuple[str, ...], with_lm_eval: bool) -> Any:
+    """Built once per process (a worker checks the tasks before it trains, and evaluates them later)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include) or None, include_defaults=with_lm_eval, verbosity="ERROR")
 
 
 def check_tasks(tasks: list[str], include: list[str]) -> Any:
     """The task manager, once every task is known to it (lm-eval's or the include directories')."""
     if not tasks:
         raise ConfigError("no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy) or tasks of --include")
-    manager = task_manager(include)
+    manager = task_manager(include, tasks)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {', '.join(include)}" if include else " (pass --include DIR for task files of your own)"
