@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ def _indexed(include: tuple[str, ...], with_lm_eval: bool) -> Any:
     """Built once per process (a worker checks the tasks before it trains, and evaluates them later)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(include) or None, include_defaults=with_lm_eval, verbosity="ERROR")
+    with warnings.catch_warnings():  # lm-eval 0.4.13 deprecates `verbosity`; the older ones keel allows log without it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return TaskManager(include_path=list(include) or None, include_defaults=with_lm_eval, verbosity="ERROR")
 
 
 def check_tasks(tasks: list[str], include: list[str]) -> Any:
