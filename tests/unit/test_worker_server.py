@@ -35,6 +35,13 @@ worker.join()
 """
 
 
+def launch(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A launcher script run in a fresh interpreter that imports these tests' worker functions."""
+    path = os.pathsep.join([str(Path.cwd()), keel_env()["PYTHONPATH"]])
+    return subprocess.run([sys.executable, "-c", script], cwd=cwd, env={**keel_env(), "PYTHONPATH": path, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
 def report(queue, launcher_env: dict[str, str], forked_at: float) -> None:
     """In the forked worker: what it had before keel's entry ran, and what it has after."""
     imported = sorted(m for m in ("torch", "torch.distributed.fsdp", "keel.train.worker") if m in sys.modules)
@@ -53,10 +60,7 @@ def report(queue, launcher_env: dict[str, str], forked_at: float) -> None:
 
 
 def test_a_forked_worker_has_its_imports_done_and_the_launchers_environment(tmp_path: Path) -> None:
-    env = {**keel_env(), "LAUNCHER_ONLY": "yes", "PYTHONPATH": os.pathsep.join([str(Path.cwd()), keel_env()[
-        "PYTHONPATH"]])}
-    out = subprocess.run([sys.executable, "-c", LAUNCHER], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = launch(LAUNCHER, tmp_path, LAUNCHER_ONLY="yes")
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout)
     assert seen["imported_before_entry"] == ["keel.train.worker", "torch", "torch.distributed.fsdp"]
@@ -99,8 +103,6 @@ def asked_to_pause_while_starting(queue, launcher_env: dict[str, str]) -> None:
 
 
 def test_a_pause_sent_while_a_worker_starts_waits_for_its_handlers(tmp_path: Path) -> None:
-    env = {**keel_env(), "PYTHONPATH": os.pathsep.join([str(Path.cwd()), keel_env()["PYTHONPATH"]])}
-    out = subprocess.run([sys.executable, "-c", PAUSED_AS_IT_STARTS], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = launch(PAUSED_AS_IT_STARTS, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "kept SIGUSR1"  # not lost to the server's SIG_IGN, nor killed by SIG_DFL
