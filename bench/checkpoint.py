@@ -17,7 +17,8 @@ At each size, after one training step (the buffers of the first save are reserve
   keel load       resume: every file's checksum verified, beside the load
   dcp.load        get_state_dict → dcp.load → set_state_dict, no verification
                   (both loads start with the page cache dropped, where the user may: they read the disk)
-Pairs run in alternating order. Medians, min–max and the ratios against the targets of the checkpointing
+Pairs run in alternating order, and every timed write, load and window starts right after the same
+touch of fresh memory (`warm`). Medians, min–max and the ratios against the targets of the checkpointing
 work go to bench/results/checkpoint.json.
 """
 
@@ -91,6 +92,16 @@ def dd(source: Path, target: Path) -> float:
                                            check=True, capture_output=True))
     target.unlink()
     return seconds
+
+
+def warm(nbytes: int) -> None:
+    """Touch `nbytes` of fresh memory and free it. A virtual machine may hand free memory back to its host once
+    it has been idle for some seconds; the next write into it then waits for the host to map every page again
+    (on the development machine: 3.4 GB touched in 11.7 s after 30 s idle, 0.28 s right after; `dd conv=fsync`
+    of 3.4 GB took 13.6 s after 40 s idle and 3.2 s right after another). Whichever of two writes came first
+    in a pair paid for it. Each timed measurement starts right after this, so that keel and its baseline find
+    memory alike, as they do on a machine that keeps its memory."""
+    torch.ones(nbytes, dtype=torch.uint8)
 
 
 def cold(fn: Callable[[], object]) -> float:
@@ -171,6 +182,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors(_state_dict(b.parts, [b.optimizer])))
     print(f"{size}: {b.params / 1e6:.0f}M parameters, state {state_bytes / 1e9:.2f} GB", flush=True)
     step_s = timed(b.step)
+    warm(state_bytes)
     b.save()
     b.step()
     first = b.committed()
@@ -183,6 +195,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
         flip = repeat % 2 == 1
         with_save = without = 0.0
         for kind in ("with", "without")[::-1 if flip else 1]:
+            warm(state_bytes)
             if kind == "with":
                 with_save, outcome = b.saved_then_steps(window)
                 r["keel_blocking"].append(outcome.blocking_s)
@@ -191,6 +204,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
         r["steps_with_save"].append(with_save)
         r["steps_without_save"].append(without)
         for kind in ("keel_write", "dd")[::-1 if flip else 1]:
+            warm(state_bytes)
             if kind == "keel_write":
                 alone = b.save(wait=True)  # nothing beside it: the write's own speed
                 assert alone is not None and alone.committed
@@ -198,6 +212,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
             else:
                 r[kind].append(dd(b.data_file(), b.work / "dd.bin"))
         r["memcpy"].append(memcpy(tensors(_state_dict(b.parts, [b.optimizer]))))
+        warm(state_bytes)
         r["dcp_save"].append(timed(lambda: dcp.save(_state_dict(b.parts, [b.optimizer]), checkpoint_id=plain)))
 
         def plain_load() -> None:
@@ -209,6 +224,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
         loads = [("dcp_load", plain_load),
                  ("keel_load", lambda: b.manager.restore(b.parts, [b.optimizer], "auto", print))]
         for name, fn in loads[::-1] if flip else loads:
+            warm(state_bytes)
             r[name].append(cold(fn))
         shutil.rmtree(plain)
         print(f"  repeat {repeat + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in r.items()), flush=True)
