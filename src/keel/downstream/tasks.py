@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +15,50 @@ from keel.errors import ConfigError
 EXTRA = "pip install 'keel-pretrain[eval]'"
 
 
-def task_manager(include: list[str], tasks: list[str]) -> Any:
-    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors.
-    When the directories hold every task named (as tasks, not groups or tags that may name lm-eval's own), the
-    index of the directories alone: indexing lm-eval's thousands of task files takes seconds."""
+def _lm_eval_tasks(include: list[str]) -> Path:
+    """lm-eval's own task directory, once lm-eval imports and every include directory exists (one-line errors)."""
     try:
-        import lm_eval.tasks  # noqa: F401
+        import lm_eval.tasks
     except ImportError:
         raise ConfigError(f"downstream evaluation needs lm-evaluation-harness: {EXTRA}") from None
     for path in include:
         if not Path(path).is_dir():
             raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def task_manager(include: list[str], tasks: list[str]) -> Any:
+    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors.
+    When the directories hold every task named (as tasks, not groups or tags that may name lm-eval's own), the
+    index of the directories alone: indexing lm-eval's thousands of task files takes seconds."""
+    _lm_eval_tasks(include)
     if include:
         own = _indexed(tuple(include), with_lm_eval=False)
         if set(tasks) <= set(own.all_subtasks):
             return own
     return _indexed(tuple(include), with_lm_eval=True)
+
+
+def task_files(root: Path) -> Iterator[Path]:
+    """The files under lm-eval's task directory that its task YAML may be read from: the *.yaml files and what they
+    include, whatever its name (templates such as `_template_yaml`); everything but Python and Markdown."""
+    return (p for p in root.rglob("*") if p.suffix not in (".py", ".pyc", ".md") and p.is_file())
+
+
+def _written_nowhere(tasks: list[str], include: list[str]) -> list[str]:
+    """The tasks that neither the include directories' index holds nor any of lm-eval's task files so much as
+    mentions: unknown for certain, since lm-eval's index takes every name (task, group, tag) from YAML that
+    writes it out. Reading lm-eval's 8 MB of task files as bytes takes a fraction of a second, its index
+    seconds, so a mistyped name is refused at once."""
+    root = _lm_eval_tasks(include)
+    own = set(_indexed(tuple(include), with_lm_eval=False).all_tasks) if include else set()
+    missing = {t.encode() for t in tasks if t not in own}
+    for path in task_files(root) if missing else ():
+        text = path.read_bytes()
+        missing = {name for name in missing if name not in text}
+        if not missing:
+            break
+    return [t for t in tasks if t.encode() in missing]
 
 
 @functools.lru_cache(maxsize=4)
@@ -46,8 +75,10 @@ def check_tasks(tasks: list[str], include: list[str]) -> Any:
     """The task manager, once every task is known to it (lm-eval's or the include directories')."""
     if not tasks:
         raise ConfigError("no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy) or tasks of --include")
-    manager = task_manager(include, tasks)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
+    manager, unknown = None, _written_nowhere(tasks, include)
+    if not unknown:
+        manager = task_manager(include, tasks)
+        unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {', '.join(include)}" if include else " (pass --include DIR for task files of your own)"
         raise ConfigError(f"unknown task {', '.join(map(repr, unknown))}: not an lm-eval task{where}")
