@@ -30,7 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -230,10 +230,11 @@ def _texts(work: Path, index: int, meta: np.ndarray, rows: np.ndarray) -> Iterat
             yield row, text[start:start + length].decode("utf-8", errors="replace")
 
 
-def _origin(inputs: list[InputFile], meta: np.ndarray, row: int) -> str:
-    """`path#n` of a task's kept document `row`: n counts the kept documents of its input file."""
+def _origin(files: Sequence[InputFile], first: int, meta: np.ndarray, row: int) -> str:
+    """`path#n` of a task's kept document `row`: n counts the kept documents of its input file. `files` are the
+    inputs from input number `first` on (all of them, or a task's own)."""
     index = int(meta["input"][row])
-    return f"{inputs[index].path}#{row - int(np.searchsorted(meta['input'], index))}"
+    return f"{files[index - first].path}#{row - int(np.searchsorted(meta['input'], index))}"
 
 
 def _read_meta(work: Path, index: int) -> np.ndarray:
@@ -295,7 +296,7 @@ def _samples(work: Path, inputs: list[InputFile], metas: list[np.ndarray], remov
         i, row = locate(int(doc))
         ki, krow = locate(int(kept[doc]))
         (_, text), = _texts(work, i, metas[i], np.array([row]))
-        out.append({"origin": _origin(inputs, metas[i], row), "kept": _origin(inputs, metas[ki], krow),
+        out.append({"origin": _origin(inputs, 0, metas[i], row), "kept": _origin(inputs, 0, metas[ki], krow),
                     "text": text[:2000]})
     return out
 
@@ -350,9 +351,10 @@ def _tokenizer(work: Path, keep: list[np.ndarray], data: DataConfig) -> Tokenize
 
 # ---------------------------------------------------------------- stage 4: encode
 
-def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, inputs: list[InputFile]) -> None:
+def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray) -> None:
     """Tokenize one task's surviving documents, dropping contaminated training ones; writes per split a token file
-    and the documents' token counts, and marks the task done."""
+    and the documents' token counts, and marks the task done. (It gets its own files, not the list of all inputs:
+    that list, pickled for every task sent to a worker, cost time quadratic in the number of files.)"""
     marker = work / f"{task.index:06d}.encode"
     if marker.is_file():
         return
@@ -377,7 +379,7 @@ def _encode_task(task: _Task, work: Path, data: DataConfig, rows: np.ndarray, in
             if grams is not None and banned is not None:
                 dropped[~is_val] = grams.contaminated(batch[~is_val], banned)
             for row in batch[dropped][: max(0, data.clean.samples - len(samples))].tolist():
-                samples.append({"origin": _origin(inputs, meta, row),
+                samples.append({"origin": _origin(task.files, task.first, meta, row),
                                 "text": text.document(meta, row)[:2000]})
             contaminated += int(dropped.sum())
             for split, chosen in (("train", ~is_val & ~dropped), ("val", is_val)):
@@ -647,7 +649,7 @@ def _run_stages(work: Path, data: DataConfig, inputs: list[InputFile], evals: li
         tokenizer = _tokenizer(work, keep, data)
         contamination = _contamination_set(work, keep, evals, data) if data.decontam.enabled else None
         bar = Progress("decontaminate and tokenize", total_bytes, progress)
-        pool.run(_encode_task, [(t, work, data, keep[t.index], inputs) for t in tasks], bar)
+        pool.run(_encode_task, [(t, work, data, keep[t.index]) for t in tasks], bar)
         bar.finish()
     return _Stages(scans, dedup, tokenizer, contamination, _marks(work, "encode", len(tasks)))
 

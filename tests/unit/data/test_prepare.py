@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import keel.data.prepare as prepare_module
 from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
 from keel.data.prepare import prepare, stdlib_files, unigram_entropy
 from keel.data.shards import MANIFEST
@@ -281,7 +282,8 @@ def test_exact_and_near_duplicates_are_removed_across_sources_and_counted(tmp_pa
     assert len(removed) == 5 and all(r["kept"].startswith(str(tmp_path / "a")) for r in removed)
 
 
-def test_training_documents_sharing_a_13_gram_with_an_eval_file_are_removed(tmp_path):
+def test_training_documents_sharing_a_13_gram_with_an_eval_file_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "TASK_BYTES", 1)  # a task per file, in two worker processes
     rng = np.random.default_rng(1)
     benchmark = prose(rng, 40).split(" ")
     (tmp_path / "eval.jsonl").write_text(json.dumps({"text": " ".join(benchmark)}) + "\n")
@@ -292,8 +294,11 @@ def test_training_documents_sharing_a_13_gram_with_an_eval_file_are_removed(tmp_
     b = next(i for i, d in enumerate(docs) if i != a and not expected_in_val((d + twelve).encode(), 0.1))
     docs[a] += thirteen  # 13 words of the benchmark: contaminated
     docs[b] += twelve  # 12 words: not
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    data = DataConfig(sources={"main": SourceConfig(paths=[str(tmp_path / "train.jsonl")])}, val_fraction=0.1,
+    (tmp_path / "train").mkdir()
+    for i in range(0, len(docs), 10):
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in docs[i:i + 10])
+        (tmp_path / "train" / f"{i:02d}.jsonl").write_text(lines)
+    data = DataConfig(sources={"main": SourceConfig(paths=[str(tmp_path / "train")])}, val_fraction=0.1, workers=2,
                       decontam=DecontamConfig(eval_files=[str(tmp_path / "eval.jsonl")]))
     out = tmp_path / "out"
     prepare(data, out)
@@ -302,7 +307,7 @@ def test_training_documents_sharing_a_13_gram_with_an_eval_file_are_removed(tmp_
     kept = split_documents(split_tokens(out, json.loads((out / MANIFEST).read_text()), "train"))
     assert docs[a].encode() not in kept and docs[b].encode() in kept
     sample = json.loads((out / "removed" / "decontaminated.jsonl").read_text().splitlines()[0])
-    assert sample["text"] == docs[a][:2000]
+    assert sample == {"origin": f"{tmp_path / 'train' / f'{a // 10 * 10:02d}.jsonl'}#{a % 10}", "text": docs[a][:2000]}
 
 
 def test_named_sources_get_their_own_shards(tmp_path):
