@@ -27,11 +27,10 @@ def _lm_eval_tasks(include: list[str]) -> Path:
     return Path(lm_eval.tasks.__file__).parent
 
 
-def task_manager(include: list[str], tasks: list[str]) -> Any:
-    """lm-eval's task index with the `include` directories' YAML tasks; bad directories are one-line errors.
+def _task_manager(include: list[str], tasks: list[str]) -> Any:
+    """lm-eval's task index with the `include` directories' YAML tasks (checked by `_lm_eval_tasks` before).
     When the directories hold every task named (as tasks, not groups or tags that may name lm-eval's own), the
     index of the directories alone: indexing lm-eval's thousands of task files takes seconds."""
-    _lm_eval_tasks(include)
     if include:
         own = _indexed(tuple(include), with_lm_eval=False)
         if set(tasks) <= set(own.all_subtasks):
@@ -77,7 +76,7 @@ def check_tasks(tasks: list[str], include: list[str]) -> Any:
         raise ConfigError("no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy) or tasks of --include")
     manager, unknown = None, _written_nowhere(tasks, include)
     if not unknown:
-        manager = task_manager(include, tasks)
+        manager = _task_manager(include, tasks)
         unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {', '.join(include)}" if include else " (pass --include DIR for task files of your own)"
