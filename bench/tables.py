@@ -69,6 +69,7 @@ CHECKPOINT_OPERATIONS = {
     "dcp_load": "`dcp.load` + set_state_dict, unverified",
     "steps_without_save": "a window of training steps, no save",
     "steps_with_save": "the same steps with a whole save beside them",
+    "steps_beside_dd": "the same steps beside `dd conv=fsync` of the data file",
 }
 
 
@@ -85,10 +86,13 @@ def checkpoint() -> str:
         value = f"{x['median']:.3f} ({x['min']:.3f}–{x['max']:.3f})"
         return value if x["met"] else f"**{value}**"
 
+    def target(x: dict) -> str:
+        return "reference" if x["target"] is None else f"≤ {x['target']}"
+
     labels = list(sizes[names[0]]["ratios"])
     ratios = _table(["ratio, median (min–max); bold: target not met", *names, "target"],
                     [[label, *[cell(sizes[n]["ratios"][label]) for n in names],
-                      f"≤ {sizes[names[0]]['ratios'][label]['target']}"] for label in labels],
+                      target(sizes[names[0]]["ratios"][label])] for label in labels],
                     ["---", *["---:"] * len(names), "---:"])
     return f"{operations}\n\n{ratios}"
 
