@@ -91,13 +91,12 @@ def memcpy(sources: list[torch.Tensor]) -> float:
     return timed(lambda: [b.copy_(s) for b, s in zip(buffers, sources, strict=True)])
 
 
-def dd(source: Path, target: Path) -> subprocess.Popen:
-    """`dd conv=fsync` of a file to a new one, started: the disk's sequential, durable write of the same bytes."""
-    return subprocess.Popen(["dd", f"if={source}", f"of={target}", "bs=8M", "conv=fsync"],
+def dd(source: Path, target: Path, beside: Callable[[], object] = lambda: None) -> None:
+    """`dd conv=fsync` of a file to a new one (the disk's sequential, durable write of the same bytes), with
+    `beside` run meanwhile; returns once both have ended."""
+    copy = subprocess.Popen(["dd", f"if={source}", f"of={target}", "bs=8M", "conv=fsync"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def finished(copy: subprocess.Popen, target: Path) -> None:
+    beside()
     if copy.wait() != 0:
         raise SystemExit(f"dd of the checkpoint's data file to {target} failed (exit {copy.returncode})")
     target.unlink()
@@ -176,7 +175,7 @@ class Bench:
 
     def restart_stager(self) -> None:
         """Host buffers as a restarted process has them: none yet, reserved beside its first step."""
-        self.manager.stager = HostStager(pin_memory=False)
+        self.manager.stager = HostStager(pin_memory=self.manager.stager.pin_memory)
         self.manager.reserve(self.parts, [self.optimizer])
         self.step()
 
@@ -228,10 +227,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
             elif kind == "steps_without_save":
                 seconds = timed(lambda: b.steps(window))
             else:
-                started, copy = time.perf_counter(), dd(b.data_file(), copied)
-                b.steps(window)
-                finished(copy, copied)
-                seconds = time.perf_counter() - started
+                seconds = timed(lambda: dd(b.data_file(), copied, beside=lambda: b.steps(window)))
             r[kind].append(seconds)
         for kind in ("keel_write", "dd")[::-1 if flip else 1]:
             warm(state_bytes)
@@ -240,9 +236,7 @@ def measure(ctx: Dist, size: str, work: Path, repeats: int, overrides: list[str]
                 assert alone is not None and alone.committed
                 r[kind].append(alone.write_s)
             else:
-                started = time.perf_counter()
-                finished(dd(b.data_file(), copied), copied)
-                r[kind].append(time.perf_counter() - started)
+                r[kind].append(timed(lambda: dd(b.data_file(), copied)))
         r["memcpy"].append(memcpy(tensors(_state_dict(b.parts, [b.optimizer]))))
         warm(state_bytes)
         r["dcp_save"].append(timed(lambda: dcp.save(_state_dict(b.parts, [b.optimizer]), checkpoint_id=plain)))
