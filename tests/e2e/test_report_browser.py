@@ -13,7 +13,7 @@ import pytest
 from keel.report.compare import write_comparison
 from keel.report.html import write_report
 from tests.conftest import REPO, ReplicaRun
-from tests.unit.report.test_report import train_spiking_run
+from tests.unit.report.test_report import paths, svg_of, train_spiking_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -84,11 +84,18 @@ def test_replica_groups_section_renders_in_chromium(replica_run: ReplicaRun) -> 
     found = open_in_chromium(report, REPO / "test-artifacts" / "report-replicas.png", lambda page: {
         "chart": page.locator('svg[aria-label="live replica groups"]').bounding_box(),
         "line": page.locator('svg[aria-label="live replica groups"] path.series').bounding_box(),
+        "viewbox": page.locator('svg[aria-label="live replica groups"]').get_attribute("viewBox"),
         "bars": page.eval_on_selector_all('svg[aria-label="goodput of each group"] rect',
                                           "rs => rs.map(r => r.getBoundingClientRect().width)"),
         "heals": page.locator("table.heals tbody tr").all_inner_texts()})
     assert found["chart"]["width"] > 300 and found["chart"]["height"] > 100
-    assert found["line"]["width"] > 200 and found["line"]["height"] > 20  # the step from 2 live groups to 1 and back
+    # The line as drawn spans what its path spans (scaled as the chart is): its start at the first quorum, its
+    # steps from 2 live groups to 1 and back.
+    (line,) = paths(svg_of(report.read_text(), "live replica groups"))["live groups"]
+    scale = found["chart"]["width"] / float(found["viewbox"].split()[2])
+    for axis, i in (("width", 0), ("height", 1)):
+        extent = max(p[i] for p in line) - min(p[i] for p in line)
+        assert extent > 20 and found["line"][axis] == pytest.approx(extent * scale, abs=3), (axis, found["line"])
     assert len(found["bars"]) == 2 and min(found["bars"]) > 1
     assert any("\theal\t" in row and row.split("\t")[1] == "1" for row in found["heals"])
 
