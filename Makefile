@@ -29,11 +29,13 @@ $(VENV)/.test-tools: $(BIN)/keel
 train: $(BIN)/keel
 	$(BIN)/keel train --config configs/tiny.toml --nproc $(NPROC)
 
-test: $(VENV)/.test-tools
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=25
+# The one-process tests two at a time; then the multi-process ones (marker `dist`) one at a time: each
+# starts several processes, and many time what they start.
+test: test-fast
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m dist --durations=25
 
 test-fast: $(VENV)/.test-tools
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist" -n 2 --durations=10
 
 # Style, complexity and statement counts (ruff), the package's import layers and cycles (import-linter), types
 # (mypy) and function length: every check runs, and any one failing fails the target.

@@ -14,6 +14,8 @@ import pytest
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel, spawn_keel, tagged
 
+pytestmark = pytest.mark.dist
+
 SHAPE = ["model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64", "train.seq_len=64",
          "train.global_batch=8", "train.micro_batch=8", "optim.warmup_steps=5", "eval.interval=0",
          "eval.sequences=8", "checkpoint.interval=10", "monitor.interval=1", "health.preflight=off"]
