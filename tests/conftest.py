@@ -24,6 +24,18 @@ from keel.drill import procs
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Session runs of several processes: a test that uses one is a multi-process test (marker `dist`), so that
+# `make test` makes each run once, in its serial part, rather than once in each worker of its parallel one.
+SHARED_RUNS = {"reference_run", "replica_run"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.dist)
+
+
 # A small, fixed slice of the standard library: enough text for a few hundred sequences, fast to prepare.
 SMALL_SOURCES = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]
 

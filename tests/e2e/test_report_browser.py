@@ -79,13 +79,13 @@ def test_report_renders_in_chromium(report: Path) -> None:
     assert blue > 300  # the train loss curve (and the other blue series) were drawn
 
 
-@pytest.mark.dist  # the run of replica groups the multi-process tests share
 def test_replica_groups_section_renders_in_chromium(replica_run: ReplicaRun) -> None:
     report = write_report(replica_run.run_dir)
+    chart = 'svg[aria-label="live replica groups"]'
     found = open_in_chromium(report, REPO / "test-artifacts" / "report-replicas.png", lambda page: {
-        "chart": page.locator('svg[aria-label="live replica groups"]').bounding_box(),
-        "line": page.locator('svg[aria-label="live replica groups"] path.series').bounding_box(),
-        "viewbox": page.locator('svg[aria-label="live replica groups"]').get_attribute("viewBox"),
+        "chart": page.locator(chart).bounding_box(),
+        "line": page.locator(f"{chart} path.series").bounding_box(),
+        "viewbox": page.locator(chart).get_attribute("viewBox"),
         "bars": page.eval_on_selector_all('svg[aria-label="goodput of each group"] rect',
                                           "rs => rs.map(r => r.getBoundingClientRect().width)"),
         "heals": page.locator("table.heals tbody tr").all_inner_texts()})
@@ -101,7 +101,6 @@ def test_replica_groups_section_renders_in_chromium(replica_run: ReplicaRun) -> 
     assert any("\theal\t" in row and row.split("\t")[1] == "1" for row in found["heals"])
 
 
-@pytest.mark.dist  # the 2-process reference run the multi-process tests share
 def test_a_comparison_of_two_runs_renders_in_chromium(report: Path, reference_run: Path, tmp_path: Path) -> None:
     page = write_comparison([report.parent, reference_run], tmp_path / "compare.html")
     found = open_in_chromium(page, REPO / "test-artifacts" / "compare.png", lambda p: {
