@@ -13,6 +13,7 @@ write it.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections import defaultdict
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from keel.core.dtensor import local
 from keel.core.process import in_background
-from keel.core.torch_private import copy_all_, set_local_tensor
+from keel.core.torch_private import copy_all_, pin_by_registering, set_local_tensor
 
 Signature = tuple[Any, ...]
 
@@ -75,6 +76,8 @@ class HostStager:
         self.spare: dict[Signature, list[torch.Tensor]] = defaultdict(list)  # reserved, not yet given an entry
         self._reserving: Future[None] | None = None
         self._stream = torch.cuda.Stream() if pin_memory else None
+        if pin_memory:  # a save's tens of GB of holders: their pages mapped by up to 16 threads
+            pin_by_registering(threads=1 << min(4, len(os.sched_getaffinity(0)).bit_length() - 1))
 
     def reserve(self, templates: list[torch.Tensor]) -> None:
         """Allocate and touch, in the background, one holder like each template: the first save then
@@ -82,7 +85,8 @@ class HostStager:
         def allocate() -> None:
             for t in templates:
                 holder, buffer = self._new_holder(t)
-                buffer.zero_()  # first touch: the pages exist before the first save copies into them
+                if not self.pin_memory:  # pinned pages are resident once allocated; pageable ones at first touch
+                    buffer.zero_()
                 self.spare[_signature(t)].append(holder)
 
         self._reserving = in_background(allocate, "keel-staging-reserve")

@@ -5,6 +5,8 @@ name without calling anything in it, marked there.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -18,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 
 __all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "fsspec_checkpoint_io",
-           "in_backward", "norms", "process_groups", "set_group_timeout", "set_local_tensor"]
+           "in_backward", "norms", "pin_by_registering", "process_groups", "set_group_timeout", "set_local_tensor"]
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -72,3 +74,20 @@ def fsspec_checkpoint_io() -> tuple[type, type]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     return FsspecReader, FsspecWriter
+
+
+def pin_by_registering(threads: int) -> None:
+    """Make pinned host memory malloc'd pages that `threads` threads touch, then cudaHostRegister locks,
+    instead of cudaHostAlloc, which maps every page of a multi-GB buffer on one thread under a driver lock
+    (PyTorch's pinned_use_cuda_host_register allocator option). Runtime allocator settings go through a
+    private call (public from the environment only, which is read once); the call replaces every setting, so
+    the environment's are passed along, and a pinned option of the user's own is left to win."""
+    given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if "pinned_" in given:
+        return
+    ours = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    with contextlib.suppress(RuntimeError):  # a setting of the user's that cannot change once CUDA runs
+        setter(f"{given},{ours}" if given else ours)  # leaves pinning as it was

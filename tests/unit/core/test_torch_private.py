@@ -19,6 +19,7 @@ from keel.core.torch_private import (
     fsspec_checkpoint_io,
     in_backward,
     norms,
+    pin_by_registering,
     process_groups,
     set_group_timeout,
     set_local_tensor,
@@ -75,3 +76,15 @@ def _check_group_apis() -> None:
 def test_fsspec_reader_and_writer_import() -> None:
     reader, writer = fsspec_checkpoint_io()
     assert reader.__name__ == "FsspecReader" and writer.__name__ == "FsspecWriter"
+
+
+def test_pinned_memory_is_registered_by_threads_and_a_users_own_settings_are_kept(monkeypatch) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_num_register_threads:2")
+    before = torch._C._accelerator_getAllocatorSettings()
+    pin_by_registering(threads=4)  # the user chose a pinned option: theirs win, nothing is set
+    assert torch._C._accelerator_getAllocatorSettings() == before
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.9")
+    pin_by_registering(threads=4)
+    assert torch._C._accelerator_getAllocatorSettings() == (
+        "garbage_collection_threshold:0.9,pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
