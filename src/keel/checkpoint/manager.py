@@ -69,6 +69,7 @@ from keel.config import Config
 from keel.core.process import in_background
 from keel.core.state import TrainState, rng_state, seed_everything, set_rng_state
 from keel.errors import CheckpointError
+from keel.model.init import canonical_name
 from keel.rundir.events import EventLog
 
 TRAIN_STATE = "train_state.json"
@@ -549,7 +550,7 @@ def _state_templates(parts: list[nn.Module], optimizers: list[torch.optim.Optimi
     state dict, and for each parameter the state its optimizer's class keeps, found by stepping a
     throwaway optimizer of that class on a throwaway parameter (the real one is not touched: a step
     would change its state)."""
-    templates = [t for part in parts for t in get_model_state_dict(part).values() if isinstance(t, torch.Tensor)]
+    templates = [t for part in parts for t in _model_state(part).values() if isinstance(t, torch.Tensor)]
     for optimizer in optimizers:
         probe = torch.zeros(2, 3, requires_grad=True)
         try:
@@ -566,12 +567,24 @@ def _state_templates(parts: list[nn.Module], optimizers: list[torch.optim.Optimi
     return templates
 
 
+def _model_state(part: nn.Module) -> dict[str, object]:
+    """The part's model state dict with a tied parameter under its first name only: the output projection
+    that is the embedding would otherwise be staged and written twice (1 GB more for a 128k vocabulary at
+    width 2048). Loading the one name fills both, since they are one tensor; a checkpoint that holds both
+    names (as keel wrote them before) still loads, its second copy unread. The aliases come from the
+    module's structure, the same on every rank of a stage, not from which tensors happen to share memory."""
+    first: dict[int, str] = {}
+    aliases = {canonical_name(name) for name, p in part.named_parameters(remove_duplicate=False)
+               if first.setdefault(id(p), name) != name}
+    return {key: value for key, value in get_model_state_dict(part).items() if key not in aliases}
+
+
 def _state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
     """Model and optimizer state keyed by parameter name, whatever the layout: a pipeline rank's
     stages add up to their share of the names, and DCP reshards between layouts."""
     model_sd: dict = {}
     optim_sd: dict = {}
     for part, optimizer in zip(parts, optimizers, strict=True):
-        model_sd.update(get_model_state_dict(part))
+        model_sd.update(_model_state(part))
         optim_sd.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
     return {"model": model_sd, "optim": optim_sd}

@@ -309,3 +309,41 @@ def test_a_checkpoint_whose_optimizer_grouped_its_parameters_otherwise_loads(tmp
         assert torch.equal(before, after)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(two.state[before][key], three.state[after][key])
+
+
+@pytest.mark.parametrize("written_by", ["keel", "a keel that wrote both names"])
+def test_a_tied_embedding_is_written_once_and_a_resume_restores_it_under_both_names(
+        tmp_path: Path, group: None, written_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from keel.checkpoint import manager as manager_module
+    from keel.model.init import init_weights
+    from keel.model.llama import Llama
+    from keel.train.optim import build_optimizer
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "model.dim=32", "model.n_layers=2",
+                             "model.n_heads=4", "model.n_kv_heads=2", "model.tie_embeddings=true"])
+    models = Llama(cfg.model), Llama(cfg.model)
+    optimizers = tuple(build_optimizer(m, cfg.optim) for m in models)
+    for seed, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+        init_weights(model, seed)
+        model(torch.randint(0, 200, (2, 8))).sum().backward()
+        optimizer.step()
+    events = EventLog(tmp_path / "events.jsonl", rank=0)
+    if written_by != "keel":  # every name of the model's state dict, the tied one twice
+        monkeypatch.setattr(manager_module, "_model_state", get_model_state_dict)
+    outcome, = CheckpointManager(cfg, tmp_path, "dp=1", events).save([models[0]], [optimizers[0]],
+                                                                     TrainState(step=5), wait=True)
+    monkeypatch.undo()
+    names = dcp.FileSystemReader(outcome.path).read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in names
+    assert ("model.output.weight" in names) == (written_by != "keel")
+    restored = CheckpointManager(cfg, tmp_path, "dp=1", events).restore([models[1]], [optimizers[1]], "auto",
+                                                                        lambda line: None)
+    assert restored is not None and restored[0].step == 5
+    assert models[1].output.weight is models[1].tok_embeddings.weight  # still one tensor
+    saved, fresh = get_model_state_dict(models[0]), get_model_state_dict(models[1])
+    assert saved.keys() == fresh.keys() and all(torch.equal(saved[k], fresh[k]) for k in saved)
+    for before, after in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizers[0].state[before][key], optimizers[1].state[after][key])
