@@ -8,7 +8,8 @@ command users run), `parallel.compile` off and then on, for a few steps on the b
   MFU               those tokens/s × keel's FLOPs per token / the catalog's dense bf16 peak of the detected
                     device (keel.core.accelerators), beside keel's own throughput/mfu metric
   peak memory       torch.cuda.max_memory_allocated over the run, against the planner's prediction for
-                    the same model, batch and layout (keel.plan.memory.memory)
+                    the same model, batch and layout (keel.plan.memory.memory); the reserved peak, and
+                    the allocator's fragmentation (reserved / allocated - 1) against the planner's 5%
   checkpoint        training blocked by the first save (its pinned buffers reserved at start-up) and a later one
                     (buffers reused), from the run's checkpoint events
   NVML telemetry    the gpu source's readings (utilization, memory, power, temperature, SM clock, ECC, XID)
@@ -121,6 +122,7 @@ def train(cfg_path: Path, run_dir: Path, overrides: list[str], cuda: bool) -> di
     return {"exit_code": code, "wall_s": wall, "tokens_per_s": steady(metrics, "throughput/tokens_per_s"),
             "keel_mfu": steady(metrics, "throughput/mfu"),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
             "allocated_before_bytes": left_over,
             "checkpoint_blocking_s": [s["blocking_s"] for s in saves],
             "checkpoint_bytes": saves[0]["bytes"] if saves else None,
@@ -147,6 +149,10 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     put("peak_allocated_bytes", measured, why_not_cuda or failed)
     out["predicted_bytes"] = predicted
     put("measured_over_predicted", measured / predicted if measured else None, why_not_cuda or failed)
+    # What the caching allocator held beyond its allocated peak: the planner's fragmentation factor, measured.
+    reserved = run["peak_reserved_bytes"] if measured else None
+    put("peak_reserved_bytes", reserved, why_not_cuda or failed)
+    put("fragmentation", reserved / measured - 1 if reserved and measured else None, why_not_cuda or failed)
     blocking = run["checkpoint_blocking_s"]
     put("checkpoint_first_blocking_s", blocking[0] if blocking else None, failed or "no checkpoint committed")
     put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,
@@ -170,6 +176,8 @@ def fmt(value: float | None, kind: str) -> str:
 ROWS = [("tokens/s (steady)", "tokens_per_s", "tps"), ("MFU, catalog bf16 peak", "mfu", "pct"),
         ("MFU, keel's metric", "keel_mfu", "pct"), ("peak memory allocated", "peak_allocated_bytes", "gib"),
         ("planner's prediction", "predicted_bytes", "gib"), ("measured / predicted", "measured_over_predicted", "x"),
+        ("peak memory reserved", "peak_reserved_bytes", "gib"),
+        ("fragmentation (reserved/allocated-1)", "fragmentation", "pct"),
         ("checkpoint blocking, first save", "checkpoint_first_blocking_s", "s"),
         ("checkpoint blocking, later save", "checkpoint_later_blocking_s", "s")]
 

@@ -31,8 +31,8 @@ def test_the_dry_run_measures_what_a_cpu_can_and_names_the_cuda_figures_missing(
     assert got["checkpoint_first_blocking_s"] > 0 and got["checkpoint_later_blocking_s"] > 0
     assert got["predicted_bytes"] > 0
     # What only a CUDA device measures is missing, with the reason, never a zero.
-    for figure in ("mfu", "peak_allocated_bytes", "measured_over_predicted", "nvml/gpu_utilization_ratio",
-                   "nvml/gpu_power_watts"):
+    for figure in ("mfu", "peak_allocated_bytes", "measured_over_predicted", "peak_reserved_bytes",
+                   "fragmentation", "nvml/gpu_utilization_ratio", "nvml/gpu_power_watts"):
         assert got[figure] is None and got["missing"][figure]
     assert "compile on: not run (--compile off)" in results["missing"]
     assert any(m.startswith("compile off: peak_allocated_bytes") for m in results["missing"])
