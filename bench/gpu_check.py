@@ -152,7 +152,7 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     # What the caching allocator held beyond its allocated peak: the planner's fragmentation factor, measured.
     reserved = run["peak_reserved_bytes"] if measured else None
     put("peak_reserved_bytes", reserved, why_not_cuda or failed)
-    put("fragmentation", reserved / measured - 1 if reserved and measured else None, why_not_cuda or failed)
+    put("fragmentation", reserved / measured - 1 if reserved else None, why_not_cuda or failed)
     blocking = run["checkpoint_blocking_s"]
     put("checkpoint_first_blocking_s", blocking[0] if blocking else None, failed or "no checkpoint committed")
     put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,

@@ -77,7 +77,7 @@ class HostStager:
         self._reserving: Future[None] | None = None
         self._stream = torch.cuda.Stream() if pin_memory else None
         if pin_memory:  # a save's tens of GB of holders: their pages mapped by up to 16 threads
-            pin_by_registering(threads=1 << min(4, len(os.sched_getaffinity(0)).bit_length() - 1))
+            pin_by_registering(threads=min(16, os.cpu_count() or 1))
 
     def reserve(self, templates: list[torch.Tensor]) -> None:
         """Allocate and touch, in the background, one holder like each template: the first save then

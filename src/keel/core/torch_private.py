@@ -81,11 +81,12 @@ def pin_by_registering(threads: int) -> None:
     instead of cudaHostAlloc, which maps every page of a multi-GB buffer on one thread under a driver lock
     (PyTorch's pinned_use_cuda_host_register allocator option). Runtime allocator settings go through a
     private call (public from the environment only, which is read once); the call replaces every setting, so
-    the environment's are passed along, and a pinned option of the user's own is left to win."""
+    the environment's are passed along, and a pinned option of the user's own is left to win. torch takes a
+    power of two threads: `threads` is rounded down to one."""
     given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     if "pinned_" in given:
         return
-    ours = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    ours = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{1 << (max(1, threads).bit_length() - 1)}"
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
     if setter is None:
         setter = torch.cuda.memory._set_allocator_settings
