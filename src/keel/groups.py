@@ -25,7 +25,7 @@ from types import FrameType
 from keel.config import Config
 from keel.core.net import free_port
 from keel.core.replica import GROUP_ENV, LIGHTHOUSE_ENV, ROOT_ENV
-from keel.errors import EXIT_PAUSED, KeelError
+from keel.errors import EXIT_PAUSED, EXIT_STORAGE, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.launch import without_flags
 from keel.rundir.events import EventLog
@@ -137,8 +137,9 @@ def wait_all(procs: list[subprocess.Popen], lighthouse: KeptLighthouse | None) -
 
 
 def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_restarts: int, say=print) -> int:
-    """Run every replica group until all have ended. Returns 0 when the run finished, 75 when it paused,
-    else the first failing group's code."""
+    """Run every replica group until all have ended. Returns 73 when the checkpoint volume refused a group's
+    save (the writing group's last one, say, while the others finish), 0 when the run finished, 75 when it
+    paused, else the first failing group's code."""
     groups = cfg.fault_tolerance.replica_groups
     # The groups share the machine's cores as one job's processes would; torchft's own logs only warn.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * groups))))
@@ -177,6 +178,13 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
     for group, code in enumerate(codes):
         events.emit("group", 0, "ended", group=group, exit_code=code)
     events.close()
+    return job_code(codes)
+
+
+def job_code(codes: list[int]) -> int:
+    """The job's exit code from its groups' codes."""
+    if EXIT_STORAGE in codes:  # the writing group's save was refused: the others' 0 saved nothing
+        return EXIT_STORAGE
     if 0 in codes:  # the run reached its last step: a group lost for good on the way does not undo that
         return 0
     if EXIT_PAUSED in codes:

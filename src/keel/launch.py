@@ -189,7 +189,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
            rdzv_endpoint: str = "", rdzv_timeout_s: int = 900, shutdown_grace_s: int = 120,
            no_progress_restarts: int = 2, say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
-    2 bad input, 3 stopped (do not requeue), 75 paused (rerun resumes), 76 this node or a rank was
+    2 bad input, 3 stopped (do not requeue), 73 the checkpoint volume refused a save, 75 paused (rerun
+    resumes), 76 this node or a rank was
     quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N. Each worker
     runs `entry(the launcher's environment, its argv)`."""
     start_worker_server(nproc)  # unless the command started it already

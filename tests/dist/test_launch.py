@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from keel.data.shards import open_corpus
+from keel.errors import EXIT_STORAGE
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN, TAG, keel_env, kill_tagged, run_keel, spawn_keel, tagged
+from tests.conftest import SMALL_RUN, TAG, keel_env, kill_tagged, run_keel, spawn_keel, tagged, tmpfs
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +72,7 @@ def sigkill_once_saved_and_see_all_gone(proc: subprocess.Popen, tag: str, run_di
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step-000005" / "manifest.json").exists(), 180,
                  "the first checkpoint", proc)
-        assert len(tagged(tag)) == job, "the launcher, its workers (and keel's worker server with its resource tracker) run"
+        assert len(tagged(tag)) == job, "the launcher, its workers (and keel's worker server, its resource tracker)"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
@@ -188,3 +190,72 @@ def test_a_worker_crash_shows_the_workers_own_traceback(small_corpus: Path, tmp_
     assert "Traceback" in result.stderr and 'crash_probe.py", line' in result.stderr, result.stderr[-3000:]
     assert "RuntimeError: raised by crash_probe at step 2" in result.stderr
     assert "in _poll" not in result.stderr  # the agent's own frames
+
+
+# ---------------------------------------------------------------- a final save the volume refuses
+
+FINAL_STEP = 4
+REFUSALS = {"ENOSPC": "fill_disk_before_checkpoint", "EROFS": "read_only_before_checkpoint"}
+
+
+def refused_final_save(corpus: Path, volume: Path, run_dir: Path, refusal: str) -> list[str]:
+    """A short run whose only save, the last step's, meets a real `refusal` of the volume under checkpoint.dir
+    (the injector fills it up, or remounts it read-only, just before)."""
+    return ["--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={corpus}", f"train.steps={FINAL_STEP}",
+            f"checkpoint.dir={volume / 'checkpoints'}",
+            f'drill.inject=["{REFUSALS[refusal]}:path={volume},step={FINAL_STEP}"]']
+
+
+def assert_refused_final_save(run_dir: Path, refusal: str, console: str) -> None:
+    (failed,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "checkpoint"
+                 and e["action"] == "failed"]
+    assert failed["step"] == FINAL_STEP and failed["detail"]["volume_error"] == refusal, failed
+    assert "the final checkpoint could not be written" in console
+    assert "not retrying" not in console, "the launcher takes 73 as the workers' own answer"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_final_save_the_volume_refuses_ends_the_job_with_73_and_no_restart(
+        small_corpus: Path, tmp_path: Path, refusal: str, max_restarts: int) -> None:
+    with tmpfs(tmp_path / "volume", "8m") as volume:
+        run_dir = tmp_path / "run"
+        result = run_keel(["train", "--nproc", "2", "--max-restarts", str(max_restarts),
+                           *refused_final_save(small_corpus, volume, run_dir, refusal)], cwd=tmp_path)
+        assert result.returncode == EXIT_STORAGE, result.stderr[-3000:]
+        assert_refused_final_save(run_dir, refusal, result.stdout + result.stderr)
+        assert len(events_of(run_dir, "start")) == 2, "no restart was spent on it"
+        assert not list((volume / "checkpoints").glob("step-*")), "nothing committed, nothing left half-written"
+
+
+@pytest.mark.timeout(300)
+def test_replica_groups_end_with_73_when_the_writing_groups_final_save_is_refused(small_corpus: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The group that writes the run's checkpoints exits 73; the other finishes its steps without a save of
+    its own, which does not make the run's end a success."""
+    pytest.importorskip("torchft")
+    with tmpfs(tmp_path / "volume", "8m") as volume:
+        run_dir = tmp_path / "run"
+        result = run_keel(["train", "--replica-groups", "2", "--nproc", "1", "--max-restarts", "1",
+                           *refused_final_save(small_corpus, volume, run_dir, "ENOSPC")], cwd=tmp_path, timeout=280)
+    assert result.returncode == EXIT_STORAGE, result.stderr[-3000:]
+    ended = {e["detail"]["group"]: e["detail"]["exit_code"] for e in events_of(run_dir, "group")
+             if e["action"] == "ended"}
+    assert sorted(ended.values()) == [0, EXIT_STORAGE], ended
+    (writer,) = [g for g, code in ended.items() if code == EXIT_STORAGE]
+    assert_refused_final_save(run_dir / "groups" / str(writer), "ENOSPC", result.stdout + result.stderr)
+    assert len(events_of(run_dir / "groups" / str(writer), "start")) == 1, "no restart was spent on it"
+
+
+@pytest.mark.timeout(240)
+def test_plain_torchrun_reports_the_workers_73(small_corpus: Path, tmp_path: Path) -> None:
+    """torch's own agent knows no keel codes: it exits 1 and names the worker's 73 as the root cause."""
+    with tmpfs(tmp_path / "volume", "8m") as volume:
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "keel",
+               "train", *refused_final_save(small_corpus, volume, run_dir, "EROFS")]
+        result = subprocess.run(cmd, cwd=tmp_path, env=keel_env(), capture_output=True, text=True, timeout=200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(rf"exitcode\s*:\s*{EXIT_STORAGE}\b", result.stderr), result.stderr[-3000:]
+    assert_refused_final_save(run_dir, "EROFS", result.stdout + result.stderr)

@@ -160,11 +160,12 @@ class Checkpointing:
     writer: Callable[[], bool] = lambda: True  # whether this rank's group writes the run's checkpoints
     last_save: float = 0.0
     final_saved: bool = True
+    volume_refused: bool = False  # the last save failed because the volume refused it (ENOSPC, EROFS, ...)
 
     def after_save(self, outcome: SaveOutcome) -> None:
         """Every rank handles the same outcome at the same step."""
         state = self.state
-        self.final_saved = outcome.committed
+        self.final_saved, self.volume_refused = outcome.committed, bool(outcome.volume_error)
         if outcome.committed:
             self.monitor.checkpoint_committed()
             self.say(f"checkpoint {outcome.path} committed: {outcome.bytes / 2**20:.1f} MiB, training blocked "

@@ -24,7 +24,7 @@ from keel.core.state import Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
 from keel.data.shards import Corpus, open_corpus
 from keel.data.tokenizer import bits_per_byte
-from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
+from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.guard.engine import Guards
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
@@ -376,7 +376,8 @@ class Trainer:
         if not saved:
             say(f"error: the final checkpoint could not be written; the newest checkpoint is {self.manager.latest()}, "
                 f"run the same command again to redo the steps after it")
-            return 1
+            # A volume that refused the last save refuses a restart's too: not one the agent should spend.
+            return EXIT_STORAGE if self.checkpointing.volume_refused else 1
         return 0
 
     def close(self) -> None:
