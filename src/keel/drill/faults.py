@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import subprocess
@@ -226,9 +227,17 @@ class KillRejoined(_InStep):
 
 
 class HangInStep(_InStep):
-    """This rank sleeps forever in the middle of a step; the others wait for it in the next collective."""
+    """This rank sleeps forever in the middle of a step; the others wait for it in the next collective.
+    `busy`: it spins forever in C holding the GIL instead (as a long C call can), so that no thread of it
+    runs Python: it neither beats nor answers an alarm, though its process runs."""
+
+    def __init__(self, step: int, rank: int = 1, times: int = 1, group: int = -1, busy: bool = False) -> None:
+        super().__init__(step, rank, times, group)
+        self.busy = busy
 
     def deliver(self) -> None:
+        if self.busy:
+            sum(itertools.repeat(0))  # one C call that never returns: the GIL is never let go
         while True:
             time.sleep(3600)
 
