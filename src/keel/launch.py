@@ -5,8 +5,9 @@ The agent is torchrun's own (`LocalElasticAgent`), taught four things:
 a worker's "do not retry" (bad input, a guard's stop, a pause) ends the job instead of using up the
 restarts; a node listed in the run's quarantine.json leaves the job the way a preempted node does
 (so the rendezvous stays open and the other nodes go on without it); a run that keeps failing
-without getting past the same step stops before its restart budget is spent; and a worker whose
-heartbeat has stopped is a hang it reports and restarts (keel.health.heartbeat).
+without getting past the same step stops before its restart budget is spent; and a hang of its
+workers (a heartbeat stopped, a worker stopped while its peers wait, a worker's exit on a hang that
+its peers could not name) is one it names, ending the workers, which it restarts (keel.health.heartbeat).
 
 Its workers are forked from the worker server (keel.worker_server).
 """
@@ -103,9 +104,10 @@ class KeelAgent(LocalElasticAgent):
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        # A frozen worker is killed here with the others, so that the result below is their failure.
-        self.heartbeats.end_frozen({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
-                                   restarting=self._remaining_restarts > 0)
+        # A hung worker is killed here with the others, so that the result below is their failure, and before
+        # torchrun's own end of the workers (SIGTERM, which a stopped one never takes) would wait for it.
+        self.heartbeats.end_hang({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
+                                 restarting=self._remaining_restarts > 0, exits=self._exit_codes(worker_group))
         self._end_survivors_of_a_killed_worker()
         result = super()._monitor_workers(worker_group)
         now = time.monotonic()
@@ -140,6 +142,12 @@ class KeelAgent(LocalElasticAgent):
                     ranks=sorted(result.failures), restarts_left=self._remaining_restarts, detected=failed_at)
         events.close()
         return result
+
+    def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
+        """The workers' exit codes by global rank, None while one runs."""
+        context = getattr(self._pcontext, "_pc", None)  # torch.multiprocessing's, once the workers started
+        procs = context.processes if context is not None else []
+        return {w.global_rank: procs[w.local_rank].exitcode for w in worker_group.workers if w.local_rank < len(procs)}
 
     def _end_survivors_of_a_killed_worker(self) -> None:
         """A worker killed by a signal (SIGKILL, the OOM killer, a segfault) leaves its peers unable to finish

@@ -2,12 +2,16 @@
 
 Under `keel train`, each worker's watchdog thread writes, every `poll_s`, where its rank is and how
 long that beat holds (its section's timeout) to a file in a directory of its node that the node's
-launcher chose (KEEL_HEARTBEATS). A worker whose beat has expired while its process still runs is
+launcher chose (KEEL_HEARTBEATS); once a rank handles a hang (a collective of its timed out, or an
+alarm reached it), its beats say so. A worker whose beat has expired while its process still runs is
 frozen: stopped (SIGSTOP), stuck in the kernel, or holding the GIL. It can take no part in finding
 its own hang, and if it is rank 0 neither can the process group's store it hosts, so the decision is
-the launcher's, which no fault of its workers can stop: it names the frozen ranks in a `hang` event,
-has its node's other workers write their stacks (SIGUSR2, answered by faulthandler in C, even by a
-worker blocked in a call) and kills its workers, which it then restarts from the latest checkpoint.
+the launcher's, which no fault of its workers can stop. It acts on a frozen worker, on a stopped one
+while a peer waits on a hang, and on a reporter that could not name the ranks it waits for: it names
+the ranks that stopped making progress (never one that waits for them: see `culprits`) in a `hang`
+event, has its node's other workers write their stacks (SIGUSR2, answered by faulthandler in C, even
+by a worker blocked in a call or holding the GIL) and kills its workers, which it then restarts from
+the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from keel.errors import EXIT_HANG
 from keel.rundir.events import EventLog
 
 ENV = "KEEL_HEARTBEATS"
@@ -65,6 +71,77 @@ def process_state(pid: int) -> str | None:
     return None if state in ("Z", "X") else state
 
 
+STOPPED = ("T", "t")  # a stopped process: decisive, whatever its last beat says
+
+
+@dataclass
+class Sighting:
+    """What the launcher sees of its node's workers at one moment: by global rank, each one's pid, last beat
+    (its own, not a previous worker's), kernel state (None once gone) and exit code (None while it runs)."""
+
+    pids: dict[int, int]
+    beats: dict[int, dict]
+    states: dict[int, str | None]
+    exits: dict[int, int | None]
+    now: float
+
+    def expired(self, rank: int) -> bool:
+        b = self.beats.get(rank)
+        return b is not None and self.now - b["time"] > b["valid_s"] and self.states[rank] is not None
+
+    def waiting(self) -> dict[int, dict]:
+        """The ranks that handle a hang (a collective of theirs timed out, or an alarm reached them): what
+        their beats say of it. They wait for a peer; they are not the hang."""
+        return {r: b["hang"] for r, b in self.beats.items() if b.get("hang")}
+
+    def named_by_a_worker(self) -> bool:
+        return any(h.get("named") for h in self.waiting().values())
+
+    def hang_seen(self) -> bool:
+        """A frozen worker, a worker that exited on a hang, a reporter that left the naming to the launcher,
+        or a stopped worker while another waits on a hang."""
+        waiting = self.waiting()
+        return (any(self.expired(r) for r in self.pids) or EXIT_HANG in self.exits.values()
+                or any(h.get("named") is False for h in waiting.values())
+                or bool(waiting and any(self.states[r] in STOPPED for r in self.pids)))
+
+
+def culprits(seen: Sighting) -> dict[int, str]:
+    """The ranks of this node that stopped making progress, each with why, in order of evidence: stopped
+    processes; those killed by a signal; frozen ones (an expired beat, and not waiting on a peer: they
+    cannot run Python); those the reporter's alarm did not reach; else the furthest behind of the ranks not
+    waiting. Never a rank whose beats say it waits on a hang, unless all do (then none is named here)."""
+    waiting = seen.waiting()
+
+    def state(r: int) -> str:
+        return PROCESS_STATES.get(s := seen.states[r] or "gone", s)
+
+    def silence(r: int) -> str:
+        b = seen.beats.get(r)
+        if b is None:
+            return "sent no heartbeat"
+        past = (f", past its {b['valid_s']:.0f} s {b['where']['section']} timeout" if seen.expired(r) else
+                f" ({b['where']['phase']} of step {b['where']['step']})")
+        return f"sent no heartbeat for {seen.now - b['time']:.1f} s{past}"
+
+    def who(r: int) -> str:
+        return f"rank {r} (pid {seen.pids[r]}, {state(r)})"
+
+    found = {r: f"{who(r)} {silence(r)}" for r in seen.pids if seen.states[r] in STOPPED}
+    found = found or {r: f"rank {r} (pid {seen.pids[r]}) was killed by signal {-code}"
+                      for r, code in seen.exits.items() if code is not None and code < 0}
+    found = found or {r: f"{who(r)} {silence(r)}" for r in seen.pids if seen.expired(r) and r not in waiting}
+    unanswered = {r: h["by"] for h in waiting.values() for r in h.get("silent", []) if r in seen.pids}
+    found = found or {r: f"{who(r)} did not answer rank {by}'s alarm" for r, by in unanswered.items()
+                      if r not in waiting and seen.states[r] is not None}
+    if found or not waiting:
+        return found
+    live = {r: tuple(b["where"]["progress"]) for r, b in seen.beats.items() if r not in waiting}
+    behind = min(live.values(), default=None)
+    return {r: f"{who(r)} is furthest behind, in {seen.beats[r]['where']['phase']} of step {p[0]}"
+            for r, p in live.items() if p == behind}
+
+
 class HeartbeatWatch:
     """The launcher's side: one node's workers, by global rank and pid."""
 
@@ -73,42 +150,28 @@ class HeartbeatWatch:
         self.directory = Path(tempfile.mkdtemp(prefix="keel-heartbeats-"))
         os.environ[ENV] = str(self.directory)  # the workers it starts inherit it
 
-    def frozen(self, workers: dict[int, int]) -> dict[int, dict]:
-        """The ranks whose process runs but whose last beat has expired, with that beat."""
-        now, found = time.time(), {}
-        for rank, pid in workers.items():
-            last = read_beat(self.directory, rank)
-            if (last is not None and last["pid"] == pid and now - last["time"] > last["valid_s"]
-                    and process_state(pid) is not None):
-                found[rank] = last
-        return found
+    def sighting(self, workers: dict[int, int], exits: dict[int, int | None] | None = None) -> Sighting:
+        beats = {r: b for r, pid in workers.items() if (b := read_beat(self.directory, r)) is not None
+                 and b["pid"] == pid}
+        return Sighting(workers, beats, {r: process_state(pid) for r, pid in workers.items()},
+                        {r: (exits or {}).get(r) for r in workers}, time.time())
 
-    def end_frozen(self, workers: dict[int, int], restarting: bool) -> bool:
-        """If a worker is frozen: report it, have the others write their stacks, kill all. Whether it did."""
-        frozen = self.frozen(workers)
-        if not frozen:
-            return False
-        now = time.time()
-        where = {rank: b["where"] for rank in workers if (b := read_beat(self.directory, rank)) is not None}
-        states = {rank: PROCESS_STATES.get(s := process_state(pid) or "gone", s) for rank, pid in workers.items()}
-        first = frozen[min(frozen)]
-        silent = {rank: round(now - b["time"], 1) for rank, b in frozen.items()}
-        reason = "; ".join(f"rank {r} (pid {workers[r]}, {states[r]}) sent no heartbeat for {s} s, past its "
-                           f"{frozen[r]['valid_s']:.0f} s {frozen[r]['where']['section']} timeout"
-                           for r, s in silent.items())
-        others = {rank: pid for rank, pid in workers.items() if rank not in frozen}
-        self._dump_stacks(others, f"rank(s) {', '.join(map(str, frozen))} frozen")
-        events = EventLog(self.run_dir / "events.jsonl", rank=-1)  # -1: this node's launcher
-        step = max(w["step"] for w in where.values())  # a beat may predate its rank's last step
-        events.emit("hang", step, "restart" if restarting else "stop",
-                    stuck_ranks=sorted(frozen), hosts=[frozen[r]["host"] for r in sorted(frozen)],
-                    section=first["where"]["section"], reason=reason, detected_by="launcher", silent_s=silent,
-                    process_states={r: states[r] for r in workers}, where=where, timeouts=first["timeouts"],
-                    stacks=str(self.run_dir / "logs" / "stacks-rank-*.txt"))
-        events.close()
-        self.say(f"keel: hang: {reason}; stacks of rank(s) {', '.join(map(str, others)) or 'none'} in "
-                 f"{self.run_dir / 'logs'}; ending the workers"
-                 + (" to restart them from the latest checkpoint" if restarting else ""))
+    def end_hang(self, workers: dict[int, int], restarting: bool, exits: dict[int, int | None] | None = None) -> bool:
+        """If a hang shows on this node, and no worker named it: name the ranks that stopped making progress in
+        a `hang` event, have the others write their stacks, and kill all. Whether it did. `exits`: the
+        workers' exit codes, by global rank (None while one runs)."""
+        seen = self.sighting(workers, exits)
+        if not seen.hang_seen() or seen.named_by_a_worker():
+            return False  # nothing to do, or the workers named it in their own event and end on their own
+        stuck = culprits(seen)
+        waiting = seen.waiting()
+        answering = {r: pid for r, pid in workers.items() if seen.states[r] not in (*STOPPED, None)}
+        if stuck:
+            self._dump_stacks(answering, f"rank(s) {', '.join(map(str, stuck))} stopped making progress")
+            self._report(seen, stuck, restarting)
+        else:  # the ranks they wait for live on another node, whose launcher names them
+            self.say(f"keel: hang: rank(s) {', '.join(map(str, sorted(waiting)))} waited on a hang found on "
+                     f"another node; ending this node's workers")
         # A stopped worker takes no SIGTERM, and the others may be blocked on it: nothing is saved on a
         # hang (the restart resumes from the latest checkpoint), so all go at once.
         for pid in workers.values():
@@ -118,6 +181,27 @@ class HeartbeatWatch:
         while any(process_state(pid) is not None for pid in workers.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return True
+
+    def _report(self, seen: Sighting, stuck: dict[int, str], restarting: bool) -> None:
+        where = {rank: b["where"] for rank, b in seen.beats.items()}
+        waiting = seen.waiting()
+        first = seen.beats.get(min(stuck)) or next(iter(seen.beats.values()), {})
+        reason = "; ".join(stuck.values())
+        if waiting:
+            said = sorted({h["reason"] for h in waiting.values()})
+            reason += f"; rank(s) {', '.join(map(str, sorted(waiting)))} waited for it ({'; '.join(said)})"
+        states = {r: PROCESS_STATES.get(s := seen.states[r] or "gone", s) for r in seen.pids}
+        events = EventLog(self.run_dir / "events.jsonl", rank=-1)  # -1: this node's launcher
+        step = max((w["step"] for w in where.values()), default=0)  # a beat may predate its rank's last step
+        events.emit("hang", step, "restart" if restarting else "stop",
+                    stuck_ranks=sorted(stuck), hosts=[seen.beats[r]["host"] for r in sorted(stuck) if r in seen.beats],
+                    section=first.get("where", {}).get("section", "unknown"), reason=reason, detected_by="launcher",
+                    silent_s={r: round(seen.now - seen.beats[r]["time"], 1) for r in stuck if r in seen.beats},
+                    waiting_ranks=sorted(waiting), process_states=states, where=where,
+                    timeouts=first.get("timeouts", {}), stacks=str(self.run_dir / "logs" / "stacks-rank-*.txt"))
+        events.close()
+        self.say(f"keel: hang: {reason}; stacks in {self.run_dir / 'logs'}; ending the workers"
+                 + (" to restart them from the latest checkpoint" if restarting else ""))
 
     def _dump_stacks(self, workers: dict[int, int], why: str) -> None:
         logs = self.run_dir / "logs"

@@ -15,10 +15,12 @@ a `hang` event; then all abort the process group and exit with EXIT_HANG, so tha
 restarts the workers, which resume from the latest verified checkpoint.
 
 A rank that cannot run Python at all (stopped, or stuck holding the GIL) cannot answer, and if it is
-rank 0 neither can the store. Under `keel train` this thread also beats (keel.health.heartbeat): the
-node's launcher names such a rank from its silent heartbeat, so the rank that raised the alarm leaves
-ranks that did not answer to it. Without a launcher, it names them itself, and faulthandler's own
-timer ends a rank stuck holding the GIL.
+rank 0 neither can the store. Under `keel train` this thread also beats (keel.health.heartbeat), and
+from the moment a rank handles a hang its beats say so (`hang`: what it saw, and once known, whether
+the reporter named the stuck ranks or left them to the launcher, with the ranks that did not answer):
+the node's launcher names such a rank from its process state, its silent heartbeat and the ranks
+that did not answer, never a rank that waits for it. Without a launcher, the reporter names them
+itself, and faulthandler's own timer ends a rank stuck holding the GIL.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Watchdog:
         self.alarm: dict[str, object] = {}
         self.heartbeats = heartbeat_dir() if cfg.enabled else None  # set when a launcher watches this worker
         self._promised: tuple[str, float] = ("", -1.0)  # the last beat's section, and the seconds it promised
+        self.hang: dict[str, Any] | None = None  # once this rank handles a hang: what its beats tell the launcher
         # The loop and this thread both beat: one at a time, or a beat read before the other's and renamed
         # after it would name a section the rank has left (until the next poll).
         self._beating = threading.Lock()
@@ -200,7 +203,8 @@ class Watchdog:
             where = self._where()
             promised = valid_s or self.timeouts.get(where["section"], self.timeouts["step"])
             self._promised = (where["section"], promised)
-            beat(self.heartbeats, self.rank, {"where": where, "host": host, "timeouts": self._rounded()}, promised)
+            record = {"where": where, "host": host, "timeouts": self._rounded()}
+            beat(self.heartbeats, self.rank, {**record, "hang": self.hang} if self.hang else record, promised)
 
     def _rounded(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in self.timeouts.items()}
@@ -232,7 +236,9 @@ class Watchdog:
             while True:  # the other thread is on it and will end the process
                 time.sleep(1)
         faulthandler.cancel_dump_traceback_later()  # handled here: the backstop must not cut it short
-        self._beat(valid_s=verdict_wait_s(self.cfg.poll_s) + ABORT_S + 5)  # beats stop while it is handled
+        # From here on every beat says this rank waits on a hang (`named`: not known yet), not that it is one.
+        self.hang = {"reason": reason or "the alarm of another rank", "named": None}
+        self._beat(valid_s=self._handling_s())  # beats may stop while it is handled
         if self._stacks is not None:
             self._stacks.write(f"\n=== rank {self.rank}: hang at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                                f"{json.dumps(self._where())}\n")
@@ -248,9 +254,14 @@ class Watchdog:
         if self.reporter:
             self._report(store)
         else:
-            _wait_for(store, self.prefix + "verdict", verdict_wait_s(self.cfg.poll_s))
+            verdict = _wait_for(store, self.prefix + "verdict", verdict_wait_s(self.cfg.poll_s))
+            self.hang = {**self.hang, "named": verdict.get("named"), "by": verdict.get("by")}
+            self._beat(valid_s=self._handling_s())
         abort_process_groups()
         self._exit(EXIT_HANG)
+
+    def _handling_s(self) -> float:
+        return verdict_wait_s(self.cfg.poll_s) + ABORT_S + 5
 
     def _report(self, store: Any) -> None:
         deadline = time.monotonic() + 3 * self.cfg.poll_s + 3
@@ -265,8 +276,12 @@ class Watchdog:
                             where[r] = json.loads(store.get(f"{self.prefix}where/{r}"))
             time.sleep(0.2)
         stuck = stuck_ranks(where, self.world)
-        if self.heartbeats is not None and len(where) < self.world:
-            # Ranks that cannot answer cannot run Python: the launchers watching their heartbeats name them.
+        named = self.heartbeats is None or len(where) == self.world
+        self.hang = {**(self.hang or {}), "named": named, "by": self.rank, "silent": [] if named else stuck}
+        self._beat(valid_s=self._handling_s())  # the launcher may act on it at once
+        if not named:
+            # Ranks that cannot answer cannot run Python: the launchers watching their heartbeats and process
+            # states name them.
             self.say(f"error: hang: rank(s) {', '.join(map(str, stuck))} did not answer ({self.alarm['reason']}); "
                      f"their launcher names them; exiting so that the workers restart from the latest checkpoint")
         else:
@@ -279,7 +294,7 @@ class Watchdog:
                      f"in {self.logs}; exiting so that the agent restarts the workers from the latest checkpoint")
         with contextlib.suppress(Exception):
             if store is not None:
-                store.set(self.prefix + "verdict", json.dumps({"stuck": stuck}))
+                store.set(self.prefix + "verdict", json.dumps({"stuck": stuck, "named": named, "by": self.rank}))
         time.sleep(1.0)  # the store lives in rank 0: let the others read the verdict before it goes
 
 
@@ -302,15 +317,17 @@ def _store() -> Any:
         return None
 
 
-def _wait_for(store: Any, key: str, timeout_s: float) -> None:
+def _wait_for(store: Any, key: str, timeout_s: float) -> dict:
+    """The JSON value of `key` once set, {} when it is not within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while store is not None and time.monotonic() < deadline:
         try:
             if store.check([key]):
-                return
+                return json.loads(store.get(key))
         except Exception:  # noqa: BLE001 - rank 0 (the store) has gone: nothing more to wait for
-            return
+            return {}
         time.sleep(0.2)
+    return {}
 
 
 def set_collective_timeout(seconds: float) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from keel.config import StragglerConfig, WatchdogConfig
 from keel.errors import EXIT_HANG
-from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, read_beat
+from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, Sighting, culprits, read_beat
 from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
 from keel.health.watchdog import Watchdog, stuck_ranks
@@ -191,10 +191,10 @@ def test_launcher_names_a_stopped_worker_dumps_the_others_stacks_and_ends_both(t
                   for r, pid in pids.items()):  # past setup (whose timeout is 30 minutes), in their steps
             assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "the workers did not beat"
             time.sleep(0.05)
-        assert not watch.end_frozen(pids, restarting=True)  # both beat: nothing to do
+        assert not watch.end_hang(pids, restarting=True)  # both beat: nothing to do
         os.kill(pids[0], signal.SIGSTOP)
         stopped = time.monotonic()
-        while not watch.end_frozen(pids, restarting=True):
+        while not watch.end_hang(pids, restarting=True):
             assert time.monotonic() - stopped < 10, "the stopped worker was not found"
             time.sleep(0.05)
         found = time.monotonic() - stopped
@@ -215,6 +215,59 @@ def test_launcher_names_a_stopped_worker_dumps_the_others_stacks_and_ends_both(t
     assert "stacks asked by the launcher" in stacks and "in <module>" in stacks.split("asked by the launcher")[1]
     assert not (tmp_path / "logs" / "stacks-rank-0.txt").read_text()  # a stopped process dumps nothing
     assert ENV not in os.environ and not watch.directory.exists()
+
+
+def beat_of(step: int, phase: int, age_s: float = 0.0, valid_s: float = 4.0, hang: dict | None = None) -> dict:
+    phases = ("data", "forward_backward", "reduce", "update")
+    where = {"section": "step", "step": step, "phase": phases[phase], "progress": [step, phase]}
+    return {"where": where, "time": 1000.0 - age_s, "valid_s": valid_s, "host": "h", "timeouts": {},
+            **({"hang": hang} if hang else {})}
+
+
+def sighting(beats: dict[int, dict], states: dict[int, str | None] | None = None,
+             exits: dict[int, int | None] | None = None) -> Sighting:
+    ranks = range(len(beats))
+    return Sighting({r: 100 + r for r in ranks}, beats, {r: "S" for r in ranks} | (states or {}),
+                    {r: None for r in ranks} | (exits or {}), 1000.0)
+
+
+WAITS = {"reason": "a collective timed out in step", "named": None}  # a rank's beat while it handles a hang
+
+
+def test_the_launcher_names_the_rank_that_stopped_making_progress_never_its_waiting_peer() -> None:
+    # Rank 0 stopped (it hosts the store): rank 1's collective timed out, and its own beat expired while it
+    # was blocked on rank 0's store. The stopped rank is the hang, whatever the beats say.
+    seen = sighting({0: beat_of(35, 1, age_s=2), 1: beat_of(35, 2, age_s=20, valid_s=17, hang=WAITS)}, {0: "T"})
+    assert seen.hang_seen() and list(culprits(seen)) == [0]
+    assert "rank 0 (pid 100, stopped) sent no heartbeat for 2.0 s (forward_backward of step 35)" in culprits(seen)[0]
+    # Four ranks, rank 2 stopped, the others waiting on it: found as soon as one waits, before any beat expires.
+    four = sighting({r: beat_of(20, 2, hang=WAITS if r != 2 else None) for r in range(4)}, {2: "T"})
+    assert four.hang_seen() and list(culprits(four)) == [2]
+    # Rank 1 holds the GIL in a busy loop (running, no beat): the reporter, rank 0, left it to the launcher.
+    deferred = {"reason": "a collective timed out in step", "named": False, "by": 0, "silent": [1]}
+    busy = sighting({0: beat_of(12, 2, hang=deferred), 1: beat_of(12, 1, age_s=3)}, {1: "R"})
+    assert busy.hang_seen() and culprits(busy) == {1: "rank 1 (pid 101, running) did not answer rank 0's alarm"}
+    # Its beat expired before anyone's collective timed out: frozen.
+    frozen = sighting({0: beat_of(12, 2), 1: beat_of(12, 1, age_s=5)}, {1: "R"})
+    assert frozen.hang_seen() and list(culprits(frozen)) == [1]
+    # Only a worker's exit on a hang is left (the reporter's beat was lost): the rank furthest behind.
+    behind = sighting({0: beat_of(12, 2, hang=WAITS), 1: beat_of(12, 3), 2: beat_of(12, 1)}, exits={0: 74})
+    assert behind.hang_seen() and list(culprits(behind)) == [2]
+    # A rank killed by a signal stopped making progress too.
+    assert list(culprits(sighting({0: beat_of(9, 2, hang=WAITS), 1: beat_of(9, 1)}, {1: None}, {1: -9}))) == [1]
+
+
+def test_the_launcher_leaves_alone_what_is_no_hang_or_was_named_by_a_worker() -> None:
+    assert not sighting({0: beat_of(5, 1), 1: beat_of(5, 2)}).hang_seen()
+    # Stopped, but nobody waits for it (yet): a rank may be stopped and continued on purpose.
+    assert not sighting({0: beat_of(5, 1), 1: beat_of(5, 2)}, {1: "T"}).hang_seen()
+    # A rank waits, and none is stopped or frozen: the reporter is still collecting where the ranks are.
+    assert not sighting({0: beat_of(5, 2, hang=WAITS), 1: beat_of(5, 1)}).hang_seen()
+    # The reporter named them in its own event: its peers exit on their own.
+    named = {"reason": "a collective timed out in step", "named": True, "by": 0, "silent": []}
+    assert sighting({0: beat_of(5, 2, hang=named), 1: beat_of(5, 1, hang=WAITS)}, exits={1: 74}).named_by_a_worker()
+    # Every rank of this node waits: the one they wait for lives on another node, whose launcher names it.
+    assert culprits(sighting({0: beat_of(5, 2, hang=WAITS), 1: beat_of(5, 2, age_s=30, valid_s=17, hang=WAITS)})) == {}
 
 
 def test_stop_requests_come_from_real_signals_and_the_pause_file(tmp_path: Path) -> None:
