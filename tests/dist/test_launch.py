@@ -21,7 +21,7 @@ import pytest
 from keel.data.shards import open_corpus
 from keel.errors import EXIT_STORAGE
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN, TAG, keel_env, kill_tagged, run_keel, spawn_keel, tagged, tmpfs
+from tests.conftest import SMALL_RUN, TAG, free_port, keel_env, kill_tagged, run_keel, spawn_keel, tagged, tmpfs
 
 pytestmark = pytest.mark.dist
 
@@ -215,13 +215,16 @@ def assert_refused_final_save(run_dir: Path, refusal: str, console: str) -> None
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("refusal", sorted(REFUSALS))
-@pytest.mark.parametrize("max_restarts", [0, 1])
+@pytest.mark.parametrize("refusal, max_restarts, elastic", [
+    ("ENOSPC", 0, False), ("ENOSPC", 1, False), ("EROFS", 0, False), ("EROFS", 1, False),
+    ("ENOSPC", 1, True),  # an elastic job's agent (--nnodes) decides as a single node's does
+])
 def test_a_final_save_the_volume_refuses_ends_the_job_with_73_and_no_restart(
-        small_corpus: Path, tmp_path: Path, refusal: str, max_restarts: int) -> None:
+        small_corpus: Path, tmp_path: Path, refusal: str, max_restarts: int, elastic: bool) -> None:
+    nodes = ["--nnodes", "1:1", "--rdzv-endpoint", f"localhost:{free_port()}"] if elastic else []
     with tmpfs(tmp_path / "volume", "8m") as volume:
         run_dir = tmp_path / "run"
-        result = run_keel(["train", "--nproc", "2", "--max-restarts", str(max_restarts),
+        result = run_keel(["train", "--nproc", "2", "--max-restarts", str(max_restarts), *nodes,
                            *refused_final_save(small_corpus, volume, run_dir, refusal)], cwd=tmp_path)
         assert result.returncode == EXIT_STORAGE, result.stderr[-3000:]
         assert_refused_final_save(run_dir, refusal, result.stdout + result.stderr)
