@@ -140,14 +140,24 @@ class Guards:
             self.sdc.rolled_back(step)
 
     def resnapshot(self, state: TrainState) -> None:
-        """Drop the in-memory snapshots and take one of the state now: replica groups do it when a group
-        joins with a ring of its own, so that every group's rollback finds the same snapshots."""
+        """Drop the in-memory snapshots and take one of the state now, kept as the verified one: replica groups
+        do it when a group joins with a ring of its own, so that every group's rollback finds the same snapshots."""
         if self.ring is not None:
-            self.ring.snapshots.clear()
+            self.ring.clear()
+            self.keep_verified(state)
+
+    def keep_verified(self, state: TrainState) -> None:
+        """The replica groups know the state now to be the same in every group (their fingerprints agreed, a
+        group joined, the run started): its snapshot stays in memory until a newer one is verified, so that
+        removing a corrupted group rolls the others back to it without reading storage."""
+        if self.ring is not None:
             self._snapshot(state)
+            self.ring.keep(state.step)
 
     def _snapshot(self, state: TrainState) -> None:
         assert self.ring is not None
+        if self.ring.has(state.step):  # taken at this step already, as the verified state
+            return
         started = time.perf_counter()
         self.ring.take(state.step, {"train": state.to_dict()})
         self.snapshot_s = time.perf_counter() - started

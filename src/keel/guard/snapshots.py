@@ -3,7 +3,8 @@
 Every `snapshot_interval` steps this rank copies its parameter shards, its optimizer state, the host
 train state, the data cursor and its RNG streams into host buffers that are allocated once per slot
 and reused (pinned, with non-blocking copies, on CUDA). Restoring copies them back in place. The ring
-keeps the newest `count` snapshots; a rollback further back falls back to a disk checkpoint.
+keeps the newest `count` snapshots, and besides them the one it is told to keep (the replica groups'
+last verified state) until another is kept; a rollback further back falls back to a disk checkpoint.
 """
 
 from __future__ import annotations
@@ -45,18 +46,47 @@ class SnapshotRing:
     def __init__(self, optimizers: list[torch.optim.Optimizer], count: int, pin_memory: bool) -> None:
         self.optimizers, self.count, self.pin_memory = optimizers, count, pin_memory
         self.snapshots: list[Snapshot] = []  # oldest first
+        self.kept: int | None = None  # the step of the snapshot kept out of the rotation
 
     def take(self, step: int, host: dict[str, Any]) -> None:
-        """Copy the live state into the oldest slot (a new one until the ring is full)."""
+        """Copy the live state into a slot: the snapshot of the same step, else the oldest one not kept once
+        `count` of them are there, else a new one."""
         tensors, keys = live_tensors(self.optimizers)
-        slot = Snapshot(step, [], keys) if len(self.snapshots) < self.count else self.snapshots.pop(0)
+        rotating = [s for s in self.snapshots if s.step != self.kept]
+        same = [s for s in self.snapshots if s.step == step]
+        slot = (same[0] if same else rotating[0] if len(rotating) >= self.count else Snapshot(step, [], keys))
+        if slot in self.snapshots:
+            self.snapshots.remove(slot)
         if [(b.shape, b.dtype) for b in slot.buffers] != [(t.shape, t.dtype) for t in tensors]:
             slot.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory) for t in tensors]
         for buffer, t in zip(slot.buffers, tensors, strict=True):
             buffer.copy_(t.detach(), non_blocking=self.pin_memory)
         slot.step, slot.keys = step, keys
         slot.host = copy.deepcopy({**host, "rng": rng_state()})
-        self.snapshots.append(slot)
+        self.snapshots = sorted([*self.snapshots, slot], key=lambda s: s.step)
+
+    def keep(self, step: int) -> None:
+        """Keep the snapshot of `step` out of the rotation until another is kept; the one kept before
+        rotates again (dropped if the ring is full without it)."""
+        if not self.has(step):
+            raise ValueError(f"no snapshot of step {step} to keep (the ring holds {[s.step for s in self.snapshots]})")
+        self.kept = step
+        rotating = [s for s in self.snapshots if s.step != step]
+        for dropped in rotating[:max(0, len(rotating) - self.count)]:
+            self.snapshots.remove(dropped)
+
+    def has(self, step: int) -> bool:
+        return any(s.step == step for s in self.snapshots)
+
+    def clear(self) -> None:
+        self.snapshots, self.kept = [], None
+
+    def forget_after(self, step: int) -> None:
+        """The run went back to `step`: the snapshots of later steps are of abandoned steps. A kept one among
+        them gives way to the newest left (an older state than a verified one was not corrupted either)."""
+        self.snapshots = [s for s in self.snapshots if s.step <= step]
+        if self.kept is not None and self.kept > step:
+            self.kept = self.snapshots[-1].step if self.snapshots else None
 
     def newest(self, at_most: int) -> Snapshot | None:
         """The newest snapshot of a step <= `at_most`."""
@@ -73,7 +103,7 @@ class SnapshotRing:
             for t, buffer in zip(tensors, snapshot.buffers, strict=True):
                 t.copy_(buffer, non_blocking=self.pin_memory)
         set_rng_state(snapshot.host["rng"])
-        self.snapshots = [s for s in self.snapshots if s.step <= snapshot.step]
+        self.forget_after(snapshot.step)
         return copy.deepcopy({k: v for k, v in snapshot.host.items() if k != "rng"})
 
     def _tensors_shaped_like(self, snapshot: Snapshot) -> list[torch.Tensor]:

@@ -70,6 +70,8 @@ class Workload:
         """The workload a config trains."""
         g = cfg.guard
         snapshots = g.snapshots if g.enabled and g.snapshot_interval else 0
+        if snapshots and cfg.fault_tolerance.replica_groups > 1 and g.sdc.fingerprint_interval:
+            snapshots += 1  # the last state the groups' fingerprints verified is kept besides the ring
         return cls(cfg.model, cfg.train.seq_len, cfg.train.global_batch, tokens, param_dtype,
                    cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots)
 

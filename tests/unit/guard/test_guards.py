@@ -191,6 +191,46 @@ def test_restoring_a_snapshot_from_before_the_first_update_clears_optimizer_stat
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+def test_a_kept_snapshot_stays_out_of_the_rotation_until_another_is_kept() -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    ring = SnapshotRing([optimizer], count=2, pin_memory=False)
+    ring.take(10, {"train": {"step": 10}})
+    ring.keep(10)
+    for step in (12, 14, 16):
+        train_one_step(model, optimizer)
+        ring.take(step, {"train": {"step": step}})
+    assert [s.step for s in ring.snapshots] == [10, 14, 16], "two rotating besides the kept one"
+    ring.take(16, {"train": {"step": 16}})
+    assert [s.step for s in ring.snapshots] == [10, 14, 16], "a step taken again reuses its own slot"
+    ring.keep(16)
+    train_one_step(model, optimizer)
+    ring.take(18, {"train": {"step": 18}})
+    assert [s.step for s in ring.snapshots] == [14, 16, 18], "the one kept before rotates again, and goes first"
+    with pytest.raises(ValueError, match="no snapshot of step 15"):
+        ring.keep(15)
+    ring.clear()
+    ring.take(10, {"train": {"step": 10}})
+    ring.keep(10)
+    verified = [t.clone() for t in live_tensors([optimizer])[0]]
+    train_one_step(model, optimizer)
+    ring.take(20, {"train": {"step": 20}})
+    assert ring.restore(ring.newest(10)) == {"train": {"step": 10}}
+    assert all(torch.equal(a, b) for a, b in zip(live_tensors([optimizer])[0], verified, strict=True))
+    assert ring.kept == 10 and [s.step for s in ring.snapshots] == [10]
+
+
+def test_going_back_before_the_kept_snapshot_keeps_the_newest_left() -> None:
+    _, optimizer = tiny_model_and_optimizer()
+    ring = SnapshotRing([optimizer], count=2, pin_memory=False)
+    for step in (5, 10):
+        ring.take(step, {})
+    ring.keep(10)
+    ring.forget_after(7)  # a spike rollback (or a checkpoint's state) from before the verified step
+    assert [s.step for s in ring.snapshots] == [5] and ring.kept == 5
+    ring.forget_after(3)
+    assert ring.snapshots == [] and ring.kept is None
+
+
 def test_an_attention_logit_above_the_threshold_is_a_spike_seen_after_the_update() -> None:
     signals = {"signals/attn_logit_max": 250.0, "signals/attn_logit_max/layer_0": 12.0,
                "signals/attn_logit_max/layer_1": 250.0}
