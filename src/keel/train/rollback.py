@@ -85,6 +85,8 @@ class Recovery:
         # The data cursor and the guards' histories go back with the state (a spike is judged against the
         # steps before it); what counts rollbacks, suspects, restarts and time does not.
         state.load(record, only=("loader",))
+        if guards.ring is not None:  # after a checkpoint's state, the snapshots of the steps abandoned go too
+            guards.ring.forget_after(state.step)
         guards.rolled_back(record.get("guards", {}), state.step)
         state.train_seconds, state.interruptions = train_seconds, interruptions
         retired = self.manager.retire_after(state.step, self.events, now, remove=self.writer())
