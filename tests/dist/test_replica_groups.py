@@ -197,30 +197,6 @@ def test_a_group_whose_state_flipped_a_bit_is_caught_and_both_roll_back(fault_fr
         assert torch.equal(a, b)
 
 
-def test_a_group_outvoted_by_the_others_leaves_the_quorum_named_in_quarantine(small_corpus: Path,
-                                                                              tmp_path: Path) -> None:
-    """Of three groups, the one whose state differs from the other two computed wrong: it leaves for good,
-    named in the run's quarantine.json, and the two others train on without stopping, taking its share."""
-    run_dir = tmp_path / "outvoted"
-    cmd = ft_cmd(small_corpus, run_dir, "bitflip:step=12,rank=0,group=2,target=params,bit=20")
-    cmd[cmd.index("--replica-groups") + 1] = "3"
-    done = run_keel([*cmd, "train.global_batch=24", "guard.sdc.fingerprint_interval=5"], cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = json.loads((run_dir / "quarantine.json").read_text())
-    assert [(r["source"], r["group"], r["step"]) for r in records] == [("replica_groups", 2, 15)]
-    ended = {e["detail"]["group"]: e["detail"]["exit_code"] for e in read_jsonl(run_dir / "events.jsonl")
-             if e["kind"] == "group" and e["action"] == "ended"}
-    assert ended == {0: 0, 1: 0, 2: 76}
-    # The check at step 15 ends the group's step before the probe's hook sees it.
-    assert max(ledger(run_dir, 2)) == 14 and len(group_events(run_dir, 2, "start")) == 1
-    first, second = ledger(run_dir, 0), ledger(run_dir, 1)
-    assert sorted(first) == sorted(second) == list(range(1, STEPS + 1))
-    assert all(first[s]["params"] == second[s]["params"] for s in first)
-    rows = rows_by_step(run_dir)
-    assert all(len(rows[s]) == 24 and sum(rows[s].values()) == 24 for s in rows)
-    assert len(ledger(run_dir, 0, "rows")[STEPS]["rows"]) == 12
-
-
 def test_lighthouse_killed_mid_run_is_restarted_and_the_groups_train_on(fault_free: Path, small_corpus: Path,
                                                                         tmp_path: Path) -> None:
     run_dir = tmp_path / "lighthouse"
@@ -286,3 +262,64 @@ def test_two_process_groups_heal_and_read_more_micro_batches_while_one_is_missin
     dp = 2 if "parallel.dp_shard=2" in layout else 1  # rank 0 reads 1/dp of its group's share of the 16
     alone = [s for s, r in ledger(run_dir, 0, "rows").items() if len(r["rows"]) == 16 // dp]
     assert alone and all(len(r["rows"]) in (8 // dp, 16 // dp) for r in ledger(run_dir, 0, "rows").values())
+
+
+SDC_STEPS = 20  # three groups; group 0's flip after step 12 is caught at step 15, the last verified being step 10
+VERIFIED = 10
+# Scales one channel of every logit of group 0 by 1.5 or 0.75: without the rollback, its gradients of steps 13
+# and 14 leave the survivors' final parameters 1.6e-3 from the fault-free run's, 16 times the tolerance. Group 0
+# is the one writing the run's checkpoints: its step-12 checkpoint belongs to the steps the others abandon.
+SDC_FLIP = "bitflip:step=12,rank=0,group=0,target=params,tensor=19,bit=22"
+SURVIVORS = (1, 2)
+
+
+def three_groups(corpus: Path, run_dir: Path, fault: str = "") -> list[str]:
+    cmd = ft_cmd(corpus, run_dir, fault)
+    cmd[cmd.index("--replica-groups") + 1] = "3"
+    return [*cmd, f"train.steps={SDC_STEPS}", "train.global_batch=24", "guard.sdc.fingerprint_interval=5",
+            "checkpoint.interval=12"]
+
+
+def test_a_group_outvoted_by_the_others_leaves_and_the_others_roll_back_to_the_verified_state(
+        small_corpus: Path, tmp_path: Path) -> None:
+    """Of three groups, the one whose state differs from the other two computed wrong: it leaves for good (exit
+    76, named in the run's quarantine.json). Its gradients of the steps since the last verified state are in
+    the others' weights, so they go back to that state (kept in memory) and make those steps again without it,
+    taking its share of every global batch: they end where the fault-free run of three groups ends."""
+    clean = tmp_path / "clean"
+    done = run_keel(three_groups(small_corpus, clean), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "outvoted"
+    done = run_keel(three_groups(small_corpus, run_dir, SDC_FLIP), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads((run_dir / "quarantine.json").read_text())
+    assert [(r["source"], r["group"], r["step"]) for r in records] == [("replica_groups", 0, 15)]
+    ended = {e["detail"]["group"]: e["detail"]["exit_code"] for e in read_jsonl(run_dir / "events.jsonl")
+             if e["kind"] == "group" and e["action"] == "ended"}
+    assert ended == {0: 76, 1: 0, 2: 0}
+    # The check at step 15 ends the group's step before the probe's hook sees it.
+    assert max(ledger(run_dir, 0)) == 14 and len(group_events(run_dir, 0, "start")) == 1
+    retired = [e["detail"]["names"] for e in group_events(run_dir, 0, "checkpoint") if e["action"] == "retired"]
+    assert retired == [["step-000012"]], "the leaving writer retires its checkpoint of the abandoned steps"
+    for group in SURVIVORS:
+        assert len(group_events(run_dir, group, "start")) == 1, "the survivors never restart"
+        rolled = [e for e in group_events(run_dir, group, "guard") if e["action"] == "rolled_back"]
+        assert [(e["step"], e["detail"]["to_step"], e["detail"]["source"]) for e in rolled] == \
+            [(15, VERIFIED, f"the in-memory snapshot of step {VERIFIED}")]
+    first, second, reference = ledger(run_dir, 1), ledger(run_dir, 2), ledger(clean, 0)
+    assert sorted(first) == sorted(second) == list(range(1, SDC_STEPS + 1))
+    assert all(first[s]["params"] == second[s]["params"] for s in first)
+    # Every step trained on the fault-free run's rows: the verified ones by three groups, those made again
+    # after the rollback by the two survivors, half of the global batch of 24 each.
+    clean_rows, rows = rows_by_step(clean), rows_by_step(run_dir)
+    assert all(rows[s] == clean_rows[s] for s in range(1, VERIFIED + 1))
+    for s in range(VERIFIED + 1, SDC_STEPS + 1):
+        mine, theirs = (ledger(run_dir, g, "rows")[s]["rows"] for g in SURVIVORS)
+        assert len(mine) == len(theirs) == 12 and Counter(mine + theirs) == clean_rows[s], s
+    for key in ("tokens_seen", "loader_batch", "consumed"):
+        assert first[SDC_STEPS][key] == reference[SDC_STEPS][key], key
+    for a, b in zip(final_params(run_dir, 1), final_params(clean, 0), strict=True):
+        assert torch.allclose(a, b, atol=TOLERANCE, rtol=0), (a - b).abs().max()
+    assert abs(first[SDC_STEPS]["loss"] - reference[SDC_STEPS]["loss"]) < TOLERANCE
+    # A survivor writes the checkpoints from the rollback on, the abandoned step 12's again.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000012", "step-000020"]

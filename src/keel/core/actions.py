@@ -20,7 +20,8 @@ class Action:
     # rollback (and quarantine, when set): go back to the newest saved state at or before `to_step` (one
     # that passed a replica or replay check when `verified_only`), then skip `skip_batches` global
     # batches counted from that state and at least through the current one, and scale the learning
-    # rate by `lr_scale` for `lr_scale_steps` steps.
+    # rate by `lr_scale` for `lr_scale_steps` steps. A stop with `to_step` abandons the steps after it (their
+    # checkpoints are retired).
     to_step: int | None = None
     verified_only: bool = False
     skip_batches: int = 0

@@ -118,6 +118,7 @@ class ReplicaGroups(Builtin):
         self.joined_by_peer: Callable[[], None] = lambda: None  # a group joined with its own state
         self.before_heal: Callable[[], None] = lambda: None  # called before a peer's state replaces this group's
         self.check_every, self.verified = check_every, 0
+        self.verified_now: Callable[[], None] = lambda: None  # the state now is verified: its snapshot is kept
         self.root = Path(os.environ.get(ROOT_ENV) or run_dir)  # where the run's quarantine.json is
 
     # ------------------------------------------------------------ what a healing group receives
@@ -242,13 +243,21 @@ class ReplicaGroups(Builtin):
 
     # ------------------------------------------------------------ the groups' states compared
 
+    def on_start(self, state: TrainState) -> None:
+        """The state the run starts from is the same in every group (the same seed, the same checkpoint, or a
+        peer's): the first verified one."""
+        self.verified = state.step
+        self.verified_now()
+
     def on_step_end(self, step: Step) -> Action | None:
         """Every `guard.sdc.fingerprint_interval` steps: every group must hold bitwise the same parameters
         and optimizer moments (they applied the same averaged gradients). A group that differs from the
         majority computed wrong — silent data corruption — and leaves the quorum for good, named in
-        quarantine.json, while the others train on; with no majority (two groups), every group rolls back
-        to the last state they were seen to share."""
+        quarantine.json; its gradients went into every group's updates since the last verified state, so the
+        others go back to that state and train on from there. With no majority (two groups), every group rolls
+        back to it."""
         number = step.state.step
+        self.verified = min(self.verified, number - 1)  # a rollback went back further than the verified state
         if not self.check_every or number % self.check_every or self.participants < 2:
             return None
         checked = [*(p for part in self.parts for p in part.parameters()),
@@ -265,10 +274,15 @@ class ReplicaGroups(Builtin):
         suspects = [g for g, f in enumerate(flags.tolist()) if f]
         if not suspects:
             self.verified = number
+            self.verified_now()
             return None
         return self._suspected(number, suspects)
 
-    def _suspected(self, number: int, suspects: list[int]) -> Action | None:
+    def _suspected(self, number: int, suspects: list[int]) -> Action:
+        """What each group does about the suspects: with no majority, every group rolls back to the verified
+        state; otherwise a suspect leaves (exit 76, its checkpoints since that state retired, named in
+        quarantine.json) and the others roll back to it. No collective spans the groups until the next quorum,
+        which is formed without the suspects."""
         reason = (f"replica group(s) at quorum rank {', '.join(map(str, suspects))} hold other parameters or optimizer "
                   f"moments than the others at step {number}")
         if self.rank0:
@@ -277,14 +291,16 @@ class ReplicaGroups(Builtin):
         if len(suspects) == self.participants:  # no majority: nobody can be named, everyone goes back
             return Action("rollback", "replica_groups", reason + "; no majority, every group rolls back to step "
                           f"{self.verified}", to_step=self.verified)
-        if self.replica_rank not in suspects:
-            return None  # the suspects leave; this group trains on
+        if self.replica_rank not in suspects:  # their gradients are in this group's updates since the verified state
+            return Action("rollback", "replica_groups", reason + f"; they leave the quorum, the other groups roll back "
+                          f"to step {self.verified}, the last verified state, and train on without them",
+                          to_step=self.verified)
         if self.rank0:
             add_to_quarantine(self.root, [host()], source="replica_groups", reason=reason, step=number,
                               group=self.group)
         self.say(f"error: replica group {self.group} computed wrong ({reason}); it leaves the quorum with exit code "
-                 f"{EXIT_QUARANTINE}, the other groups train on")
-        return Action("stop", "replica_groups", reason, exit_code=EXIT_QUARANTINE)
+                 f"{EXIT_QUARANTINE}, the other groups roll back to step {self.verified} and train on")
+        return Action("stop", "replica_groups", reason, to_step=self.verified, exit_code=EXIT_QUARANTINE)
 
     def metrics(self) -> dict[str, float]:
         return {PARTICIPANTS: float(self.participants), "ft/heals_total": float(self.heals),

@@ -53,6 +53,8 @@ class Recovery:
                          f"exiting with code {EXIT_QUARANTINE} so that the launcher restarts without their node")
                 return EXIT_QUARANTINE
         if action.kind == "stop":
+            if action.to_step is not None:  # the steps after it are abandoned: their checkpoints may hold the fault
+                self.manager.retire_after(action.to_step, self.events, state.step, remove=self.writer())
             self.say(f"error: guard {action.guard} stopped the run at step {state.step}: {action.reason}. "
                      f"Details in events.jsonl; the newest checkpoint is {self.manager.latest()}")
             return EXIT_GUARD_STOP

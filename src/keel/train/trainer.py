@@ -213,6 +213,7 @@ class Trainer:
             registered.append(("replicas", self.replicas))
             ckpt.writer = self.recovery.writer = self.replicas.is_writer
             self.replicas.joined_by_peer = lambda: self.guards.resnapshot(self.state)
+            self.replicas.verified_now = lambda: self.guards.keep_verified(self.state)
             self.replicas.before_heal = self.manager.fence  # a save in flight has copied what a heal replaces
         for name, stateful in registered:
             self.state.register(name, stateful)
