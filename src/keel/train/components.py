@@ -162,8 +162,9 @@ class Checkpointing:
     final_saved: bool = True
     volume_refused: bool = False  # the last save failed because the volume refused it (ENOSPC, EROFS, ...)
 
-    def after_save(self, outcome: SaveOutcome) -> None:
-        """Every rank handles the same outcome at the same step."""
+    def after_save(self, outcome: SaveOutcome, final: bool = False) -> None:
+        """Every rank handles the same outcome at the same step; `final`: the last step's save, which no later
+        save retries."""
         state = self.state
         self.final_saved, self.volume_refused = outcome.committed, bool(outcome.volume_error)
         if outcome.committed:
@@ -178,8 +179,8 @@ class Checkpointing:
                                f"(checkpoint.on_storage_error = \"stop\"), the newest checkpoint is "
                                f"{self.manager.latest()}", every_rank=True)
         else:
-            self.say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}); training "
-                     f"continues, the next save retries")
+            then = "" if final else "; training continues, the next save retries"
+            self.say(f"warning: the checkpoint of step {outcome.step} failed ({outcome.error}){then}")
             self.notify("on_checkpoint_failed", state, outcome.step, outcome.error)
         if self.rank0 and outcome.waited_s > 0.01:
             self.events.emit("checkpoint", state.step, "waited", waited_s=round(outcome.waited_s, 3),
@@ -246,7 +247,7 @@ class CheckpointWriter(Builtin):
         self.watchdog.begin("checkpoint", state.step)
         with ckpt.monitor.phase("checkpoint_blocking", whole_step=False) as saving:
             for outcome in ckpt.manager.save(self.parts, self.optimizers, state, wait=wait):
-                ckpt.after_save(outcome)
+                ckpt.after_save(outcome, final=step.last and outcome.step == state.step)
         self.watchdog.end()
         self.saved_step, ckpt.last_save = state.step, time.perf_counter()
         ckpt.monitor.ledger.flush(state.step)
