@@ -49,6 +49,7 @@ from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
 from keel.checkpoint.manifest import (
     CHECKSUM,
+    DCP_METADATA,
     FORMAT,
     MANIFEST,
     aside_name,
@@ -257,8 +258,11 @@ class CheckpointManager:
         failures = [f for f, _, _ in reports if f is not None]
         errors = [self._explain(failures, need)] if failures else []
         name = step_name(outcome.step)
+        files = {f: entry for _, mine, _ in reports for f, entry in mine.items()}
+        dcp_files, missing = self._dcp_files(staging, files) if not errors else ([], [])
+        if missing:  # nothing that DCP could not load is ever committed
+            errors = [(f"the save is incomplete, not committed: {'; '.join(missing)}", "")]
         if not errors:
-            files = {f: entry for _, mine, _ in reports for f, entry in mine.items()}
             outcome.bytes = sum(entry["size"] for entry in files.values())
             manifest = {"format": FORMAT, "checksum": CHECKSUM, "step": outcome.step, "tokens_seen": tokens_seen,
                         "layout": self.layout,
@@ -270,7 +274,7 @@ class CheckpointManager:
                         "keel_version": keel.__version__, "torch_version": torch.__version__,
                         "time": time.time(), "blocking_s": round(outcome.blocking_s, 4),
                         "write_s": round(time.perf_counter() - started, 3), "bytes": outcome.bytes,
-                        "files": dict(sorted(files.items()))}
+                        "files": dict(sorted(files.items())), "dcp_files": dcp_files}
             try:
                 self.storage.write_durably(f"{staging}/{MANIFEST}", manifest_json(manifest))
                 self.storage.publish(staging, name)
@@ -301,6 +305,30 @@ class CheckpointManager:
                          volume_error=outcome.volume_error)
         self.events.emit("alert", outcome.step, "checkpoint_failed", severity="error",
                          message=f"checkpoint of step {outcome.step} failed: {outcome.error}; {then}")
+
+    def _dcp_files(self, staging: str, files: dict[str, dict]) -> tuple[list[str], list[str]]:
+        """The files DCP needs to load this save (its `.metadata` and every data file that `.metadata` points
+        into), and what is wrong with them: not listed by the rank that wrote them, shorter than `.metadata`
+        says, or no longer in the directory with the size listed (whatever removed them)."""
+        if DCP_METADATA not in files:
+            return [], [f"{DCP_METADATA} is missing"]
+        try:
+            metadata = self.storage.reader(staging).read_metadata()
+        except Exception as e:
+            return [], [f"{DCP_METADATA} is unreadable ({_first_line(e)})"]
+        ends: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        missing = [] if ends else [f"{DCP_METADATA} names no data file"]
+        for fname, end in sorted(ends.items()):
+            if fname not in files:
+                missing.append(f"{fname} is missing")
+            elif files[fname]["size"] < end:
+                missing.append(f"{fname} has {files[fname]['size']} bytes, {DCP_METADATA} needs {end}")
+        present = self.storage.files(staging)
+        missing += [f"{f} is missing" if f not in present else f"{f} has {present[f]} bytes, {entry['size']} written"
+                    for f, entry in sorted(files.items()) if present.get(f) != entry["size"]]
+        return [DCP_METADATA, *sorted(ends)], missing
 
     def _explain(self, failures: list[Failure], need: int) -> tuple[str, str]:
         """One line for the failed save, and the volume's errno name when the volume refused it."""

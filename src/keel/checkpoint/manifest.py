@@ -1,9 +1,11 @@
 """manifest.json: what a committed checkpoint holds, and the proof that it is whole.
 
 The manifest is written last. It names every file of the checkpoint with its size and checksum, so a
-missing, truncated or bit-flipped file is found before the state is trusted. The checksum is XXH3-128:
-it reads at memory speed (about 12 GB/s on one core, against under 2 GB/s for sha256), so verifying a
-checkpoint before resuming costs a fraction of loading it; it guards against corruption, not forgery.
+missing, truncated or bit-flipped file is found before the state is trusted, and (`dcp_files`) the files
+that DCP needs to load the tensors: its `.metadata` and every data file that `.metadata` points into.
+The checksum is XXH3-128: it reads at memory speed (about 12 GB/s on one core, against under 2 GB/s for
+sha256), so verifying a checkpoint before resuming costs a fraction of loading it; it guards against
+corruption, not forgery.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from keel.checkpoint.storage import Storage
 
 MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"
 FORMAT = 1
 CHECKSUM = "xxh3_128"
 _STEP = re.compile(r"step-(\d{6,})")
@@ -110,12 +113,27 @@ def check_files(storage: Storage, name: str, manifest: dict, which: Iterable[str
     return problems
 
 
+def missing_tensors(manifest: dict) -> list[str]:
+    """The files DCP needs that the manifest does not list: a checkpoint without them has no model or
+    optimizer state. A manifest that predates `dcp_files` must list `.metadata` and a `.distcp` file."""
+    if "unreadable" in manifest:
+        return []
+    files = manifest["files"]
+    needed = manifest.get("dcp_files")
+    if isinstance(needed, list):
+        missing = [f for f in needed if f not in files]
+    else:
+        missing = [f for f in [DCP_METADATA] if f not in files]
+        missing += [] if any(f.endswith(".distcp") for f in files) else ["every .distcp data file"]
+    return [f"{f} is missing (DCP needs it to load the model and optimizer state)" for f in missing]
+
+
 def verify(storage: Storage, name: str, checksums: bool = True) -> list[str]:
     """Everything wrong with checkpoint `name` (empty: verified)."""
     manifest = read_manifest(storage, name)
     if manifest is None:
         return [f"no {MANIFEST}" + (": the save did not finish" if storage.remote else " (it was removed or lost)")]
-    return check_files(storage, name, manifest, checksums=checksums)
+    return missing_tensors(manifest) + check_files(storage, name, manifest, checksums=checksums)
 
 
 def manifest_json(manifest: dict) -> bytes:

@@ -1,9 +1,10 @@
 """The checks of one checkpoint's files before it is loaded, run on a background thread.
 
-DCP trusts `.metadata`, so it is checked first, on its own; then this rank's share of the other files. A
-rank's share is the files it wrote when the checkpoint was saved with this number of processes (its own
-shard, its RNG streams; rank 0 the shared files): the files its load reads, which the checksums then
-bring into the page cache. Saved with another number of processes, the files are dealt out in turn.
+DCP trusts `.metadata`, so it is checked first, on its own, with the manifest's list of the files DCP
+needs; then this rank's share of the other files. A rank's share is the files it wrote when the
+checkpoint was saved with this number of processes (its own shard, its RNG streams; rank 0 the shared
+files): the files its load reads, which the checksums then bring into the page cache. Saved with
+another number of processes, the files are dealt out in turn.
 
 A resume starts these checks as soon as it knows which checkpoint it will load, before the model is
 built, and the load waits only for what is not finished by then.
@@ -17,7 +18,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from keel.checkpoint.manifest import check_files, writer_rank
+from keel.checkpoint.manifest import check_files, missing_tensors, writer_rank
 from keel.checkpoint.storage import Storage
 
 
@@ -73,8 +74,10 @@ def start(storage: Storage, name: str, manifest: dict, rank: int, world_size: in
         for future, which in ((verification.metadata, [".metadata"]), (verification.rest, mine)):
             try:
                 with storage.reading(name):  # pruning leaves it alone meanwhile
-                    future.set_result(check_files(storage, name, manifest,
-                                                  [f for f in which if f in manifest.get("files", {})], checksums))
+                    missing = missing_tensors(manifest) if future is verification.metadata else []
+                    future.set_result(missing + check_files(storage, name, manifest,
+                                                            [f for f in which if f in manifest.get("files", {})],
+                                                            checksums))
             except BaseException as e:  # raised where the load asks for the verdict
                 future.set_exception(e)
 

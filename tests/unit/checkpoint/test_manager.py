@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from keel.checkpoint.manager import CheckpointManager, _failure
+from keel.checkpoint.manifest import verify
 from keel.checkpoint.storage import Storage
+from keel.cli import main
 from keel.config import load_config
 from keel.core.state import TrainState
 from keel.errors import CheckpointError
@@ -347,3 +350,81 @@ def test_a_tied_embedding_is_written_once_and_a_resume_restores_it_under_both_na
     for before, after in zip(models[0].parameters(), models[1].parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizers[0].state[before][key], optimizers[1].state[after][key])
+
+
+def _lose(fname: str):
+    """An `on_write` hook that takes a file of DCP's from the save once it is written, as a process that
+    removed the directory under a live save did: the truncation keeps the file, short."""
+
+    def hook(step: int, staging: str) -> None:
+        path = Path(staging) / fname
+        if fname == "__0_0.distcp (short)":
+            path = Path(staging) / "__0_0.distcp"
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+        else:
+            path.unlink()
+
+    return hook
+
+
+@pytest.mark.parametrize(("lost", "said"), [
+    (".metadata", ".metadata is missing"),
+    ("__0_0.distcp", "__0_0.distcp is missing"),
+    ("__0_0.distcp (short)", "__0_0.distcp has "),
+])
+def test_a_save_without_what_dcp_needs_is_not_committed(tmp_path: Path, group: None, lost: str, said: str) -> None:
+    run = saved(tmp_path, (10,))
+    root = tmp_path / "ckpt"
+    before = hashes(root)
+    run.manager.on_write = _lose(lost)
+    outcome = run.save(20)
+    assert not outcome.committed and outcome.error.startswith("the save is incomplete, not committed: ")
+    assert said in outcome.error
+    assert not (root / "step-000020").exists() and not (root / "step-000020.tmp").exists()
+    assert hashes(root) == before and (root / "latest").readlink() == Path("step-000010")
+    assert [e["step"] for e in run.events("failed")] == [20] and not [e for e in run.events("committed")
+                                                                       if e["step"] == 20]
+
+
+def test_a_committed_manifest_names_the_files_dcp_needs(tmp_path: Path, group: None) -> None:
+    saved(tmp_path, (10,))
+    manifest = json.loads((tmp_path / "ckpt" / "step-000010" / "manifest.json").read_text())
+    assert manifest["dcp_files"] == [".metadata", "__0_0.distcp"]
+    assert set(manifest["dcp_files"]) <= set(manifest["files"])
+
+
+def _without_tensors(checkpoint: Path, removed: str) -> None:
+    """Take a file of DCP's away from a committed checkpoint: only from the disk, or (`manifest`) also from the
+    manifest, written without `dcp_files`, as a save that lost its tensors before the commit was recorded."""
+    if removed == "manifest":
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        for fname in (".metadata", "__0_0.distcp"):
+            del manifest["files"][fname]
+            (checkpoint / fname).unlink()
+        del manifest["dcp_files"]
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        (checkpoint / removed).unlink()
+
+
+@pytest.mark.parametrize("removed", [".metadata", "__0_0.distcp", "manifest"])
+def test_a_checkpoint_without_its_tensors_is_corrupt_to_verify_ls_and_resume(
+        tmp_path: Path, group: None, removed: str, capsys: pytest.CaptureFixture) -> None:
+    saved(tmp_path, (10, 20))
+    root = tmp_path / "ckpt"
+    _without_tensors(root / "step-000020", removed)
+    named = ".metadata" if removed == "manifest" else removed
+    assert f"{named} is missing" in verify(Storage(root), "step-000020")[0]
+    assert main(["ckpt", "verify", str(root)]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{root / 'step-000010'}: verified"
+    assert out[1].startswith(f"{root / 'step-000020'}: FAILED: {named} is missing")
+    assert main(["ckpt", "ls", str(root)]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert f"CORRUPT: {named} is missing" in listed["step-000020"] and "complete" in listed["step-000010"]
+    run = Run(tmp_path, root)
+    state, path = run.restore() or (None, "")
+    assert state.step == 10 and path == str(root / "step-000010")
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000010", "step-000020.corrupt-missing-file"]
+    assert [e["detail"]["path"] for e in run.events("skipped")] == [str(root / "step-000020")]
