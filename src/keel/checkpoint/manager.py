@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import keel
-from keel.checkpoint import verifying
+from keel.checkpoint import owner, verifying
 from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
 from keel.checkpoint.manifest import (
@@ -140,6 +140,8 @@ class CheckpointManager:
         self.last_bytes = 0  # the size of the last save, what the next one needs free
         self.verdicts: dict[str, list[str]] = {}  # checkpoints verified by this process: name -> problems
         self.prefetched: verifying.Verification | None = None  # checks started before the load (`prefetch`)
+        self.run = str(run_dir.absolute())
+        self.claim: owner.Claim | None = None  # rank 0's claim on the staging name of the save in flight
         if self.rank == 0:
             self._clean_leftovers()
         dist.barrier()
@@ -168,7 +170,7 @@ class CheckpointManager:
         blocking_s = time.perf_counter() - started
         args = (state.step, state.tokens_seen, staging, rng.getvalue(), train_state, blocking_s, state.train_seconds)
         # A daemon thread: if a peer dies mid-save, this process can still exit.
-        pending = self.pending = in_background(lambda: self._write(*args), "keel-checkpoint")
+        pending = self.pending = in_background(lambda: self._write_claimed(*args), "keel-checkpoint")
         if wait or not self.policy.async_save:
             finished.append(self._wait(pending))
             finished[-1].waited_s = 0.0  # a synchronous save: the wait is the save itself, not a slow previous one
@@ -196,23 +198,36 @@ class CheckpointManager:
         self.pending = None
         return outcome
 
-    def _write(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,
-               blocking_s: float, train_s: float) -> SaveOutcome:
-        """The writer thread's work (an exception, a bug, surfaces in the loop through `finish`)."""
+    def _write_claimed(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,
+                       blocking_s: float, train_s: float) -> SaveOutcome:
+        """The writer thread's work (an exception, a bug, surfaces in the loop through `finish`). Rank 0
+        claims the save's staging name before anything is written there and holds the claim until the save
+        is committed or removed, so that no start takes it from under a live writer (keel.checkpoint.owner)."""
         with contextlib.suppress(OSError):  # where cores are shared, the training loop goes first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        staging = self.storage.staging_name(step_name(step))
+        refused: Failure | None = None
+        if self.rank == 0:
+            try:
+                self.claim = owner.claim(self.storage, staging, self.run)
+                self.storage.makedirs(staging)
+            except (OSError, CheckpointError) as e:
+                refused = _failure(e, self.storage, 0)
+        try:
+            return self._write(step, tokens_seen, copied, rng, train_state, blocking_s, train_s, refused)
+        finally:
+            if self.claim is not None:
+                self.claim.release()
+                self.claim = None
+
+    def _write(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,
+               blocking_s: float, train_s: float, ready: Failure | None) -> SaveOutcome:
+        """Write the save (rank 0's claim on it is `ready` unless it failed) and commit it."""
         copied.wait_copied()
         started, staged = time.perf_counter(), copied.state
         name = step_name(step)
         staging = self.storage.staging_name(name)
         share = len(rng) + len(train_state) + sum(_nbytes(t) for group in staged.values() for t in group.values())
-        ready: Failure | None = None
-        if self.rank == 0:
-            try:
-                self.storage.remove(staging)  # left by a crashed save of the same step
-                self.storage.makedirs(staging)
-            except OSError as e:
-                ready = _failure(e, self.storage, 0)
         plans: list = [None] * self.world_size
         dist.all_gather_object(plans, (share, ready, self.storage.free_bytes()), group=self.group)
         need = self.last_bytes or sum(p[0] for p in plans)
@@ -295,7 +310,8 @@ class CheckpointManager:
             return
         outcome.error, outcome.volume_error = errors[0]
         try:
-            self.storage.remove(staging)
+            if self.claim is not None:  # what another writer holds is not this save's to remove
+                self.storage.remove(staging)
         except Exception as e:
             outcome.error += f"; the unfinished {staging} could not be removed ({_first_line(e)})"
         stops = outcome.volume_error and self.policy.on_storage_error == "stop"
@@ -407,19 +423,40 @@ class CheckpointManager:
         return retired
 
     def _clean_leftovers(self) -> None:
-        """Remove what interrupted saves left: their `.tmp` directories, and the old copy of a step
-        that was saved again (put back when the interruption came before the new copy was in place)."""
+        """Remove what interrupted saves left, where their writers are proven gone (keel.checkpoint.owner):
+        their `.tmp` directories, and the old copy of a step that was saved again (put back when the
+        interruption came before the new copy was in place). What a live writer holds is left alone, and
+        what cannot be removed is reported and left: a start never fails on another process's save."""
         for name in self.storage.names():
             final = name.removesuffix(".replaced")
             if name.endswith(".replaced") and step_of(final) is not None:
+                self._settle_replaced(name, final)
+        for name in uncommitted(self.storage):
+            step = step_of(name.split(".")[0]) or 0
+            try:
+                removed, why = owner.remove_if_abandoned(self.storage, name)
+            except OSError as e:  # a writer came back to it meanwhile, or the volume refused
+                removed, why = False, f"it could not be removed ({_first_line(e)})"
+            if removed:
+                self.events.emit("checkpoint", step, "cleaned", path=self.storage.path(name),
+                                 reason=f"left unfinished by an interrupted save: {why}")
+            elif why:
+                self.events.emit("checkpoint", step, "left", path=self.storage.path(name), reason=why)
+
+    def _settle_replaced(self, name: str, final: str) -> None:
+        """The old copy of a step saved again: removed once the new one is in place, put back otherwise;
+        left while the save of that step is in flight (its writer swaps the two)."""
+        try:
+            with owner.unclaimed(self.storage, self.storage.staging_name(final)) as free:
+                if not free:
+                    return
                 if self.storage.exists(final):
                     self.storage.remove(name)
                 else:
                     self.storage.rename(name, final)
-        for name in uncommitted(self.storage):
-            self.storage.remove(name)
-            self.events.emit("checkpoint", step_of(name.split(".")[0]) or 0, "cleaned",
-                             path=self.storage.path(name), reason="left unfinished by an interrupted save")
+        except OSError as e:
+            self.events.emit("checkpoint", checkpoint_step(final), "left", path=self.storage.path(name),
+                             reason=f"it could not be settled ({_first_line(e)})")
 
     # ------------------------------------------------------------------ loading
 

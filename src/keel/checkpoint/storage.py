@@ -15,6 +15,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # DCP is imported by what reads or writes a checkpoint, not b
     from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 LATEST = "latest"
+LOCKS = ".locks"  # the readers' and writers' lock files of a directory's checkpoints
 _CHUNK = 8 << 20
 # Faults of the volume rather than of keel: a full disk or quota, a read-only or vanished mount, no permission.
 VOLUME_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
@@ -113,6 +115,24 @@ class Storage:
         except FileNotFoundError:
             return {}
         return {p[len(base) + 1:]: int(info["size"]) for p, info in found.items()}
+
+    def newest_change(self, name: str) -> float | None:
+        """When anything under `name` last changed (seconds since the epoch), None when nothing is there or
+        the store does not say."""
+        if self.remote:
+            base = self.fs._strip_protocol(self.path(name)).rstrip("/")
+            self.fs.invalidate_cache()
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return None
+            return max((t for info in found.values() if (t := _modified(info)) is not None), default=None)
+        stamps = []
+        for root, _, names in os.walk(self.path(name)):
+            for entry in ["", *names]:
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    stamps.append(os.stat(os.path.join(root, entry)).st_mtime)
+        return max(stamps, default=None)
 
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self.path(name))
@@ -270,10 +290,25 @@ class Storage:
         finally:
             os.close(fd)
 
+    def lock_name(self, name: str) -> str:
+        """The name of the lock file of `name` (on an object store, of the object that stands for one)."""
+        if not self.remote:
+            (Path(self.root) / LOCKS).mkdir(parents=True, exist_ok=True)
+        return f"{LOCKS}/{name}"
+
     def _lock_path(self, name: str) -> str:
-        locks = Path(self.root) / ".locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        return str(locks / name)
+        return self.path(self.lock_name(name))
+
+
+def _modified(info: dict) -> float | None:
+    """When an object store says a file was last modified (each names it its own way)."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+    return None
 
 
 def size_text(n: float) -> str:
