@@ -213,11 +213,13 @@ class CheckpointManager:
                 self.storage.makedirs(staging)
             except (OSError, CheckpointError) as e:
                 refused = _failure(e, self.storage, 0)
+        outcome = None
         try:
-            return self._write(step, tokens_seen, copied, rng, train_state, blocking_s, train_s, refused)
+            outcome = self._write(step, tokens_seen, copied, rng, train_state, blocking_s, train_s, refused)
+            return outcome
         finally:
-            if self.claim is not None:
-                self.claim.release()
+            if self.claim is not None:  # a save that raised (a peer lost mid-save) leaves its writer's record
+                self.claim.release(done=outcome is not None and (outcome.committed or not self.storage.exists(staging)))
                 self.claim = None
 
     def _write(self, step: int, tokens_seen: int, copied: Staging, rng: bytes, train_state: bytes,

@@ -122,16 +122,18 @@ class Claim:
     name: str
     fd: int = -1
 
-    def release(self) -> None:
-        """Drop the claim (its record goes with it), once the save is committed or removed."""
+    def release(self, done: bool) -> None:
+        """Drop the claim. Once the save is committed or removed (`done`) its record goes too; otherwise it
+        stays with what the save left, for a later start to judge by (this process may live on)."""
         record = self.storage.lock_name(self.name)
-        if self.fd < 0:
+        if done and self.fd < 0:
             self.storage.remove(record)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.storage.path(record))
-        os.close(self.fd)
-        self.fd = -1
+        elif done:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.storage.path(record))
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def claim(storage: Storage, name: str, run: str) -> Claim:
