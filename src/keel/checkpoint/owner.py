@@ -67,28 +67,30 @@ def describe(record: dict | None) -> str:
 
 
 def _parse(raw: bytes) -> dict | None:
+    """A writer's record, None when there is none or it is not one (cut short by a full volume, say)."""
     try:
         record = json.loads(raw)
     except ValueError:
         return None
-    return record if isinstance(record, dict) else None
+    if not (isinstance(record, dict) and isinstance(record.get("pid"), int) and isinstance(record.get("boot"), str)):
+        return None
+    return record
 
 
 def judge(storage: Storage, name: str, record: dict | None, now: float | None = None) -> tuple[bool, str]:
     """Whether what a save left at `name` is abandoned, with why, given the record of its writer (the
     lock, where there is one, must be held by the caller: a writer holding it is alive)."""
-    if record and record.get("boot") and record.get("boot") == _boot_id():
-        pid = int(record.get("pid", 0))
-        if pid != os.getpid() and _started(pid) == record.get("start"):
+    if record and record["boot"] and record["boot"] == _boot_id():
+        if record["pid"] != os.getpid() and _started(record["pid"]) == record.get("start"):
             return False, f"being written by {describe(record)}"
         return True, f"its writer, {describe(record)}, has ended"
     changed = storage.newest_change(name)
     stamps = [t for t in (changed, (record or {}).get("since")) if isinstance(t, (int, float))]
     age = (now or time.time()) - max(stamps) if stamps else ABANDONED_AFTER_S
+    writer = f"written by {describe(record)}, a process this machine cannot see" if record else "its writer unknown"
     if age >= ABANDONED_AFTER_S:
-        return True, f"untouched for {age:.0f} s, written by {describe(record)}"
-    return False, (f"written by {describe(record)}, whose process this machine cannot see, {age:.0f} s ago: "
-                   f"kept until untouched for {ABANDONED_AFTER_S:.0f} s")
+        return True, f"untouched for {age:.0f} s, {writer}"
+    return False, f"{writer}, changed {age:.0f} s ago: kept until untouched for {ABANDONED_AFTER_S:.0f} s"
 
 
 def _lock(path: str) -> int | None:

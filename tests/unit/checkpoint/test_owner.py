@@ -17,6 +17,7 @@ import pytest
 
 from keel.checkpoint import owner
 from keel.checkpoint.storage import Storage
+from keel.rundir.events import host
 from tests.conftest import keel_env, tmpfs
 from tests.unit.checkpoint.test_manager import Run, hashes
 
@@ -75,11 +76,11 @@ def test_a_start_leaves_the_save_of_a_live_writer_and_removes_the_one_of_a_write
     assert sorted(p.name for p in root.iterdir() if p.name != ".locks") == ["step-000020.tmp", "step-000040.tmp"]
     assert hashes(root) == {k: v for k, v in before.items() if not k.startswith("step-000030.tmp")}
     left = checkpoint_events(run, "left")
-    assert left == {"step-000020.tmp": f"being written by pid {live.pid} on {os.uname().nodename}",
-                    "step-000040.tmp": f"being written by pid {unlocked.pid} on {os.uname().nodename}"}
+    assert left == {"step-000020.tmp": f"being written by pid {live.pid} on {host()}",
+                    "step-000040.tmp": f"being written by pid {unlocked.pid} on {host()}"}
     assert checkpoint_events(run, "cleaned") == {
         "step-000030.tmp": f"left unfinished by an interrupted save: its writer, pid {dead} on "
-                           f"{os.uname().nodename}, has ended"}
+                           f"{host()}, has ended"}
     assert not (root / ".locks" / "step-000030.tmp").exists()
 
 
@@ -126,7 +127,19 @@ def test_a_save_from_another_machine_is_left_until_it_has_been_untouched_for_the
     assert not (root / "step-000020.tmp").exists()
     reason = checkpoint_events(run, "cleaned")["step-000020.tmp"]
     assert reason.startswith("left unfinished by an interrupted save: untouched for ") and "node7" in reason
-    assert "whose process this machine cannot see" in checkpoint_events(run, "left")["step-000020.tmp"]
+    assert "node7, a process this machine cannot see, changed " in checkpoint_events(run, "left")["step-000020.tmp"]
+
+
+@pytest.mark.parametrize("record", [b"", b'{"pid": 12', b'{"pid": "12", "boot": 3}'])
+def test_a_save_whose_writer_left_no_record_that_reads_is_kept_while_it_is_recent(
+        tmp_path: Path, group: None, record: bytes) -> None:
+    root = tmp_path / "ckpt"
+    storage = Storage(root)
+    storage.makedirs("step-000020.tmp")
+    Path(storage.path(storage.lock_name("step-000020.tmp"))).write_bytes(record)
+    run = Run(tmp_path, root)
+    assert (root / "step-000020.tmp").is_dir()
+    assert checkpoint_events(run, "left")["step-000020.tmp"].startswith("its writer unknown, changed ")
 
 
 def test_a_leftover_that_cannot_be_removed_is_reported_and_the_start_goes_on(
