@@ -136,6 +136,7 @@ class CheckpointManager:
         self.stager = HostStager(pin_memory=torch.cuda.is_available())
         self.staging: Staging | None = None  # the copy of the save in flight, until the loop passes its fence
         self.fenced: set[int] = set()  # the optimizers whose updates wait for the copy
+        self.closing = False  # the save in flight is the last step's or a pause's
         self.pending: Future[SaveOutcome] | None = None
         self.last_bytes = 0  # the size of the last save, what the next one needs free
         self.verdicts: dict[str, list[str]] = {}  # checkpoints verified by this process: name -> problems
@@ -158,6 +159,7 @@ class CheckpointManager:
         `wait`). Returns the outcomes of the saves that finished meanwhile: the previous one, and this one
         with `wait`. Until the copy is done, the next optimizer update waits for it (the fence)."""
         finished = [o for o in [self.finish()] if o is not None]
+        self.closing = wait  # the last step's or a pause's save: no later save of this run retries it
         started = time.perf_counter()
         for optimizer in optimizers:
             if id(optimizer) not in self.fenced:
@@ -318,6 +320,7 @@ class CheckpointManager:
             outcome.error += f"; the unfinished {staging} could not be removed ({_first_line(e)})"
         stops = outcome.volume_error and self.policy.on_storage_error == "stop"
         then = ('the run stops (checkpoint.on_storage_error = "stop")' if stops else
+                "the run stops at this step without it" if self.closing else
                 "training continues, the next save retries")
         self.events.emit("checkpoint", outcome.step, "failed", path=outcome.path, error=outcome.error,
                          volume_error=outcome.volume_error)
