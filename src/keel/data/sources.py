@@ -30,6 +30,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from keel.data.remote import fetch, is_remote
 from keel.errors import DataError
@@ -224,39 +225,109 @@ def _jsonl_line(line: bytes, text_field: str) -> str:
 
 
 ZSTD_CHUNK = 1 << 20  # compressed bytes read at a time
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # the first bytes of a zstd frame
+ZSTD_SKIPPABLE = (0x184D2A50, 0x184D2A5F)  # magic numbers of skippable frames (metadata, no data)
 
 
-def _zstd_lines(path: Path) -> Iterator[bytes]:
-    """The lines of a zstd file, frame after frame. A file that ends inside a frame raises EOFError after the
-    lines before the cut (zstandard's own readers end such a file without a word)."""
+class DamagedFile(Exception):
+    """A compressed stream that cannot be read to its end; the message says where it breaks, without the path."""
+
+
+def _zstandard(path: Path) -> Any:
     try:
         import zstandard
     except ImportError:
         raise DataError(f"{path}: reading .jsonl.zst files needs zstandard; pip install 'keel-pretrain[zst]'") \
             from None
-    decompressor, pending, in_frame = zstandard.ZstdDecompressor().decompressobj(), b"", False
+    return zstandard
+
+
+def _zstd_chunks(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a zstd file, frame after frame. Damage raises DamagedFile naming the compressed
+    byte where decompression broke and its frame; so does a file that ends inside a frame, which zstandard's own
+    readers end without a word."""
+    zstandard = _zstandard(path)
+    frame, start, at = 1, 0, 0  # the current frame's number and first byte, the first byte of `chunk`
+    decompressor, fed = zstandard.ZstdDecompressor().decompressobj(), False
     with open(path, "rb") as fh:
         while chunk := fh.read(ZSTD_CHUNK):
             while chunk:
                 try:
-                    pending += decompressor.decompress(chunk)
+                    out = decompressor.decompress(chunk)
                 except zstandard.ZstdError as e:
-                    raise OSError(f"corrupt zstd data: {e}") from None
-                in_frame = not decompressor.eof
-                chunk = decompressor.unused_data if decompressor.eof else b""
-                if decompressor.eof:  # the next frame, if any, needs a decompressor of its own
-                    decompressor = zstandard.ZstdDecompressor().decompressobj()
-            *lines, pending = pending.split(b"\n")
-            yield from (line + b"\n" for line in lines)
-    if in_frame:  # the text after the last whole line is cut short: not a line
-        raise EOFError("the file ends inside a zstd frame")
-    if pending:
-        yield pending
+                    raise DamagedFile(_zstd_failure(path, frame, start, at, chunk, e)) from None
+                yield out
+                fed = True
+                if not decompressor.eof:
+                    at += len(chunk)
+                    break
+                at += len(chunk) - len(decompressor.unused_data)  # the next frame needs a decompressor of its own
+                chunk, frame, start, fed = decompressor.unused_data, frame + 1, at, False
+                decompressor = zstandard.ZstdDecompressor().decompressobj()
+    if fed:
+        raise DamagedFile(f"truncated zstd file: it ends at byte {at} inside frame {frame} (from byte {start})")
+
+
+def _zstd_failure(path: Path, frame: int, start: int, at: int, chunk: bytes, error: Exception) -> str:
+    """Where decompression broke: frame `frame` is decoded again from its first byte up to `chunk` (which starts at
+    byte `at`), then `chunk` a byte at a time, as a failed decompressor cannot say how far it got."""
+    zstandard = _zstandard(path)
+    reason = str(error).removeprefix("zstd decompressor error: ")
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        head = fh.read(4)
+        magic = int.from_bytes(head.ljust(4, b"\0"), "little")
+        if head != ZSTD_MAGIC and not ZSTD_SKIPPABLE[0] <= magic <= ZSTD_SKIPPABLE[1]:
+            return f"not zstd data: no zstd frame starts at byte {start} (frame {frame}; it starts with {head!r})"
+        fh.seek(start)
+        decompressor = zstandard.ZstdDecompressor().decompressobj()
+        while (left := at - fh.tell()) > 0 and (piece := fh.read(min(ZSTD_CHUNK, left))):
+            decompressor.decompress(piece)  # decoded before without error
+        for i in range(len(chunk)):
+            try:
+                decompressor.decompress(chunk[i:i + 1])
+            except zstandard.ZstdError:
+                at += i
+                break
+    return (f"corrupt zstd data: decompression broke at byte {at} of {path.stat().st_size}, in frame {frame} "
+            f"(from byte {start}): {reason}")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Lines out of a stream of byte chunks; a line's pieces are joined once, however many chunks it spans."""
+    pending: list[bytes] = []
+    for out in chunks:
+        if b"\n" not in out:
+            pending.append(out)
+            continue
+        first, *lines, last = out.split(b"\n")
+        yield b"".join(pending) + first + b"\n"
+        yield from (line + b"\n" for line in lines)
+        pending = [last]
+    if tail := b"".join(pending):
+        yield tail
+
+
+def damage(f: InputFile) -> str | None:
+    """Why `f` cannot be read at all, or None: a zstd file is decompressed to its end (its damage may show only in
+    a frame's checksum, after every line of the frame was decoded), a Parquet file's footer is opened. Other kinds
+    are read as far as they go."""
+    try:
+        if f.path.name.endswith(".zst"):
+            for _ in _zstd_chunks(f.path):
+                pass
+        elif f.kind == "parquet":
+            _parquet_file(f.path)
+    except DamagedFile as e:
+        return str(e)
+    except OSError as e:
+        return f"unreadable ({e})"
+    return None
 
 
 def _jsonl_lines(path: Path) -> Iterator[bytes]:
     if path.name.endswith(".zst"):
-        yield from _zstd_lines(path)
+        yield from _split_lines(_zstd_chunks(path))
         return
     with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as fh:
         yield from fh
@@ -274,22 +345,32 @@ def _read_jsonl(path: Path, text_field: str, malformed: list[str]) -> Iterator[s
                 malformed.append(f"{path}:{lineno}: {e}")
                 continue
             yield text
-    except (EOFError, OSError, zlib.error) as e:
+    except (EOFError, OSError, zlib.error, DamagedFile) as e:
         # A truncated or corrupt compressed stream: what came before it is kept, the rest is unreadable.
-        malformed.append(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})")
+        reason = str(e) if isinstance(e, DamagedFile) else f"{type(e).__name__}: {e}"
+        malformed.append(f"{path}: unreadable after line {lineno} ({reason})")
 
 
-def _read_parquet(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
+def _parquet_file(path: Path) -> Any:
+    """The opened pyarrow ParquetFile; DamagedFile when its footer cannot be read."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading .parquet files needs pyarrow; pip install 'keel-pretrain[parquet]'") from None
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        malformed.append(f"{path}: not a readable Parquet file ({e})")
+        raise DamagedFile(f"not a readable Parquet file ({e})") from None
+
+
+def _read_parquet(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
+    try:
+        pf = _parquet_file(path)
+    except DamagedFile as e:
+        malformed.append(f"{path}: {e}")
         return
+    import pyarrow as pa
     schema = pf.schema_arrow
     if text_field not in schema.names:
         shown = ", ".join(schema.names[:10]) + (" ..." if len(schema.names) > 10 else "")

@@ -8,10 +8,12 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from keel.data.sources import InputFile, read_documents, resolve_inputs
+from keel.data import sources
+from keel.data.sources import InputFile, damage, read_documents, resolve_inputs
 from keel.errors import DataError
 
 
@@ -140,23 +142,86 @@ def test_jsonl_gz_is_read_and_a_truncated_stream_reported(tmp_path: Path) -> Non
     assert "EOFError" in malformed[0]
 
 
-def test_jsonl_zst_is_read_across_frames_and_a_cut_or_corrupt_stream_reported(tmp_path: Path) -> None:
-    zstandard = pytest.importorskip("zstandard")
+def zst_texts_and_frames(zstandard: Any) -> tuple[list[str], list[bytes]]:
+    """Documents and the two frames holding them (the first ending mid-line), checksummed as the zstd tool writes
+    them by default."""
     rng = random.Random(0)
     texts = ["".join(rng.choices("abcdefghij klmnop", k=200)) for _ in range(2000)]
     raw = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
-    compress = zstandard.ZstdCompressor().compress
-    payload = compress(raw[:100_001]) + compress(raw[100_001:])  # two frames, the first ending mid-line
-    f = resolve_inputs({"m": [str(write(tmp_path / "whole.jsonl.zst", payload))]})[0]
-    assert f.kind == "jsonl" and docs_of(f) == (texts, [])
+    compress = zstandard.ZstdCompressor(write_checksum=True).compress
+    return texts, [compress(raw[:100_001]), compress(raw[100_001:])]
 
-    cut = write(tmp_path / "cut.jsonl.zst", payload[: len(payload) * 3 // 4])
-    docs, malformed = docs_of(resolve_inputs({"m": [str(cut)]})[0])
-    assert 0 < len(docs) < len(texts) and docs == texts[: len(docs)]  # every whole line before the cut, no more
-    assert malformed == [f"{cut}: unreadable after line {len(docs)} (EOFError: the file ends inside a zstd frame)"]
-    corrupt = write(tmp_path / "corrupt.jsonl.zst", b"not zstd at all" * 10)
-    docs, malformed = docs_of(resolve_inputs({"m": [str(corrupt)]})[0])
-    assert docs == [] and len(malformed) == 1 and "corrupt zstd data" in malformed[0]
+
+def breaks_at(zstandard: Any, frame: bytes, at: int) -> bool:
+    """Whether a fresh decompressor takes the frame's first `at` bytes and fails on the next one, independently of
+    how the reader feeds it."""
+    decompressor = zstandard.ZstdDecompressor().decompressobj()
+    decompressor.decompress(frame[:at])
+    with pytest.raises(zstandard.ZstdError):
+        decompressor.decompress(frame[at:at + 1])
+    return True
+
+
+@pytest.fixture(params=[1 << 20, 4096], ids=["one read", "many reads"])
+def zstd_chunk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The compressed bytes read at a time: the whole test file at once, or frames spanning many reads and reads
+    spanning two frames."""
+    monkeypatch.setattr(sources, "ZSTD_CHUNK", request.param)
+    return request.param
+
+
+def test_jsonl_zst_is_read_across_frames(tmp_path: Path, zstd_chunk: int) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    texts, frames = zst_texts_and_frames(zstandard)
+    f = resolve_inputs({"m": [str(write(tmp_path / "whole.jsonl.zst", b"".join(frames)))]})[0]
+    assert f.kind == "jsonl" and docs_of(f) == (texts, []) and damage(f) is None
+
+
+def test_a_truncated_zst_file_is_named_with_the_byte_and_frame_where_it_ends(tmp_path: Path, zstd_chunk: int) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    texts, frames = zst_texts_and_frames(zstandard)
+    payload = b"".join(frames)
+    end = len(payload) * 3 // 4  # inside the second frame
+    cut = resolve_inputs({"m": [str(write(tmp_path / "cut.jsonl.zst", payload[:end]))]})[0]
+    reason = f"truncated zstd file: it ends at byte {end} inside frame 2 (from byte {len(frames[0])})"
+    assert damage(cut) == reason
+    docs, malformed = docs_of(cut)  # read on its own, every whole line before the cut, and no more
+    assert 0 < len(docs) < len(texts) and docs == texts[: len(docs)]
+    assert malformed == [f"{cut.path}: unreadable after line {len(docs)} ({reason})"]
+
+
+@pytest.mark.parametrize("frame", [0, 1])
+@pytest.mark.parametrize("where", ["block header", "middle"])
+def test_a_flipped_byte_in_a_zst_frame_is_named_with_the_byte_where_decompression_broke(tmp_path: Path, frame: int,
+                                                                                        where: str,
+                                                                                        zstd_chunk: int) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    _, frames = zst_texts_and_frames(zstandard)
+    damaged = bytearray(frames[frame])
+    header = zstandard.frame_header_size(frames[frame])
+    damaged[header + 2 if where == "block header" else len(damaged) // 2] ^= 0xFF  # a block's size; or its data
+    frames[frame] = bytes(damaged)
+    f = resolve_inputs({"m": [str(write(tmp_path / "flip.jsonl.zst", b"".join(frames)))]})[0]
+    reason = damage(f)
+    assert reason is not None
+    start = sum(map(len, frames[:frame]))
+    at = int(reason.split(" at byte ")[1].split(" ")[0])
+    assert reason == (f"corrupt zstd data: decompression broke at byte {at} of {f.size}, in frame {frame + 1} "
+                      f"(from byte {start}): {reason.split('): ')[1]}")
+    assert start <= at < start + len(frames[frame]) and breaks_at(zstandard, frames[frame], at - start)
+
+
+def test_a_file_that_is_not_zst_or_has_trailing_garbage_is_named(tmp_path: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    texts, frames = zst_texts_and_frames(zstandard)
+    not_zstd = resolve_inputs({"m": [str(write(tmp_path / "text.jsonl.zst", '{"text": "plain"}\n' * 20))]})[0]
+    assert damage(not_zstd) == "not zstd data: no zstd frame starts at byte 0 (frame 1; it starts with b'{\"te')"
+    assert docs_of(not_zstd)[0] == []
+    payload = b"".join(frames)
+    tail = resolve_inputs({"m": [str(write(tmp_path / "tail.jsonl.zst", payload + b"garbage"))]})[0]
+    assert damage(tail) == f"not zstd data: no zstd frame starts at byte {len(payload)} (frame 3; it starts with " \
+                           f"b'garb')"
+    assert docs_of(tail)[0] == texts
 
 
 def test_parquet_is_streamed_with_nulls_reported(tmp_path: Path) -> None:
