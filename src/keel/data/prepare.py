@@ -47,8 +47,8 @@ from keel.data.dedup import (
     scan_hashes,
 )
 from keel.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, sha256_file, token_dtype
-from keel.data.sources import BUILTIN_STDLIB, InputFile, read_documents, resolve_inputs, stdlib_files
-from keel.data.stats import STATS
+from keel.data.sources import BUILTIN_STDLIB, InputFile, damage, read_documents, resolve_inputs, stdlib_files
+from keel.data.stats import STATS, plural
 from keel.data.tokenizer import ByteTokenizer, Tokenizer, open_tokenizer, parse_tokenizer_spec, train_bpe
 from keel.data.workers import Progress, Workers
 from keel.errors import DataError
@@ -59,7 +59,8 @@ SIGNATURE_BATCH = 512  # documents hashed together: amortises numpy's per-call c
 BATCH_BYTES = 4 << 20  # ... and at most about this much text, whatever the documents' lengths
 TASK_BYTES = 2 << 20  # a task takes consecutive input files of one source until it holds this many bytes: a task's
 # work files and markers cost a few file creations, which would outweigh the work on a corpus of small files
-MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats (all are counted)
+MALFORMED_SHOWN = 20  # malformed lines listed by file:line in the stats, and files by count (all are counted)
+SKIPPED_SHOWN = 20  # skipped files named by `describe` (the manifest and the stats name all)
 SPLITS = ("train", "val")
 COPY_TOKENS = 1 << 24  # tokens copied into the shards at a time: memory stays flat whatever an input's size
 COUNT_TOKENS = 1 << 16  # tokens counted at a time (their 64-bit copy stays in the cache)
@@ -69,7 +70,7 @@ LENGTH_BINS = [0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 62]  # histogr
 # index of its input file and its number of decontamination n-grams (whose hashes the .grams file holds).
 META = np.dtype([("offset", "<u8"), ("length", "<u8"), ("key", "V16"), ("val", "u1"), ("input", "<u4"),
                  ("grams", "<u8")])
-WORK_LAYOUT = 2  # in the work directory's name: a prepare never resumes from work files laid out otherwise
+WORK_LAYOUT = 3  # in the work directory's name: a prepare never resumes from work files laid out otherwise
 
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
@@ -160,13 +161,37 @@ def tasks_of(inputs: list[InputFile]) -> list[_Task]:
 
 # ---------------------------------------------------------------- stage 1: scan
 
+@dataclasses.dataclass
+class _Unused:
+    """What a task's inputs held that could not be used: malformed lines and rows (`path:line N: reason`), counted
+    per file, and the damaged files, skipped whole."""
+
+    malformed: list[str] = dataclasses.field(default_factory=list)
+    malformed_files: list[list] = dataclasses.field(default_factory=list)  # [path, count] per file with any
+    skipped: list[dict] = dataclasses.field(default_factory=list)  # source, path, reason
+
+    def documents(self, f: InputFile, text_field: str) -> Iterator[str]:
+        """`f`'s documents; none of a damaged file, whose text may be wrong before the damage shows."""
+        if (reason := damage(f)) is not None:
+            self.skipped.append({"source": f.source, "path": str(f.path), "reason": reason})
+            return
+        before = len(self.malformed)
+        yield from read_documents(f, text_field, self.malformed)
+        if len(self.malformed) > before:
+            self.malformed_files.append([str(f.path), len(self.malformed) - before])
+
+    def record(self) -> dict:
+        return {"malformed": len(self.malformed), "malformed_shown": self.malformed[:MALFORMED_SHOWN],
+                "malformed_files": self.malformed_files, "skipped": self.skipped}
+
+
 def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
     """Clean one task's documents; write their text, metadata and MinHash signatures; mark it done."""
     marker = work / f"{task.index:06d}.scan"
     if marker.is_file():
         return
     cleaner = Cleaner(data.clean)
-    malformed: list[str] = []
+    unused = _Unused()
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
     paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig", "grams")}
@@ -193,7 +218,7 @@ def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
                 metas.clear()
 
         for index, f in enumerate(task.files, task.first):
-            for number, text in enumerate(read_documents(f, data.text_field, malformed)):
+            for number, text in enumerate(unused.documents(f, data.text_field)):
                 documents += 1
                 body = text.encode("utf-8")
                 source_bytes += len(body)
@@ -213,8 +238,8 @@ def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
         flush()
     for kind in paths:
         os.replace(tmp[kind], paths[kind])
-    _mark(marker, {"documents": documents, "source_bytes": source_bytes, "malformed": len(malformed),
-                   "malformed_shown": malformed[:MALFORMED_SHOWN], "clean": cleaner.stats()})
+    _mark(marker, {"documents": documents, "source_bytes": source_bytes, **unused.record(),
+                   "clean": cleaner.stats()})
 
 
 def _texts(work: Path, index: int, meta: np.ndarray, rows: np.ndarray) -> Iterator[tuple[int, str]]:
@@ -575,10 +600,36 @@ def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bo
     inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()}, cache, data.text_field)
     evals = resolve_inputs({"eval": data.decontam.eval_files}, cache, data.text_field) \
         if data.decontam.eval_files else []
+    _check_readable(inputs, evals)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _prepare_locked(data, inputs, evals, out, force, progress)
+
+
+def _check_readable(inputs: list[InputFile], evals: list[InputFile]) -> None:
+    """Refuse, before anything is written, a source of which no file can be read (it would give nothing) and a
+    damaged evaluation file (decontamination would miss its n-grams). A source's files are checked in order up to
+    the first readable one, so a healthy source costs one check; the scan skips the damaged files that remain."""
+    for f in evals:
+        if (reason := damage(f)) is not None:
+            raise DataError(f"{f.path}: {reason}; repair it or remove it from data.decontam.eval_files")
+    sources: dict[str, list[InputFile]] = {}
+    for f in inputs:
+        sources.setdefault(f.source, []).append(f)
+    for source, files in sources.items():
+        damaged: list[str] = []
+        for f in files:
+            if (reason := damage(f)) is None:
+                break
+            damaged.append(f"{f.path}: {reason}")
+        else:
+            if len(files) == 1:
+                raise DataError(f"{damaged[0]}; it is the only file of source {source!r}, so nothing can be "
+                                f"prepared: repair or replace it")
+            shown = "; ".join(damaged[:3]) + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+            raise DataError(f"source {source!r}: none of its {len(files)} files can be read ({shown}); "
+                            f"repair or replace them")
 
 
 def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[InputFile], out: Path, force: bool,
@@ -666,7 +717,8 @@ def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFil
         if not any(totals[(s, split)]["documents"] for s in data.sources):
             raise DataError(f"sources {', '.join(data.sources)} give {stats['documents']['train']} training and "
                             f"{stats['documents']['val']} validation documents after cleaning and dedup; both "
-                            f"splits need at least one (more documents or another data.val_fraction)")
+                            f"splits need at least one (more documents or another data.val_fraction)"
+                            f"{_skipped_note(stats['skipped_files'])}")
     _write_removed(tmp, stages.scans, stages.dedup, stages.encodes, data.clean.samples)
     corpus_fp = hashlib.sha256(json.dumps([tokenizer.describe(), [e["sha256"] for e in entries]])
                                .encode()).hexdigest()
@@ -688,6 +740,8 @@ def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFil
         "fingerprint": corpus_fp,
         "stats": {"unigram_entropy_nats": stats["unigram_entropy_nats"],
                   "tokens_per_byte": stats["tokens_per_byte"]},
+        "malformed": {"records": stats["malformed"], "files": stats["malformed_files"]},
+        "skipped_files": stats["skipped_files"],  # damaged inputs, none of whose documents are in the corpus
     }
     (tmp / STATS).write_text(json.dumps(stats, indent=1) + "\n")
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -718,6 +772,10 @@ def _stats(inputs: list[InputFile], scans: list[dict], dedup: dict, encodes: lis
         "source_bytes": source_bytes,
         "malformed": sum(s["malformed"] for s in scans),
         "malformed_lines": [line for s in scans for line in s["malformed_shown"]][:MALFORMED_SHOWN],
+        "malformed_files": sum(len(s["malformed_files"]) for s in scans),
+        "malformed_by_file": [{"path": path, "count": n} for s in scans
+                              for path, n in s["malformed_files"]][:MALFORMED_SHOWN],
+        "skipped_files": [skipped for s in scans for skipped in s["skipped"]],
         "removed_by_filter": clean["removed"],
         "changed_by_filter": clean["changed"],
         "exact_duplicates": dedup["exact_duplicates"],
@@ -756,6 +814,25 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old)
 
 
+def _skipped_note(skipped: list[dict]) -> str:
+    if not skipped:
+        return ""
+    return f"; {len(skipped)} damaged input files were skipped, the first {skipped[0]['path']}: {skipped[0]['reason']}"
+
+
+def _unused_lines(manifest: dict) -> list[str]:
+    """A line per skipped input file (up to SKIPPED_SHOWN) and one for the malformed lines and rows, if any."""
+    skipped, malformed = manifest.get("skipped_files", []), manifest.get("malformed", {})
+    lines = [f"skipped       {s['path']}: {s['reason']}" for s in skipped[:SKIPPED_SHOWN]]
+    if len(skipped) > SKIPPED_SHOWN:
+        lines.append(f"skipped       ... {len(skipped) - SKIPPED_SHOWN} more damaged files (`keel data stats` lists "
+                     f"all)")
+    if malformed.get("records"):
+        lines.append(f"malformed     {plural(malformed['records'], 'line or row', 'lines or rows')} in "
+                     f"{plural(malformed['files'], 'file', 'files')}, left out (`keel data stats` names them)")
+    return lines
+
+
 def describe(manifest: dict) -> str:
     s, docs, toks = manifest["stats"], manifest["documents"], manifest["tokens"]
     return "\n".join([
@@ -768,4 +845,5 @@ def describe(manifest: dict) -> str:
         f"({s['tokens_per_byte']:.3f} tokens/byte)",
         f"unigram entropy {s['unigram_entropy_nats']:.3f} nats/token (the loss of a model that learns only "
         f"token frequencies)",
+        *_unused_lines(manifest),
     ])

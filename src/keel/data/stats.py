@@ -24,18 +24,41 @@ def load_stats(directory: str | Path) -> dict:
         raise DataError(f"{str(path)!r} is not valid JSON ({e}); prepare the corpus again") from None
 
 
+def plural(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def _counts(counts: dict[str, int]) -> str:
     shown = [f"{name} {n:,}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n]
     return ", ".join(shown) or "none"
+
+
+def _malformed(stats: dict) -> list[str]:
+    """The count of malformed lines and rows (left out, the rest of their file kept), the first files with their
+    counts, and the first few by file:line."""
+    n = stats["malformed"]
+    if not n:
+        return ["malformed         0"]
+    by_file = stats.get("malformed_by_file", [])
+    files = stats.get("malformed_files", len(by_file))
+    shown = ", ".join(f"{f['path']} {f['count']:,}" for f in by_file[:3]) + (", ..." if files > 3 else "")
+    return [f"malformed         {n:,} in {plural(files, 'file', 'files')}" + (f" ({shown})" if shown else ""),
+            f"                  {', '.join(stats['malformed_lines'][:3])}{', ...' if n > 3 else ''}"]
+
+
+def _skipped(skipped: list[dict]) -> list[str]:
+    """Every damaged input file, skipped whole, with where its damage is."""
+    return [f"skipped files     {len(skipped):,}" + (" (damaged: none of their documents are in the corpus)"
+                                                     if skipped else ""),
+            *(f"  {s['path']}: {s['reason']}" for s in skipped)]
 
 
 def format_stats(stats: dict) -> str:
     lsh, docs, contamination = stats["lsh"], stats["documents"], stats.get("contamination")
     lines = [
         f"documents in      {stats['documents_in']:,} ({stats['source_bytes'] / 1e6:,.1f} MB)",
-        f"malformed         {stats['malformed']:,}" + (f" ({', '.join(stats['malformed_lines'][:3])}"
-                                                       f"{', ...' if stats['malformed'] > 3 else ''})"
-                                                       if stats["malformed"] else ""),
+        *_malformed(stats),
+        *_skipped(stats.get("skipped_files", [])),
         f"removed by filter {_counts(stats['removed_by_filter'])}",
         f"changed by filter {_counts(stats['changed_by_filter'])}",
         f"exact duplicates  {stats['exact_duplicates']:,}",
