@@ -163,12 +163,14 @@ def tasks_of(inputs: list[InputFile]) -> list[_Task]:
 
 @dataclasses.dataclass
 class _Unused:
-    """What a task's inputs held that could not be used: malformed lines and rows (`path:line N: reason`), counted
-    per file, and the damaged files, skipped whole."""
+    """What a task's inputs held that could not be used as it was: malformed lines and rows (`path:line N: reason`),
+    counted per file, the damaged files, skipped whole, and the documents kept with U+FFFD in place of what was not
+    valid Unicode."""
 
     malformed: list[str] = dataclasses.field(default_factory=list)
     malformed_files: list[list] = dataclasses.field(default_factory=list)  # [path, count] per file with any
     skipped: list[dict] = dataclasses.field(default_factory=list)  # source, path, reason
+    undecodable: list[str] = dataclasses.field(default_factory=list)
 
     def documents(self, f: InputFile, text_field: str) -> Iterator[str]:
         """`f`'s documents; none of a damaged file, whose text may be wrong before the damage shows."""
@@ -176,13 +178,14 @@ class _Unused:
             self.skipped.append({"source": f.source, "path": str(f.path), "reason": reason})
             return
         before = len(self.malformed)
-        yield from read_documents(f, text_field, self.malformed)
+        yield from read_documents(f, text_field, self.malformed, self.undecodable)
         if len(self.malformed) > before:
             self.malformed_files.append([str(f.path), len(self.malformed) - before])
 
     def record(self) -> dict:
         return {"malformed": len(self.malformed), "malformed_shown": self.malformed[:MALFORMED_SHOWN],
-                "malformed_files": self.malformed_files, "skipped": self.skipped}
+                "malformed_files": self.malformed_files, "skipped": self.skipped,
+                "undecodable": len(self.undecodable), "undecodable_shown": self.undecodable[:MALFORMED_SHOWN]}
 
 
 def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
@@ -776,6 +779,8 @@ def _stats(inputs: list[InputFile], scans: list[dict], dedup: dict, encodes: lis
         "malformed_by_file": [{"path": path, "count": n} for s in scans
                               for path, n in s["malformed_files"]][:MALFORMED_SHOWN],
         "skipped_files": [skipped for s in scans for skipped in s["skipped"]],
+        "undecodable": sum(s["undecodable"] for s in scans),
+        "undecodable_documents": [doc for s in scans for doc in s["undecodable_shown"]][:MALFORMED_SHOWN],
         "removed_by_filter": clean["removed"],
         "changed_by_filter": clean["changed"],
         "exact_duplicates": dedup["exact_duplicates"],

@@ -183,16 +183,28 @@ def resolve_inputs(sources: dict[str, list[str]], cache: Path | None = None, tex
     return inputs
 
 
-def read_documents(f: InputFile, text_field: str, malformed: list[str]) -> Iterator[str]:
-    """Stream the documents of `f`; damaged lines and rows are appended to `malformed`, not raised."""
+def read_documents(f: InputFile, text_field: str, malformed: list[str], repaired: list[str] | None = None
+                   ) -> Iterator[str]:
+    """Stream the documents of `f`; damaged lines and rows are appended to `malformed`, not raised, and documents
+    kept with U+FFFD in place of what was not valid Unicode to `repaired`."""
+    repaired = [] if repaired is None else repaired
     if f.kind == "text":
-        yield f.path.read_bytes().decode("utf-8", errors="replace")
+        yield _decoded(f.path, repaired)
     elif f.kind == "jsonl":
-        yield from _read_jsonl(f.path, text_field, malformed)
+        yield from _read_jsonl(f.path, text_field, malformed, repaired)
     elif f.kind == "parquet":
         yield from _read_parquet(f.path, text_field, malformed)
     else:
         raise DataError(f"{f.path}: unknown input kind {f.kind!r}; expected text, jsonl or parquet")
+
+
+def _decoded(path: Path, repaired: list[str]) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        repaired.append(f"{path}: invalid UTF-8 at byte {e.start}")
+        return data.decode("utf-8", errors="replace")
 
 
 def _valid_unicode(text: str) -> str:
@@ -221,7 +233,7 @@ def _jsonl_line(line: bytes, text_field: str) -> str:
     text = record[text_field]
     if not isinstance(text, str):
         raise ValueError(f"field {text_field!r} is {type(text).__name__}, not a string")
-    return _valid_unicode(text)
+    return text
 
 
 ZSTD_CHUNK = 1 << 20  # compressed bytes read at a time
@@ -333,7 +345,7 @@ def _jsonl_lines(path: Path) -> Iterator[bytes]:
         yield from fh
 
 
-def _read_jsonl(path: Path, text_field: str, malformed: list[str]) -> Iterator[str]:
+def _read_jsonl(path: Path, text_field: str, malformed: list[str], repaired: list[str]) -> Iterator[str]:
     lineno = 0
     try:
         for lineno, line in enumerate(_jsonl_lines(path), 1):
@@ -344,7 +356,9 @@ def _read_jsonl(path: Path, text_field: str, malformed: list[str]) -> Iterator[s
             except ValueError as e:
                 malformed.append(f"{path}:{lineno}: {e}")
                 continue
-            yield text
+            if (valid := _valid_unicode(text)) is not text:
+                repaired.append(f"{path}:{lineno}: lone surrogate escapes")
+            yield valid
     except (EOFError, OSError, zlib.error, DamagedFile) as e:
         # A truncated or corrupt compressed stream: what came before it is kept, the rest is unreadable.
         reason = str(e) if isinstance(e, DamagedFile) else f"{type(e).__name__}: {e}"

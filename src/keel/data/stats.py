@@ -53,12 +53,22 @@ def _skipped(skipped: list[dict]) -> list[str]:
             *(f"  {s['path']}: {s['reason']}" for s in skipped)]
 
 
+def _undecodable(stats: dict) -> str:
+    """The documents kept with U+FFFD in place of bytes that were not UTF-8 (or JSON's lone surrogate escapes)."""
+    n = stats.get("undecodable", 0)
+    if not n:
+        return "undecodable       0"
+    return (f"undecodable       {plural(n, 'document', 'documents')} kept with U+FFFD for what was not valid Unicode "
+            f"({', '.join(stats['undecodable_documents'][:3])}{', ...' if n > 3 else ''})")
+
+
 def format_stats(stats: dict) -> str:
     lsh, docs, contamination = stats["lsh"], stats["documents"], stats.get("contamination")
     lines = [
         f"documents in      {stats['documents_in']:,} ({stats['source_bytes'] / 1e6:,.1f} MB)",
         *_malformed(stats),
         *_skipped(stats.get("skipped_files", [])),
+        _undecodable(stats),
         f"removed by filter {_counts(stats['removed_by_filter'])}",
         f"changed by filter {_counts(stats['changed_by_filter'])}",
         f"exact duplicates  {stats['exact_duplicates']:,}",

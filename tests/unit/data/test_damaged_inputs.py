@@ -88,6 +88,7 @@ def test_damaged_zst_files_in_a_directory_are_skipped_named_and_shown_by_stats(t
     good, plain = documents(3, 50), documents(4, 30)
     (source / "good.jsonl.zst").write_bytes(frame(good[:20]) + frame(good[20:]))
     (source / "plain.jsonl").write_bytes(jsonl(plain[:10]) + b"not json\n" + jsonl(plain[10:]))
+    (source / "latin-1.txt").write_bytes("caf\u00e9 ".encode("latin-1") + " ".join(good[:2]).encode())
     damaged = damaged_files()
     for name, (content, _) in damaged.items():
         (source / name).write_bytes(content)
@@ -100,7 +101,7 @@ def test_damaged_zst_files_in_a_directory_are_skipped_named_and_shown_by_stats(t
 
     manifest = json.loads((out / MANIFEST).read_text())
     assert [f"{s['path']}: {s['reason']}" for s in manifest["skipped_files"]] == skipped
-    assert manifest["documents"]["train"] + manifest["documents"]["val"] == len(good) + len(plain)  # nothing else
+    assert manifest["documents"]["train"] + manifest["documents"]["val"] == len(good) + len(plain) + 1  # no more
 
     assert main(["data", "stats", str(out)]) == 0
     stats = capsys.readouterr().out.splitlines()
@@ -108,6 +109,8 @@ def test_damaged_zst_files_in_a_directory_are_skipped_named_and_shown_by_stats(t
     assert stats[at + 1:at + 4] == [f"  {s}" for s in skipped]
     assert f"malformed         1 in 1 file ({source / 'plain.jsonl'} 1)" in stats
     assert f"                  {source / 'plain.jsonl'}:11: bad JSON (Expecting value at column 1)" in stats
+    assert f"undecodable       1 document kept with U+FFFD for what was not valid Unicode ({source / 'latin-1.txt'}: " \
+           f"invalid UTF-8 at byte 3)" in stats
 
 
 def test_a_directory_of_damaged_files_only_is_one_line_naming_them(tmp_path: Path,

@@ -108,17 +108,25 @@ def test_unreadable_file(tree: Path) -> None:
         locked.chmod(0o644)
 
 
-def test_text_file_is_one_document_with_bad_bytes_replaced(tmp_path: Path) -> None:
+def test_text_file_is_one_document_with_bad_bytes_replaced_and_counted(tmp_path: Path) -> None:
     f = resolve_inputs({"m": [str(write(tmp_path / "a.txt", b"caf\xc3\xa9 \xff\xfe end\n"))]})[0]
     assert docs_of(f) == (["caf\u00e9 \ufffd\ufffd end\n"], [])
+    repaired: list[str] = []
+    assert list(read_documents(f, "text", [], repaired)) == ["caf\u00e9 \ufffd\ufffd end\n"]
+    assert repaired == [f"{f.path}: invalid UTF-8 at byte 6"]
+    good = resolve_inputs({"m": [str(write(tmp_path / "b.txt", "caf\u00e9 \ufffd end\n"))]})[0]
+    assert list(read_documents(good, "text", [], repaired)) == ["caf\u00e9 \ufffd end\n"] and len(repaired) == 1
 
 
 def test_jsonl_malformed_lines_are_reported_and_reading_goes_on(tmp_path: Path) -> None:
     lines = [b'{"text": "first"}', b"", b"{not json", b"[1, 2]", b'{"body": "x"}', b'{"text": 7}',
              b'{"text": "caf\xff"}', b'{"text": "lone \\ud800 surrogate", "id": 3}', b"   ", b'{"text": "last"}']
     path = write(tmp_path / "d.jsonl", b"\n".join(lines) + b"\n")
-    docs, malformed = docs_of(resolve_inputs({"m": [str(path)]})[0])
+    repaired: list[str] = []
+    malformed: list[str] = []
+    docs = list(read_documents(resolve_inputs({"m": [str(path)]})[0], "text", malformed, repaired))
     assert docs == ["first", "lone \ufffd surrogate", "last"]
+    assert repaired == [f"{path}:8: lone surrogate escapes"]
     assert malformed == [f"{path}:3: bad JSON (Expecting property name enclosed in double quotes at column 2)",
                          f"{path}:4: expected a JSON object, got list",
                          f"{path}:5: no 'text' field",
