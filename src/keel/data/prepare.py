@@ -721,7 +721,7 @@ def _write_corpus(tmp: Path, work: Path, data: DataConfig, inputs: list[InputFil
             raise DataError(f"sources {', '.join(data.sources)} give {stats['documents']['train']} training and "
                             f"{stats['documents']['val']} validation documents after cleaning and dedup; both "
                             f"splits need at least one (more documents or another data.val_fraction)"
-                            f"{_skipped_note(stats['skipped_files'])}")
+                            f"{_unused_note(stats)}")
     _write_removed(tmp, stages.scans, stages.dedup, stages.encodes, data.clean.samples)
     corpus_fp = hashlib.sha256(json.dumps([tokenizer.describe(), [e["sha256"] for e in entries]])
                                .encode()).hexdigest()
@@ -819,10 +819,16 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old)
 
 
-def _skipped_note(skipped: list[dict]) -> str:
-    if not skipped:
-        return ""
-    return f"; {len(skipped)} damaged input files were skipped, the first {skipped[0]['path']}: {skipped[0]['reason']}"
+def _unused_note(stats: dict) -> str:
+    """What of the inputs was left out, for an error that says too few documents remain."""
+    note = ""
+    if skipped := stats["skipped_files"]:
+        note += f"; {plural(len(skipped), 'damaged input file was', 'damaged input files were')} skipped, the " \
+                f"first {skipped[0]['path']}: {skipped[0]['reason']}"
+    if stats["malformed"]:
+        note += f"; {plural(stats['malformed'], 'malformed line or row was', 'malformed lines or rows were')} left " \
+                f"out, the first {stats['malformed_lines'][0]}"
+    return note
 
 
 def _unused_lines(manifest: dict) -> list[str]:

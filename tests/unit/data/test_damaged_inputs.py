@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import keel.data.prepare as prepare_module
 from keel.cli import main
+from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
+from keel.data.prepare import prepare
 from keel.data.shards import MANIFEST
 
 zstandard = pytest.importorskip("zstandard")
@@ -168,3 +171,31 @@ def test_many_skipped_files_are_all_recorded_and_the_console_names_the_first_20(
     assert len(json.loads((out / MANIFEST).read_text())["skipped_files"]) == 23
     assert main(["data", "stats", str(out)]) == 0
     assert "skipped files     23 (damaged: none of their documents are in the corpus)" in capsys.readouterr().out
+
+
+def test_skipped_files_are_recorded_in_input_order_by_two_workers(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepare_module, "TASK_BYTES", 1)  # a task per file, shared by the worker processes
+    source = tmp_path / "source"
+    source.mkdir()
+    damaged = damaged_files()
+    for i, (name, (content, _)) in enumerate(sorted(damaged.items())):
+        (source / f"{i}-good.jsonl").write_bytes(jsonl(documents(10 + i, 20)))
+        (source / f"{i}-{name}").write_bytes(content)
+    data = DataConfig(sources={"main": SourceConfig(paths=[str(source)])}, val_fraction=0.3, workers=2,
+                      clean=CleanConfig(enabled=False), dedup=DedupConfig(exact=False, near=False),
+                      decontam=DecontamConfig(enabled=False))
+    manifest = prepare(data, tmp_path / "corpus")
+    assert [(s["path"], s["reason"]) for s in manifest["skipped_files"]] == [
+        (str(source / f"{i}-{name}"), reason) for i, (name, (_, reason)) in enumerate(sorted(damaged.items()))]
+    assert manifest["documents"]["train"] + manifest["documents"]["val"] == 20 * len(damaged)
+
+
+def test_too_few_documents_names_what_was_left_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "docs.jsonl.gz"
+    path.write_bytes(b"not gzip at all")
+    assert main(["data", "prepare", "--source", str(path), "--out", str(tmp_path / "corpus"), *PASSTHROUGH]) == 2
+    assert capsys.readouterr().err.splitlines()[-1:] == [  # after the progress lines
+        "keel: error: sources main give 0 training and 0 validation documents after cleaning and dedup; both splits "
+        "need at least one (more documents or another data.val_fraction); 1 malformed line or row was left out, the "
+        f"first {path}: unreadable after line 0 (BadGzipFile: Not a gzipped file (b'no'))"]
