@@ -4,8 +4,9 @@ Stages, each leaving a completion marker in a work directory named after everyth
 (the inputs' content and the settings), so that an interrupted prepare resumes where it stopped:
 
 1. scan, one task per run of consecutive input files of a source (about TASK_BYTES), in parallel worker
-   processes: read, normalise and clean the documents; keep each survivor's text, exact key, split, MinHash
-   signature and decontamination n-gram hashes (all three hashed from one normalisation) in the task's work files.
+   processes: read, normalise and clean the documents (a damaged file is skipped whole); keep each survivor's
+   text, exact key, split, MinHash signature and decontamination n-gram hashes (all three hashed from one
+   normalisation) in the task's work files.
 2. dedup, in the main process: exact duplicates (first occurrence kept), then MinHash-LSH near duplicates
    (union-find, the cluster's first document kept), across all sources and both splits.
 3. tokenizer: byte, a given tokenizer.json, or BPE trained on the deduplicated training documents.

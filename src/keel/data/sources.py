@@ -11,11 +11,14 @@ sources (it would be counted twice and tilt the mixture).
 a JSON Lines file (plain, gzip or zstd) and every row of a Parquet file is one. Damage inside a file does
 not stop a long preparation: a bad line or a null row is appended to the caller's `malformed` list
 as `path:line N: reason` and reading goes on; a truncated or corrupt compressed stream ends that
-file with a `path: reason` entry. Memory stays bounded by the largest single document: lines are
-read one at a time and Parquet in small record batches.
+file with a `path: reason` entry. `damage` says beforehand whether a file can be read at all, and where it
+breaks (a zstd file's compressed byte and frame), for the caller to skip a file whose text cannot be trusted.
+Memory stays bounded by the largest single document: lines are read one at a time and Parquet in small
+record batches.
 
 Every document comes out as valid Unicode that encodes to UTF-8: undecodable bytes of text files
-become U+FFFD, and so do the lone surrogates that JSON `\\ud800` escapes can produce.
+become U+FFFD, and so do the lone surrogates that JSON `\\ud800` escapes can produce; each document so
+repaired is appended to the caller's `repaired` list.
 """
 
 from __future__ import annotations
