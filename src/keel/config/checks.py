@@ -77,11 +77,15 @@ def _lcm_upto(ft: FaultToleranceConfig) -> int:
 
 def _check_model(m: ModelConfig, t: TrainConfig) -> None:
     if m.init_from and not m.init_from.startswith("hf:"):
-        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama directory")
+        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama or "
+                          "Qwen3 directory")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads}")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor:g} must exceed "
+                          f"model.rope_low_freq_factor = {m.rope_low_freq_factor:g} (Llama 3.1 uses 4 and 1)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads = {m.n_heads} must divide by model.n_kv_heads = {m.n_kv_heads}")
     if m.base_dim and m.parametrization != "mup":
@@ -168,6 +172,15 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
                           f"{layout.dp}")
     check_group_shares(cfg, layout)
     return layout
+
+
+def ffn_hidden_dim(m: ModelConfig) -> int:
+    """The SwiGLU hidden size: `model.ffn_dim` when given, else Llama's rule: 2/3 of 4·dim, scaled by the
+    multiplier, rounded up to `multiple_of`."""
+    if m.ffn_dim:
+        return m.ffn_dim
+    hidden = int(m.ffn_dim_multiplier * int(2 * 4 * m.dim / 3))
+    return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
 
 
 def check_vocab_size(cfg: Config, corpus_vocab: int) -> None:

@@ -33,8 +33,20 @@ class ModelConfig:
     vocab_size: int = option(259, "embedding rows; at least the tokenizer's vocabulary", ge=1)
     ffn_dim_multiplier: float = option(1.0, "scales the SwiGLU hidden size (Llama rule: 8/3·dim)", gt=0)
     multiple_of: int = option(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
+    ffn_dim: int = option(0, "the SwiGLU hidden size as given (a Hugging Face model's intermediate_size), in place "
+                          "of the rule of ffn_dim_multiplier and multiple_of; 0: that rule", ge=0)
     norm_eps: float = option(1e-5, "RMSNorm epsilon", gt=0)
     rope_theta: float = option(10000.0, "RoPE base", gt=0)
+    rope_scaling: str = option("none", "how RoPE's frequencies are stretched for a context longer than the one the "
+                               "model was first trained at: none, or llama3 (Llama 3.1's rule: wavelengths beyond "
+                               "rope_original_max_seq_len / rope_low_freq_factor are divided by rope_factor, those "
+                               "below rope_original_max_seq_len / rope_high_freq_factor kept, a smooth ramp between)",
+                               choices=("none", "llama3"))
+    rope_factor: float = option(8.0, "rope_scaling = llama3: the factor the low frequencies are divided by", gt=0)
+    rope_low_freq_factor: float = option(1.0, "rope_scaling = llama3: where the ramp begins (see rope_scaling)", gt=0)
+    rope_high_freq_factor: float = option(4.0, "rope_scaling = llama3: where the ramp ends (see rope_scaling)", gt=0)
+    rope_original_max_seq_len: int = option(8192, "rope_scaling = llama3: the context the model was first trained "
+                                            "at", ge=1)
     max_seq_len: int = option(256, "longest sequence the RoPE tables cover", ge=1)
     tie_embeddings: bool = option(False, "share the input embedding with the output projection")
     qk_norm: bool = option(False, "RMSNorm over each head's queries and keys before RoPE (QK-norm: keeps attention "
@@ -48,7 +60,8 @@ class ModelConfig:
                                   "the same model as sp at dim = base_dim", choices=("sp", "mup"))
     base_dim: int = option(0, "mup: the base width the hyper-parameters were tuned at (0: model.dim)", ge=0)
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
-                            "Hugging Face Llama directory (config.json + model.safetensors)")
+                            "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors), whose "
+                            "config.json sets the other model.* fields")
 
 
 @dataclass

@@ -3,15 +3,9 @@ entropy's slice, parameter counts and training FLOPs per token (PaLM, Chowdhery 
 
 from __future__ import annotations
 
-from keel.config import ModelConfig
+from keel.config import ModelConfig, ffn_hidden_dim
 
 FUSED_CHUNK = 2**24  # elements of a slice of logits the fused cross entropy computes in fp32 at once (64 MiB)
-
-
-def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """Llama's rule: 2/3 of 4·dim, scaled by the multiplier, rounded up to `multiple_of`."""
-    hidden = int(cfg.ffn_dim_multiplier * int(2 * 4 * cfg.dim / 3))
-    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,9 +21,24 @@ def width_ratio(cfg: ModelConfig) -> float:
     return (cfg.base_dim or cfg.dim) / cfg.dim if cfg.parametrization == "mup" else 1.0
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """cos/sin of the rotary angles, shape (max_seq_len, head_dim // 2, 2), fp32."""
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's stretch of RoPE to a longer context: a frequency whose wavelength exceeds
+    original / low_freq_factor positions is divided by `rope_factor`, one whose wavelength is below
+    original / high_freq_factor is kept, and those between move linearly in original / wavelength from
+    the one to the other."""
+    original, low, high = cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    kept = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - kept) * inv_freq / cfg.rope_factor + kept * inv_freq
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                scaled_as: ModelConfig | None = None) -> torch.Tensor:
+    """cos/sin of the rotary angles, shape (max_seq_len, head_dim // 2, 2), fp32; `scaled_as`: the model
+    whose `rope_scaling` stretches the frequencies."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaled_as is not None and scaled_as.rope_scaling == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, scaled_as)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -135,7 +151,8 @@ class Llama(nn.Module):
         self.document_positions = False  # data.document_positions: RoPE positions restart at each document
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
-        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device,
+                           scaled_as=self.cfg)
 
     def reset_buffers(self) -> None:
         """After materialising a meta-device model: recompute non-persistent buffers and tie the output

@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from keel.config import ModelConfig, load_config
 from keel.model.flops import flops_per_token, matmul_param_count, param_count
 from keel.model.init import INIT_STD, canonical_name, init_weights, name_seed
-from keel.model.llama import Llama, ffn_hidden_dim
+from keel.model.llama import Llama, ffn_hidden_dim, llama3_frequencies, rope_tables
 from tests.conftest import REPO
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads) and a SwiGLU
@@ -143,6 +143,31 @@ def test_ffn_hidden_dim_rounds_up_to_multiple_of() -> None:
     assert ffn_hidden_dim(ModelConfig(dim=32, multiple_of=16)) == 96  # int(85.33) = 85 → 96
     assert ffn_hidden_dim(ModelConfig(dim=48, multiple_of=1)) == 128  # exactly 8/3·48
     assert ffn_hidden_dim(ModelConfig(dim=48, multiple_of=64)) == 128
+
+
+def test_ffn_dim_is_taken_as_given() -> None:
+    cfg = dataclasses.replace(TINY, ffn_dim=50)
+    assert ffn_hidden_dim(cfg) == 50 and build(cfg).layers["0"].feed_forward.w1.weight.shape == (50, 32)
+    assert param_count(cfg) == sum(p.numel() for p in build(cfg).parameters())
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones() -> None:
+    """Llama 3.1's published setting (factor 8, low 1, high 4, original 8192) at head size 128, theta 500000."""
+    cfg = ModelConfig(rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                      rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    scaled = llama3_frequencies(inv_freq, cfg)
+    wavelength = 2 * math.pi / inv_freq
+    short, long = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert short.any() and long.any() and (~short & ~long).any()  # every band holds frequencies
+    assert torch.equal(scaled[short], inv_freq[short])
+    torch.testing.assert_close(scaled[long], inv_freq[long] / 8, rtol=1e-6, atol=0)
+    ramp = ~short & ~long
+    assert ((scaled[ramp] < inv_freq[ramp]) & (scaled[ramp] > inv_freq[ramp] / 8)).all()
+    assert (scaled[1:] <= scaled[:-1]).all(), "the frequencies stay in order"
+    tables = rope_tables(128, 16, 500000.0, scaled_as=cfg)
+    torch.testing.assert_close(tables[3, :, 1], torch.sin(3 * scaled))
+    assert torch.equal(rope_tables(128, 16, 500000.0, scaled_as=ModelConfig()), rope_tables(128, 16, 500000.0))
 
 
 def test_llama3_8b_param_count() -> None:
