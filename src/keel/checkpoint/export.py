@@ -2,7 +2,8 @@
 (config.json + safetensors, and the run's tokenizer: `keel.checkpoint.hf_tokenizer`) and load such a
 directory into a keel model. A model with QK-norm goes as a `Qwen3ForCausalLM`: Llama's architecture with
 an RMSNorm on each head's queries and keys before RoPE, as keel's. Embedding scaling or normalisation
-has no counterpart in either, and is refused.
+has no counterpart in either, and is refused. Which model fields a Hugging Face config.json sets (Llama 3's
+RoPE scaling among them) is `keel.config.hf`'s; `hf_config` writes them back.
 
 keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
 rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk (and the
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from keel.checkpoint.hf_tokenizer import write_hf_tokenizer
 from keel.checkpoint.storage import fsync_path, locate
 from keel.config import ModelConfig
+from keel.config.hf import ARCHITECTURES, CONFIG, FREE, SOURCES, hf_model_fields, read_hf_model_fields
 from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
 from keel.model.flops import ffn_hidden_dim
@@ -43,7 +45,6 @@ from keel.model.init import canonical_name
 from keel.model.llama import Llama, width_ratio
 from keel.paths import check_writable_dir
 
-CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -55,8 +56,6 @@ _BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
           "attention.k_norm.weight": "self_attn.k_norm.weight"}
-# model_type -> (architecture, whether it has QK-norm)
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen3": ("Qwen3ForCausalLM", True)}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -108,6 +107,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # ---------------------------------------------------------------- configs
 
+def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    """RoPE's entries of config.json: transformers < 5 reads a top-level `rope_theta` and `rope_scaling`,
+    transformers 5 `rope_parameters`."""
+    scaling = {} if cfg.rope_scaling == "none" else {
+        "rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling or None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int] | None = None) -> dict[str, Any]:
     """config.json of a `LlamaForCausalLM` equal to a keel model. `special_tokens` ({"bos": …, "eos": …,
     "pad": …}) fills the token ids; without it they are null, since Hugging Face's defaults (1, 2) would
@@ -116,7 +126,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
     tokens = special_tokens or {}
     model_type = "qwen3" if cfg.qk_norm else "llama"
     return {
-        "architectures": [_ARCHITECTURES[model_type][0]],
+        "architectures": [ARCHITECTURES[model_type][0]],
         "model_type": model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": ffn_hidden_dim(cfg),
@@ -126,9 +136,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
         "head_dim": cfg.dim // cfg.n_heads,
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads the top-level key, transformers 5 `rope_parameters`.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_rope_config(cfg),
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
@@ -147,121 +155,26 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
     }
 
 
-def _ffn_fields(dim: int, hidden: int) -> tuple[float, int]:
-    """ffn_dim_multiplier and multiple_of for which keel's rounding rule gives exactly `hidden`:
-    preferably the plain Llama rule (multiplier 1, a power-of-two multiple), else `hidden` itself as the
-    multiple with the base size scaled down to at most `hidden` so the rounding lands on it."""
-    for shift in range(hidden.bit_length() - 1, -1, -1):
-        cfg = ModelConfig(dim=dim, ffn_dim_multiplier=1.0, multiple_of=1 << shift)
-        if ffn_hidden_dim(cfg) == hidden:
-            return 1.0, 1 << shift
-    base = int(8 * dim / 3)
-    # Aim at hidden + 0.5 so that float error in multiplier·base cannot truncate below `hidden`.
-    multiplier = 1.0 if base <= hidden else (hidden + 0.5) / base
-    if ffn_hidden_dim(ModelConfig(dim=dim, ffn_dim_multiplier=multiplier, multiple_of=hidden)) != hidden:
-        raise CheckpointError(f"intermediate_size = {hidden} cannot be expressed by keel's SwiGLU sizing for "
-                              f"hidden_size = {dim}")
-    return multiplier, hidden
-
-
-def _field(hf: dict[str, Any], key: str, kind: type) -> Any:
-    if key not in hf:
-        raise CheckpointError(f"Hugging Face config has no {key!r}; a Llama config.json needs it")
-    value = hf[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
-        raise CheckpointError(f"Hugging Face config {key} = {value!r} is not a {kind.__name__}")
-    return value
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """RoPE base from either config form; any scaling (llama3, linear, yarn, …) keel cannot represent."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(spec, dict):
-            raise CheckpointError(f"Hugging Face config {key} = {spec!r} is not a mapping")
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            raise CheckpointError(f"Hugging Face config {key}.rope_type = {kind!r} is not supported; keel "
-                                  f"implements only unscaled RoPE (rope_type 'default')")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise CheckpointError(f"Hugging Face config rope_theta = {theta!r} is not a positive number")
-    return float(theta)
-
-
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """The keel ModelConfig of a Hugging Face Llama (or Qwen3) config; refuses what keel's model cannot
     represent."""
-    if hf.get("model_type") not in _ARCHITECTURES:
-        raise CheckpointError(f"Hugging Face config model_type = {hf.get('model_type')!r} is not supported; "
-                              f"keel reads {' and '.join(map(repr, _ARCHITECTURES))}")
-    if hf.get("use_sliding_window", False):
-        raise CheckpointError("Hugging Face config use_sliding_window = true is not supported; keel's attention "
-                              "is causal over the whole sequence")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"Hugging Face config hidden_act = {act!r} is not supported; keel's SwiGLU uses 'silu'")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key, False):
-            raise CheckpointError(f"Hugging Face config {key} = {hf[key]!r} is not supported; keel's projections "
-                                  f"have no bias ({key} must be false)")
-    dim = _field(hf, "hidden_size", int)
-    n_heads = _field(hf, "num_attention_heads", int)
-    n_kv_heads = hf.get("num_key_value_heads") or n_heads
-    if dim < 1 or n_heads < 1 or not isinstance(n_kv_heads, int) or n_kv_heads < 1:
-        raise CheckpointError(f"Hugging Face config has hidden_size = {dim}, num_attention_heads = {n_heads}, "
-                              f"num_key_value_heads = {n_kv_heads!r}; all must be positive integers")
-    if dim % n_heads or (dim // n_heads) % 2 or n_heads % n_kv_heads:
-        raise CheckpointError(f"Hugging Face config hidden_size = {dim}, num_attention_heads = {n_heads}, "
-                              f"num_key_value_heads = {n_kv_heads} are not supported; keel needs hidden_size "
-                              f"divisible by the heads into an even head size, and heads divisible by kv heads")
-    head_dim = hf.get("head_dim") or dim // n_heads
-    if head_dim != dim // n_heads:
-        raise CheckpointError(f"Hugging Face config head_dim = {head_dim} is not supported; keel's head size is "
-                              f"hidden_size / num_attention_heads = {dim // n_heads}")
-    hidden = _field(hf, "intermediate_size", int)
-    if hidden < 1:
-        raise CheckpointError(f"Hugging Face config intermediate_size = {hidden} is not a positive integer")
-    multiplier, multiple_of = _ffn_fields(dim, hidden)
-    return ModelConfig(
-        dim=dim, n_layers=_field(hf, "num_hidden_layers", int), n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=_field(hf, "vocab_size", int), ffn_dim_multiplier=multiplier, multiple_of=multiple_of,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=_ARCHITECTURES[hf["model_type"]][1],
-    )
+    return ModelConfig(**hf_model_fields(hf))
 
 
 def read_hf_config(path: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face Llama directory's config.json."""
-    file = Path(path) / CONFIG
-    try:
-        hf = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{str(path)!r} is not a Hugging Face model directory: it has no {CONFIG}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {str(file)!r}: {str(e).splitlines()[0]}") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{str(file)!r} is not a JSON object")
-    return model_config_from_hf(hf)
+    return ModelConfig(**read_hf_model_fields(path))
 
 
 def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     """Refuse a Hugging Face model whose architecture differs from the run's model config."""
     check_hf_expressible(cfg)
-    hf = read_hf_config(path)
-    pairs = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps",
-             "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
-             "qk_norm": "model_type = 'qwen3' (its QK-norm)"}
-    diffs = [f"model.{ours} = {getattr(cfg, ours)} but {theirs} = {getattr(hf, ours)}"
-             for ours, theirs in pairs.items() if getattr(cfg, ours) != getattr(hf, ours)]
-    if ffn_hidden_dim(cfg) != ffn_hidden_dim(hf):
-        diffs.append(f"the SwiGLU size (model.ffn_dim_multiplier, model.multiple_of) is {ffn_hidden_dim(cfg)} "
-                     f"but intermediate_size = {ffn_hidden_dim(hf)}")
+    taken = read_hf_model_fields(path)
+    diffs = [f"model.{key} = {getattr(cfg, key)} but {SOURCES[key]} = {value}" for key, value in taken.items()
+             if key not in FREE and key != "ffn_dim" and getattr(cfg, key) != value]
+    if ffn_hidden_dim(cfg) != taken["ffn_dim"]:
+        diffs.append(f"the SwiGLU size (model.ffn_dim, or model.ffn_dim_multiplier and model.multiple_of) is "
+                     f"{ffn_hidden_dim(cfg)} but intermediate_size = {taken['ffn_dim']}")
     if diffs:
         raise CheckpointError(f"the model config does not match the Hugging Face model {str(path)!r}: "
                               f"{'; '.join(diffs)}; set the model.* fields to match")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.config.checks import check_consistency
+from keel.config.hf import fill_from_hf
 from keel.config.schema import INT_MAX, Config, SourceConfig
 from keel.errors import ConfigError
 
@@ -182,9 +183,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    in_file = set(data["model"]) if isinstance(data.get("model"), dict) else set()
+    on_command_line: set[str] = set()
     for text in overrides:
         keys, value = parse_override(text)
         _apply_override(data, keys, value, text)
+        if keys[0] == "model":
+            on_command_line |= set(keys[1:2]) or (set(value) if isinstance(value, dict) else set())
+    fill_from_hf(data, in_file, on_command_line)
     cfg = _build(Config, data, "")
     if not cfg.name:
         cfg.name = path.stem if path is not None else "tiny"  # the built-in defaults are configs/tiny.toml

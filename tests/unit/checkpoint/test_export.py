@@ -264,11 +264,12 @@ def test_intermediate_size_is_reproduced_exactly(dim: int, hidden: int) -> None:
     assert ffn_hidden_dim(model_config_from_hf(hf)) == hidden
 
 
-def test_llama2_sizing_maps_to_the_plain_rule() -> None:
+def test_intermediate_size_is_taken_as_given() -> None:
     hf = hf_config(dataclasses.replace(TINY, dim=4096, n_heads=32, n_kv_heads=32), torch.float32)
     hf["intermediate_size"] = 11008
     cfg = model_config_from_hf(hf)
-    assert (cfg.ffn_dim_multiplier, cfg.multiple_of) == (1.0, 256)
+    assert cfg.ffn_dim == 11008
+    assert hf_config(cfg, torch.float32)["intermediate_size"] == 11008
 
 
 def test_config_round_trip() -> None:
@@ -286,7 +287,8 @@ def test_config_round_trip() -> None:
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     ({"model_type": "mistral"}, "model_type = 'mistral'"),
     ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type = 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "no 'rope_scaling.low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling.rope_type = 'linear'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type = 'yarn'"),
     ({"head_dim": 32}, "head_dim = 32"),
     ({"hidden_size": 60}, "hidden_size = 60"),
