@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from keel.checkpoint.hf_tokenizer import write_hf_tokenizer
 from keel.checkpoint.storage import fsync_path, locate
-from keel.config import ModelConfig
+from keel.config import ModelConfig, head_size
 from keel.config.hf import ARCHITECTURES, CONFIG, FREE, SOURCES, hf_model_fields, read_hf_model_fields
 from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
@@ -133,7 +133,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": head_size(cfg),
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         **_rope_config(cfg),
@@ -171,7 +171,10 @@ def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     check_hf_expressible(cfg)
     taken = read_hf_model_fields(path)
     diffs = [f"model.{key} = {getattr(cfg, key)} but {SOURCES[key]} = {value}" for key, value in taken.items()
-             if key not in FREE and key != "ffn_dim" and getattr(cfg, key) != value]
+             if key not in FREE | {"ffn_dim", "head_dim"} and getattr(cfg, key) != value]
+    if head_size(cfg) != head_size(ModelConfig(**taken)):
+        diffs.append(f"the head size (model.head_dim, or model.dim / model.n_heads) is {head_size(cfg)} but "
+                     f"head_dim = {head_size(ModelConfig(**taken))}")
     if ffn_hidden_dim(cfg) != taken["ffn_dim"]:
         diffs.append(f"the SwiGLU size (model.ffn_dim, or model.ffn_dim_multiplier and model.multiple_of) is "
                      f"{ffn_hidden_dim(cfg)} but intermediate_size = {taken['ffn_dim']}")

@@ -1,6 +1,6 @@
 """Typed config tree: TOML files, KEY=VALUE overrides, validation with messages that name the field."""
 
-from keel.config.checks import check_vocab_size, ffn_hidden_dim, resolve_layout
+from keel.config.checks import check_vocab_size, ffn_hidden_dim, head_size, resolve_layout
 from keel.config.load import load_config, parse_override, reference, to_toml
 from keel.config.schema import (
     INT_MAX,
@@ -45,5 +45,6 @@ __all__ = [
     "OptimConfig", "ParallelConfig",
     "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrackerQueueConfig", "TrainConfig",
     "WandbConfig", "WatchdogConfig", "option",
-    "check_vocab_size", "ffn_hidden_dim", "load_config", "parse_override", "reference", "resolve_layout", "to_toml",
+    "check_vocab_size", "ffn_hidden_dim", "head_size", "load_config", "parse_override", "reference",
+    "resolve_layout", "to_toml",
 ]

@@ -79,9 +79,11 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
     if m.init_from and not m.init_from.startswith("hf:"):
         raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama or "
                           "Qwen3 directory")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
+    if m.head_dim and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim = {m.head_dim} must be even for RoPE")
+    if not m.head_dim and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must divide by model.n_heads = {m.n_heads} (or set model.head_dim)")
+    if not m.head_dim and (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor:g} must exceed "
@@ -172,6 +174,11 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
                           f"{layout.dp}")
     check_group_shares(cfg, layout)
     return layout
+
+
+def head_size(m: ModelConfig) -> int:
+    """The size of each attention head: `model.head_dim` when given, else dim / n_heads."""
+    return m.head_dim or m.dim // m.n_heads
 
 
 def ffn_hidden_dim(m: ModelConfig) -> int:

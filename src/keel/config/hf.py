@@ -16,7 +16,8 @@ CONFIG = "config.json"
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen3": ("Qwen3ForCausalLM", True)}
 # keel's model field -> where a Hugging Face config holds it (for messages)
 SOURCES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-           "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
+           "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
+           "ffn_dim": "intermediate_size",
            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
            "tie_embeddings": "tie_word_embeddings", "qk_norm": "model_type (qwen3: QK-norm)",
            "rope_scaling": "rope_type", "rope_factor": "rope factor",
@@ -94,35 +95,36 @@ def _check_architecture(hf: dict[str, Any]) -> None:
                                   f"have no bias ({key} must be false)")
 
 
-def _heads(hf: dict[str, Any]) -> tuple[int, int, int]:
-    """hidden_size, attention heads and key/value heads, as keel's attention can take them."""
+def _heads(hf: dict[str, Any]) -> tuple[int, int, int, int]:
+    """hidden_size, attention heads, key/value heads and the head size (0: hidden_size / heads), as keel's
+    attention can take them."""
     dim = _field(hf, "hidden_size", int)
     n_heads = _field(hf, "num_attention_heads", int)
     n_kv_heads = hf.get("num_key_value_heads") or n_heads
     if dim < 1 or n_heads < 1 or not isinstance(n_kv_heads, int) or n_kv_heads < 1:
         raise CheckpointError(f"Hugging Face config has hidden_size = {dim}, num_attention_heads = {n_heads}, "
                               f"num_key_value_heads = {n_kv_heads!r}; all must be positive integers")
-    if dim % n_heads or (dim // n_heads) % 2 or n_heads % n_kv_heads:
-        raise CheckpointError(f"Hugging Face config hidden_size = {dim}, num_attention_heads = {n_heads}, "
-                              f"num_key_value_heads = {n_kv_heads} are not supported; keel needs hidden_size "
-                              f"divisible by the heads into an even head size, and heads divisible by kv heads")
-    head_dim = hf.get("head_dim") or dim // n_heads
-    if head_dim != dim // n_heads:
-        raise CheckpointError(f"Hugging Face config head_dim = {head_dim} is not supported; keel's head size is "
-                              f"hidden_size / num_attention_heads = {dim // n_heads}")
-    return dim, n_heads, n_kv_heads
+    if n_heads % n_kv_heads:
+        raise CheckpointError(f"Hugging Face config num_attention_heads = {n_heads} does not divide by "
+                              f"num_key_value_heads = {n_kv_heads}; keel's grouped-query attention needs it to")
+    head_dim = hf.get("head_dim") or (dim // n_heads if dim % n_heads == 0 else 0)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1 or head_dim % 2:
+        raise CheckpointError(f"Hugging Face config head_dim = {head_dim!r} (hidden_size = {dim}, "
+                              f"num_attention_heads = {n_heads}) is not supported; RoPE needs an even head size")
+    return dim, n_heads, n_kv_heads, 0 if head_dim * n_heads == dim else head_dim
 
 
 def hf_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """keel's model fields (name -> value) of a Hugging Face Llama or Qwen3 config; refuses what keel's
     model cannot represent. `intermediate_size` is taken as given, as `ffn_dim`."""
     _check_architecture(hf)
-    dim, n_heads, n_kv_heads = _heads(hf)
+    dim, n_heads, n_kv_heads, head_dim = _heads(hf)
     hidden = _field(hf, "intermediate_size", int)
     if hidden < 1:
         raise CheckpointError(f"Hugging Face config intermediate_size = {hidden} is not a positive integer")
     return {
         "dim": dim, "n_layers": _field(hf, "num_hidden_layers", int), "n_heads": n_heads, "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
         "vocab_size": _field(hf, "vocab_size", int), "ffn_dim": hidden,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), **_rope_fields(hf),
         "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
@@ -146,6 +148,14 @@ def read_hf_model_fields(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- model.init_from
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _same(given: Any, taken: Any) -> bool:
     return given == taken and isinstance(given, bool) == isinstance(taken, bool)
 
@@ -163,7 +173,10 @@ def _rule_size(model: dict[str, Any], dim: int) -> int | None:
 def _disagreements(model: dict[str, Any], given: set[str], taken: dict[str, Any]) -> list[str]:
     """Each field `given` in the config whose value differs from the one the Hugging Face config sets."""
     diffs = [f"model.{key} = {model[key]!r} but {SOURCES[key]} = {value!r}" for key, value in taken.items()
-             if key in given and key not in FREE and not _same(model[key], value)]
+             if key in given and key not in FREE | {"head_dim"} and not _same(model[key], value)]
+    head = taken["head_dim"] or taken["dim"] // taken["n_heads"]
+    if "head_dim" in given and not _same(model["head_dim"] or head, head):
+        diffs.append(f"model.head_dim = {model['head_dim']!r} but head_dim = {head}")
     rule = {"ffn_dim_multiplier", "multiple_of"} & given
     if rule and "ffn_dim" not in given and _rule_size(model, taken["dim"]) not in (None, taken["ffn_dim"]):
         diffs.append(f"{' and '.join(f'model.{k} = {model[k]!r}' for k in sorted(rule))} make a SwiGLU size of "
@@ -178,7 +191,7 @@ def fill_from_hf(data: dict[str, Any], in_file: set[str], on_command_line: set[s
     command-line `init_from` replaces the file's model). `max_seq_len` may differ."""
     model = data.get("model")
     source = model.get("init_from") if isinstance(model, dict) else None
-    if not isinstance(source, str) or not source.startswith("hf:"):
+    if not isinstance(source, str) or not source.startswith("hf:") or "\0" in source or not _utf8(source):
         return  # no import, or a value loading refuses with its own message
     assert isinstance(model, dict)
     path = Path(source.removeprefix("hf:"))

@@ -30,6 +30,8 @@ class ModelConfig:
     n_layers: int = option(4, "number of transformer blocks", ge=1)
     n_heads: int = option(8, "attention heads (dim must divide by it)", ge=1)
     n_kv_heads: int = option(4, "key/value heads for grouped-query attention (n_heads must divide by it)", ge=1)
+    head_dim: int = option(0, "the size of each attention head, as given (a Hugging Face model's head_dim, e.g. "
+                           "Qwen3's 128 at hidden_size 1024 with 16 heads); 0: dim / n_heads", ge=0)
     vocab_size: int = option(259, "embedding rows; at least the tokenizer's vocabulary", ge=1)
     ffn_dim_multiplier: float = option(1.0, "scales the SwiGLU hidden size (Llama rule: 8/3·dim)", gt=0)
     multiple_of: int = option(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)

@@ -3,15 +3,14 @@ entropy's slice, parameter counts and training FLOPs per token (PaLM, Chowdhery 
 
 from __future__ import annotations
 
-from keel.config import ModelConfig, ffn_hidden_dim
+from keel.config import ModelConfig, ffn_hidden_dim, head_size
 
 FUSED_CHUNK = 2**24  # elements of a slice of logits the fused cross entropy computes in fp32 at once (64 MiB)
 
 
 def param_count(cfg: ModelConfig) -> int:
     """All trainable parameters; a tied output projection is counted once."""
-    head_dim = cfg.dim // cfg.n_heads
-    attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    attention = cfg.dim * head_size(cfg) * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     feed_forward = 3 * cfg.dim * ffn_hidden_dim(cfg)
     block = attention + feed_forward + 2 * cfg.dim
     embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
@@ -27,5 +26,4 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus 12·L·H·Q·T for
     the attention scores and values, with L layers, H heads of size Q and sequence length T."""
-    head_dim = cfg.dim // cfg.n_heads
-    return 6 * matmul_param_count(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    return 6 * matmul_param_count(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_size(cfg) * seq_len

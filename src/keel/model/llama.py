@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
-from keel.model.flops import ffn_hidden_dim
+from keel.model.flops import ffn_hidden_dim, head_size
 
 HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
 
@@ -71,13 +71,14 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_size(cfg)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        # μP scales q·k by 1/head size (sqrt(base head size) / head size: sp's 1/sqrt(head size) at the base width).
-        base_head = (cfg.base_dim or cfg.dim) / cfg.n_heads
+        # μP scales q·k by 1/head size (sqrt(base head size) / head size: sp's 1/sqrt(head size) at the base width);
+        # a head size given as such does not grow with the width.
+        base_head = cfg.head_dim or (cfg.base_dim or cfg.dim) / cfg.n_heads
         self.scale = base_head**0.5 / self.head_dim if cfg.parametrization == "mup" else None
         # One gain per feature of a head, shared by all heads (as Qwen3 and OLMo 2 do per head).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -151,7 +152,7 @@ class Llama(nn.Module):
         self.document_positions = False  # data.document_positions: RoPE positions restart at each document
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
-        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device,
+        return rope_tables(head_size(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device,
                            scaled_as=self.cfg)
 
     def reset_buffers(self) -> None:

@@ -116,6 +116,27 @@ def test_a_config_that_contradicts_the_model_is_one_line(llama32, tmp_path: Path
     assert shorter.model.max_seq_len == 128
 
 
+def test_a_qwen3_head_size_is_taken_as_given(tmp_path: Path, transformers) -> None:
+    """Qwen3's heads are wider than hidden_size / heads (128 at hidden_size 1024 with 16 heads in Qwen3-0.6B)."""
+    hf_cfg = transformers.Qwen3Config(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=64,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path / "qwen3")
+    cfg = load_config(None, [f"model.init_from=hf:{tmp_path / 'qwen3'}", "train.seq_len=64"]).model
+    assert (cfg.head_dim, cfg.qk_norm, cfg.ffn_dim) == (32, True, 96)
+    model = Llama(cfg).eval()
+    load_hf_weights(model, tmp_path / "qwen3")
+    x = tokens()[:, :48]
+    torch.testing.assert_close(keel_logits(model, x), hf_logits(hf, x), rtol=0, atol=1e-5)
+    assert hf_config(cfg, torch.float32)["head_dim"] == 32
+
+
 def test_llama3_scaling_goes_back_into_config_json(llama32, transformers) -> None:
     path, _ = llama32
     cfg = load_config(None, [f"model.init_from=hf:{path}"]).model

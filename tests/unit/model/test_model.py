@@ -106,7 +106,12 @@ COUNT_CONFIGS = [
     dataclasses.replace(TINY, tie_embeddings=True),
     dataclasses.replace(TINY, n_kv_heads=4, ffn_dim_multiplier=1.3, multiple_of=8, n_layers=3),
     dataclasses.replace(TINY, n_kv_heads=1, tie_embeddings=True, dim=48, n_heads=6),
+    dataclasses.replace(TINY, head_dim=12, ffn_dim=40, n_layers=1),  # heads wider than dim / n_heads, as Qwen3's
 ]
+
+
+def count_id(c: ModelConfig) -> str:
+    return f"kv{c.n_kv_heads}-tied{c.tie_embeddings}-L{c.n_layers}-h{c.head_dim}"
 
 
 def _unique_numel(model: torch.nn.Module) -> int:
@@ -114,19 +119,19 @@ def _unique_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-@pytest.mark.parametrize("cfg", COUNT_CONFIGS, ids=lambda c: f"kv{c.n_kv_heads}-tied{c.tie_embeddings}-L{c.n_layers}")
+@pytest.mark.parametrize("cfg", COUNT_CONFIGS, ids=count_id)
 def test_param_count_matches_the_model(cfg: ModelConfig) -> None:
     assert param_count(cfg) == _unique_numel(Llama(cfg))
 
 
-@pytest.mark.parametrize("cfg", COUNT_CONFIGS, ids=lambda c: f"kv{c.n_kv_heads}-tied{c.tie_embeddings}-L{c.n_layers}")
+@pytest.mark.parametrize("cfg", COUNT_CONFIGS, ids=count_id)
 def test_flops_per_token(cfg: ModelConfig) -> None:
     model = Llama(cfg)
     # Everything but the input embedding lookup; when tied, that tensor is the output projection and counts.
     lookup = 0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel()
     matmul = _unique_numel(model) - lookup
     assert matmul_param_count(cfg) == matmul
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = model.layers["0"].attention.head_dim
     for seq_len in (1, 16, 4096):
         expected = 6 * matmul + 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
         assert flops_per_token(cfg, seq_len) == expected
@@ -145,10 +150,12 @@ def test_ffn_hidden_dim_rounds_up_to_multiple_of() -> None:
     assert ffn_hidden_dim(ModelConfig(dim=48, multiple_of=64)) == 128
 
 
-def test_ffn_dim_is_taken_as_given() -> None:
-    cfg = dataclasses.replace(TINY, ffn_dim=50)
-    assert ffn_hidden_dim(cfg) == 50 and build(cfg).layers["0"].feed_forward.w1.weight.shape == (50, 32)
-    assert param_count(cfg) == sum(p.numel() for p in build(cfg).parameters())
+def test_ffn_dim_and_head_dim_are_taken_as_given() -> None:
+    cfg = dataclasses.replace(TINY, ffn_dim=50, head_dim=12)
+    model = build(cfg)
+    assert ffn_hidden_dim(cfg) == 50 and model.layers["0"].feed_forward.w1.weight.shape == (50, 32)
+    assert model.layers["0"].attention.wq.weight.shape == (4 * 12, 32) and model.rope.shape == (16, 6, 2)
+    assert model(tokens()).shape == (2, 12, TINY.vocab_size)
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones() -> None:
