@@ -20,9 +20,10 @@ SOURCES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "ffn_dim": "intermediate_size",
            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
            "tie_embeddings": "tie_word_embeddings", "qk_norm": "model_type (qwen3: QK-norm)",
-           "rope_scaling": "rope_type", "rope_factor": "rope factor",
-           "rope_low_freq_factor": "rope low_freq_factor", "rope_high_freq_factor": "rope high_freq_factor",
-           "rope_original_max_seq_len": "rope original_max_position_embeddings"}
+           "rope_scaling": "rope_parameters.rope_type", "rope_factor": "rope_parameters.factor",
+           "rope_low_freq_factor": "rope_parameters.low_freq_factor",
+           "rope_high_freq_factor": "rope_parameters.high_freq_factor",
+           "rope_original_max_seq_len": "rope_parameters.original_max_position_embeddings"}
 # Fields a run may set otherwise than the model: the RoPE tables' length changes no weight and no output.
 FREE = {"max_seq_len"}
 _LLAMA3 = {"rope_factor": ("factor", float), "rope_low_freq_factor": ("low_freq_factor", float),
@@ -163,7 +164,9 @@ def _same(given: Any, taken: Any) -> bool:
 def _rule_size(model: dict[str, Any], dim: int) -> int | None:
     """The SwiGLU size the given ffn_dim_multiplier and multiple_of make at `dim`; None while they are not
     valid values (loading names them)."""
-    multiplier, multiple = model.get("ffn_dim_multiplier", 1.0), model.get("multiple_of", 64)
+    defaults = ModelConfig()
+    multiplier = model.get("ffn_dim_multiplier", defaults.ffn_dim_multiplier)
+    multiple = model.get("multiple_of", defaults.multiple_of)
     if (isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or multiplier <= 0
             or isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         return None

@@ -99,7 +99,8 @@ def test_a_config_that_contradicts_the_model_is_one_line(llama32, tmp_path: Path
         load_config(None, [f"model.init_from=hf:{path}", "model.dim=32", "model.rope_factor=8.0", "model.n_layers=2"])
     msg = str(e.value)
     assert len(msg.splitlines()) == 1
-    assert "model.dim = 32 but hidden_size = 64" in msg and "model.rope_factor = 8.0 but rope factor = 32.0" in msg
+    assert "model.dim = 32 but hidden_size = 64" in msg
+    assert "model.rope_factor = 8.0 but rope_parameters.factor = 32.0" in msg
     assert "n_layers" not in msg and "drop these model.* settings" in msg, msg
     with pytest.raises(ConfigError, match=r"model.multiple_of = 256 make a SwiGLU size of 256 but intermediate_size"):
         load_config(None, [f"model.init_from=hf:{path}", "model.multiple_of=256"])
