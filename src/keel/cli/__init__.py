@@ -4,12 +4,14 @@ config."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import NoReturn
 
 from keel.cli import ckpt, config, data, drill, evaluate, ops, plan, sweep, train
 from keel.errors import EXIT_BAD_INPUT, KeelError
+from keel.paths import shown
 
 # The command families in the order `keel --help` lists them.
 FAMILIES = (train, ops, plan, sweep, drill, data, ckpt, evaluate, config)
@@ -37,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     p = parser()
     # Overrides may come before, between or after options: whatever is left over must be KEY=VALUE.
-    args, rest = p.parse_known_args(argv)
+    try:
+        args, rest = p.parse_known_args(argv)  # every path argument is checked here (keel.cli.pathargs)
+    except KeelError as e:
+        return _bad_input(str(e), e.exit_code, e.every_rank)
     unknown = [a for a in rest if "=" not in a or a.startswith("-")]
     if unknown or (rest and not hasattr(args, "overrides")):
         p.error(f"unrecognized arguments: {' '.join(unknown or rest)}")
@@ -51,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeelError as e:
         return _bad_input(str(e), e.exit_code, e.every_rank)
-    except USER_PATH_ERRORS as e:
-        if e.filename is None:  # not about a path the user gave: a fault to see in full
-            raise
-        return _bad_input(f"{str(e.filename)!r}: {e.strerror}")
+    except OSError as e:
+        if e.filename is None or not (isinstance(e, USER_PATH_ERRORS) or e.errno in USER_PATH_ERRNOS):
+            raise  # not about a path the user gave: a fault to see in full
+        return _bad_input(f"{shown(e.filename)}: {e.strerror}")
 
 
 def forked_worker(launcher_env: dict[str, str], argv: list[str]) -> None:
@@ -76,6 +81,7 @@ def forked_worker(launcher_env: dict[str, str], argv: list[str]) -> None:
 # A path the user named that is missing, of the wrong kind or forbidden; any other exception is a fault of keel
 # or of the machine and keeps its traceback.
 USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
 
 
 def _bad_input(message: str, code: int = EXIT_BAD_INPUT, every_rank: bool = False) -> int:

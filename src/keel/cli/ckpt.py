@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from keel.cli.pathargs import TOKENIZER, PathArg, checkpoints_at, writes_dir
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.paths import shown
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ksub = k.add_subparsers(dest="ckpt_command", required=True)
     ls = ksub.add_parser("ls", help="steps, sizes, age and state of a run's checkpoints")
-    ls.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
+    ls.add_argument("path", action=PathArg, check=checkpoints_at(),
+                    help="run directory, checkpoints directory or URL, or one checkpoint")
     ls.add_argument("--verify", action="store_true", help="also check every file's checksum (reads everything)")
     ver = ksub.add_parser("verify", help="check manifests and every file's size and checksum")
-    ver.add_argument("path", help="run directory, checkpoints directory or URL, or one checkpoint")
+    ver.add_argument("path", action=PathArg, check=checkpoints_at(),
+                     help="run directory, checkpoints directory or URL, or one checkpoint")
     exp = ksub.add_parser("export", help="write a checkpoint's model in another format")
-    exp.add_argument("path", help="run directory (its newest verified checkpoint) or one checkpoint")
+    exp.add_argument("path", action=PathArg, check=checkpoints_at(),
+                     help="run directory (its newest verified checkpoint) or one checkpoint")
     exp.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face Llama safetensors")
-    exp.add_argument("--out", type=Path, required=True, help="output directory (must not exist or be empty)")
+    exp.add_argument("--out", action=PathArg, check=writes_dir, required=True,
+                     help="output directory (must not exist or be empty)")
     exp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported weights")
-    exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer.json or prepared corpus directory (default: "
+    exp.add_argument("--tokenizer", action=PathArg, check=TOKENIZER,
+                     help="the run's tokenizer.json or prepared corpus directory (default: "
                      "the corpus recorded in the checkpoint; its sha256 must match)")
     k.set_defaults(handler=cmd_ckpt)
 
@@ -37,6 +43,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "ls":
         print("\n".join(format_rows(list_rows(storage, names, checksums=args.verify))))
         return 0
+    if not names:  # a directory with no checkpoint in it yet: say so rather than verify nothing in silence
+        raise KeelError(f"{shown(args.path)} holds no checkpoints to verify; pass a run directory, its checkpoints "
+                        f"directory or a checkpoints/step-NNNNNN directory")
     bad = 0
     for name in names:
         if verdict(name):  # being written, left by a crash, or set aside: not resumed

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from keel.cli.pathargs import SHIPPED, PathArg, config_file
 from keel.config import Config, load_config, reference, to_toml
 
 DEFAULT_CONFIG = Path("configs/tiny.toml")
-SHIPPED = Path(__file__).resolve().parent.parent / "configs"  # keel/configs, installed with the package
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help=f"TOML config, or the name of a shipped one (tiny, small, "
-                   f"llama3_8b, ...) (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", action=PathArg, check=config_file, help=f"TOML config, or the name of a shipped one "
+                   f"(tiny, small, llama3_8b, ...) (default: {DEFAULT_CONFIG})")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=50")
 
 

@@ -8,8 +8,9 @@ import math
 import sys
 from pathlib import Path
 
-from keel.cli.config import DEFAULT_CONFIG, add_config_args, config_path
+from keel.cli.config import add_config_args, config_path
 from keel.cli.data import ensure_corpus
+from keel.cli.pathargs import PathArg, writes_dir
 from keel.config import load_config
 from keel.errors import KeelError
 
@@ -29,7 +30,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     dr.add_argument("--nproc", type=int, default=2, help="processes of each run")
     dr.add_argument("--steps", type=int, default=None, help="steps of each run (default 30 quick, 40 full)")
     dr.add_argument("--interval", type=int, default=10, help="checkpoint interval of each run")
-    dr.add_argument("--workdir", type=Path, default=Path("runs/drill"),
+    dr.add_argument("--workdir", action=PathArg, check=writes_dir, default=Path("runs/drill"),
                     help="runs, cached clean references and drill.json (`keel report` shows it)")
     dr.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take")
     dr.add_argument("--json", action="store_true", help="one JSON object per scenario, as a list")
@@ -55,9 +56,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             raise KeelError(f"--scenario {','.join(unknown)}: no such scenario; expected one of "
                             f"{', '.join(scenarios)}")
         chosen = [scenarios[n] for n in names]
-    config = config_path(args)
-    if config is not None and not config.is_file():
-        raise KeelError(f"--config {config}: no such file; pass a TOML config such as {DEFAULT_CONFIG}")
+    config = config_path(args)  # a file: --config was checked as it was read
     if args.chaos:
         from keel.drill.chaos import parse_duration, run_chaos, step_seconds
 

@@ -7,42 +7,42 @@ import argparse
 import json
 from pathlib import Path
 
+from keel.cli.pathargs import TOKENIZER, PathArg, checkpoints_at, reads, writes_file
 from keel.errors import KeelError
+
+EVAL_VALID = "pass a run directory, a checkpoints/step-NNNNNN directory or a Hugging Face export"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="downstream tasks (lm-evaluation-harness) on a checkpoint or a Hugging Face "
                        "export")
-    e.add_argument("target", help="a run directory (its newest checkpoint that verifies), a checkpoints/step-NNNNNN "
+    e.add_argument("target", action=PathArg, check=checkpoints_at(EVAL_VALID),
+                   help="a run directory (its newest checkpoint that verifies), a checkpoints/step-NNNNNN "
                    "directory, or a Hugging Face export (`keel ckpt export`)")
     e.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks (e.g. hellaswag,arc_easy,piqa) or "
                    "tasks of --include")
-    e.add_argument("--include", action="append", default=[], metavar="DIR",
+    e.add_argument("--include", action=PathArg, append=True, default=[], metavar="DIR",
+                   check=reads("dir", "pass a directory of lm-eval task YAML files", as_text=True),
                    help="a directory of lm-eval task YAML files (repeatable)")
     e.add_argument("--limit", type=int, help="at most this many examples per task")
     e.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
     e.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    e.add_argument("--tokenizer", type=Path, help="the tokenizer.json (or its corpus directory) of a checkpoint "
+    e.add_argument("--tokenizer", action=PathArg, check=TOKENIZER,
+                   help="the tokenizer.json (or its corpus directory) of a checkpoint "
                    "whose corpus has moved")
-    e.add_argument("--out", type=Path, help="also write the scores as JSON to this file")
+    e.add_argument("--out", action=PathArg, check=writes_file, help="also write the scores as JSON to this file")
     e.add_argument("--json", action="store_true", help="print the scores as JSON")
     e.set_defaults(handler=cmd_eval)
 
 
 def check_eval_args(args: argparse.Namespace) -> list[str]:
-    """The task names, once every number and path is one keel can use."""
+    """The task names, once every number is one keel can use (the paths were checked as they were read)."""
     for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
                                ("--batch-size", args.batch_size, 1)):
         if value is not None and value < least:
             raise KeelError(f"{flag} {value}: expected {least} or more")
-    if "://" not in args.target and not Path(args.target).exists():
-        raise KeelError(f"{args.target!r} does not exist; pass a run directory, a checkpoints/step-NNNNNN directory "
-                        f"or a Hugging Face export")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.out is not None and args.out.is_dir():
-        raise KeelError(f"--out {args.out} is a directory; give the JSON file to write")
-    return tasks
+    return [t.strip() for t in args.tasks.split(",") if t.strip()]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 from keel.cli.config import add_config_args, config_from_args
+from keel.cli.pathargs import PathArg, reads, writes_file
 from keel.errors import KeelError
 
 
@@ -34,19 +34,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "failures (default auto: as many as pay for themselves)")
     pl.add_argument("--fragmentation", type=float, default=None, help="memory the allocator reserves beyond the "
                     "allocated peak, as a share of it (default 0.05; a CUDA run's max reserved / max allocated - 1)")
-    pl.add_argument("--cluster", type=Path, metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, "
+    pl.add_argument("--cluster", action=PathArg, check=reads("file", "pass a TOML file of the cluster's figures"),
+                    metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, "
                     "detect_s, restart_s, repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation); "
                     "flags win over it")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
                     "dp_replicate, micro_batch, ac) and rank it among the searched ones; a config's [parallel] "
                     "gives one too")
-    pl.add_argument("--calibrate", type=Path, metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
-    pl.add_argument("--sweep", type=Path, metavar="DIR", help="a keel sweep's directory: the learning rate and "
+    pl.add_argument("--calibrate", action=PathArg, check=reads("dir", "pass the run directory of a measured run"),
+                    metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
+    pl.add_argument("--sweep", action=PathArg, check=reads("dir", "pass the directory of a keel sweep"),
+                    metavar="DIR", help="a keel sweep's directory: the learning rate and "
                     "warmup it transfers to this model, and the loss its power law extrapolates to")
     pl.add_argument("--trials", type=int, default=2000, help="Monte Carlo trials")
     pl.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     pl.add_argument("--json", action="store_true", help="one JSON object")
-    pl.add_argument("--html", type=Path, metavar="FILE", help="also write plots to this HTML file")
+    pl.add_argument("--html", action=PathArg, check=writes_file, metavar="FILE",
+                    help="also write plots to this HTML file")
     pl.set_defaults(handler=cmd_plan)
 
 
@@ -84,6 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  calibrate_from=args.calibrate, sweep=args.sweep, trials=args.trials, seed=args.seed)
     a = answer(q)
     print(to_json(a) if args.json else "\n".join(lines(a)))
-    if args.html:
+    if args.html:  # checked as it was read (keel.cli.pathargs): its directory is made if missing
+        args.html.parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {write_html(q, a, args.html)}", file=sys.stderr if args.json else sys.stdout)
     return 0

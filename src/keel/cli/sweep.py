@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel.cli.config import add_config_args, config_from_args, config_path
+from keel.cli.pathargs import PathArg, writes_dir
 from keel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--target", action="append", default=[], metavar="KEY=VALUE",
                     help="the config to recommend a learning rate for: the base config with these overrides, e.g. "
                     "model.dim=2048 (repeatable)")
-    sw.add_argument("--out", type=Path, default=None, help="the sweep directory (default sweeps/<config name>; "
+    sw.add_argument("--out", action=PathArg, check=writes_dir, default=None,
+                    help="the sweep directory (default sweeps/<config name>; "
                     "./coord-check for --coord-check)")
     sw.add_argument("--coord-check", action="store_true", help="run the coordinate check instead of a grid")
     sw.add_argument("--widths", default="1,2,4,8", help="--coord-check: width multipliers of model.dim")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from keel.cli.config import add_config_args, config_from_args
 from keel.cli.data import ensure_corpus
+from keel.cli.pathargs import PathArg, resume, writes_dir
 from keel.config import Config, resolve_layout
 from keel.errors import EXIT_PAUSED, KeelError
 
@@ -16,8 +17,8 @@ from keel.errors import EXIT_PAUSED, KeelError
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train (or resume) a model")
     add_config_args(t)
-    t.add_argument("--run-dir", type=Path, help="run directory (default: runs/<config name>)")
-    t.add_argument("--resume", default="auto",
+    t.add_argument("--run-dir", action=PathArg, check=writes_dir, help="run directory (default: runs/<config name>)")
+    t.add_argument("--resume", default="auto", action=PathArg, check=resume,
                    help="auto: latest checkpoint of the run directory (default) · never: start fresh · PATH: "
                         "that checkpoint")
     t.add_argument("--nproc", type=int, default=None,
@@ -175,7 +176,7 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     """What a start can check from its arguments and config alone, before it creates anything."""
     from keel.drill.faults import check_injections
     from keel.monitor.trackers import check_trackers
-    from keel.paths import check_writable_dir
+    from keel.paths import check_input, check_writable_dir
     from keel.train.callbacks import check_callbacks
 
     if args.nproc is not None and args.nproc < 1:
@@ -186,12 +187,14 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     storage = cfg.checkpoint.dir
     if storage and ("://" not in storage or storage.startswith("file://")):
         check_writable_dir(Path(storage.removeprefix("file://")), "checkpoint.dir")
-    resume = args.resume
-    if resume not in ("auto", "never") and "://" not in resume and Path(resume).exists() and not Path(resume).is_dir():
-        raise KeelError(f"--resume {resume!r} is a file; pass a checkpoints/step-NNNNNN directory, auto or never")
+    if cfg.model.init_from:
+        check_input(cfg.model.init_from.removeprefix("hf:"), "model.init_from", "dir",
+                    "pass hf:DIR, a Hugging Face Llama directory")
     check_callbacks(cfg.callbacks)
     check_trackers(cfg)
     if cfg.eval.downstream_tasks:
+        for include in cfg.eval.downstream_include:
+            check_input(include, "eval.downstream_include", "dir", "pass directories of lm-eval task YAML files")
         from keel.downstream.tasks import check_tasks
 
         check_tasks(cfg.eval.downstream_tasks, cfg.eval.downstream_include)

@@ -17,6 +17,7 @@ from keel.config.checks import check_consistency
 from keel.config.hf import fill_from_hf
 from keel.config.schema import INT_MAX, Config, SourceConfig
 from keel.errors import ConfigError
+from keel.paths import check_input, shown
 
 
 def _type_name(tp: Any) -> str:
@@ -169,20 +170,17 @@ def _apply_override_in(data: dict, cls: type, keys: list[str], value: Any, text:
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            problem = "is a directory" if path.is_dir() else "does not exist"
-            raise ConfigError(f"config file {str(path)!r} {problem}; pass a TOML file such as configs/tiny.toml, "
-                              f"or a shipped config's name (tiny, small, llama3_8b, ...)")
+        path = check_input(path, "config file", "file", "pass a TOML file such as configs/tiny.toml, or a shipped "
+                           "config's name (tiny, small, llama3_8b, ...)", ConfigError)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files "
+            raise ConfigError(f"config file {shown(path)} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files "
                               f"are UTF-8") from None
         except ValueError as e:  # TOMLDecodeError, or an integer of more digits than Python converts
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+            raise ConfigError(f"config file {shown(path)} is not valid TOML: {e}") from None
         except OSError as e:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+            raise ConfigError(f"config file {shown(path)} cannot be read: {e.strerror or e}") from None
     in_file = set(data["model"]) if isinstance(data.get("model"), dict) else set()
     on_command_line: set[str] = set()
     for text in overrides:

@@ -13,6 +13,7 @@ from typing import BinaryIO
 import numpy as np
 
 from keel.errors import DataError
+from keel.paths import check_input
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: shards per source (a file without "source" belongs to the one source, "main")
@@ -51,11 +52,10 @@ class Corpus:
         return self.manifest["tokenizer"]["vocab_size"]
 
 
-def read_manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    if not directory.is_dir():
-        raise DataError(f"data directory {str(directory)!r} does not exist; run `keel data prepare --out "
-                        f"{directory}` or set data.dir to a prepared corpus")
+def read_manifest(directory: str | Path) -> dict:
+    check_input(directory, "data directory", "dir", "set data.dir to a prepared corpus (`keel data prepare --out "
+                "DIR` makes one)", DataError)
+    path = Path(directory) / MANIFEST
     if not path.is_file():
         raise DataError(f"{str(directory)!r} holds no {MANIFEST}: not a prepared corpus; run `keel data prepare "
                         f"--out {directory}`")
@@ -92,8 +92,8 @@ def open_corpus(directory: str | Path, verify_checksums: bool = True) -> Corpus:
     """Open a prepared corpus; every shard must have the size, and optionally the sha256, that the
     manifest records. The sha256 is checked once per job: not again while this process's environment
     holds the key of a verification of these very files (VERIFIED_ENV)."""
+    manifest = read_manifest(directory)  # before Path(): an empty data.dir is not the working directory
     directory = Path(directory)
-    manifest = read_manifest(directory)
     key = verified_key(directory, manifest) if verify_checksums else ""  # taken before the files are read
     verify_checksums = verify_checksums and os.environ.get(VERIFIED_ENV) != key
     dtype = np.dtype(manifest["dtype"])

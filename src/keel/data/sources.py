@@ -37,6 +37,7 @@ from typing import Any
 
 from keel.data.remote import fetch, is_remote
 from keel.errors import DataError
+from keel.paths import check_input, check_name, shown
 
 BUILTIN_STDLIB = "stdlib"
 CODE_SUFFIXES = (".py",)
@@ -114,17 +115,14 @@ def _expand(source: str, entry: str, cache: Path | None, text_field: str) -> lis
             raise DataError(f"source {source!r}: path {entry!r} is not a local path; `keel data prepare` fetches it")
         return fetch(source, entry, cache, text_field, file_kind)
     entry = entry.removeprefix("file://")
-    where = f"source {source!r}: path {entry!r}"
-    if _GLOB_CHARS.search(entry) and not Path(entry).exists():
+    where = f"source {source!r}: path {shown(entry)}"
+    valid = f"give existing files, directories or globs, or '{BUILTIN_STDLIB}'"
+    check_name(entry, f"source {source!r}: path", valid, DataError)
+    if _GLOB_CHARS.search(entry) and not os.path.lexists(entry):
         return _glob(where, entry)
-    path = Path(entry)
+    path = check_input(entry, f"source {source!r}: path", "any", valid, DataError)
     if path.is_dir():
         return _walk(path)
-    if not path.exists():
-        raise DataError(f"{where} does not exist; give existing files, directories or globs, "
-                        f"or '{BUILTIN_STDLIB}'")
-    if not path.is_file():
-        raise DataError(f"{where} is not a regular file or directory")
     if not file_kind(path):
         raise DataError(f"{where} has an unsupported type; supported files end in {_supported()}")
     if path.stat().st_size == 0:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from keel.errors import DataError
+from keel.paths import check_input
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -326,9 +328,8 @@ def parse_tokenizer_spec(spec: str) -> TokenizerSpec:
                             f"to {MAX_BPE_VOCAB}, e.g. bpe:8192")
         return "bpe", int(vocab)
     if spec.endswith(".json"):
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise DataError(f"tokenizer file {spec} does not exist; give the path of a tokenizer.json")
+        path = check_input(os.path.expanduser(spec), "tokenizer file", "file", "give the path of a tokenizer.json",
+                           DataError)
         return "file", path
     raise DataError(f"tokenizer {spec!r} is not valid; use {_SPEC_FORMS}")
 

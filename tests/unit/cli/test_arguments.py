@@ -34,8 +34,10 @@ def test_a_path_the_user_named_that_cannot_be_written_is_one_line(tmp_path: Path
     (tmp_path / "afile").write_text("")
     html = tmp_path / "afile" / "plan.html"
     assert main(["plan", "--gpus", "8", "--tokens", "1e9", "--trials", "10", "--html", str(html)]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines() == [f"keel: error: {str(html)!r}: Not a directory"], err
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"keel: error: --html {str(html)!r} cannot be created: {str(html.parent)!r} is a "
+                                f"file; pass a path under a directory"], err
+    assert out == "", "the plan is not printed before its --html path is refused"
 
 
 def test_bad_override_exits_2_with_one_line(capsys: pytest.CaptureFixture) -> None:

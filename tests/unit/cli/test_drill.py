@@ -15,7 +15,7 @@ from keel.drill.scenarios import catalog
     (["train.steps=5"], "'train.steps=5': the drill sets train.steps, checkpoint.interval"),
     (["--steps", "20", "--interval", "10"], "--steps 20 --interval 10: a drill needs an interval of at least 2 and "
                                             "at least three checkpoints"),
-    (["--config", "missing.toml"], "--config missing.toml: no such file"),
+    (["--config", "missing.toml"], "--config 'missing.toml' does not exist"),
     (["--chaos", "--mtbf", "soon"], "--mtbf"),
 ])
 def test_bad_drill_input_is_one_line_and_exit_2(args: list[str], expect: str, tmp_path: Path,

@@ -199,6 +199,7 @@ def test_sharded_hf_weights_missing_a_shard(corpus: Path, tmp_path: Path, hf_mod
 def test_export_out_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    check_bad_input_in_process(["ckpt", "export", str(tmp_path / "nowhere"), "--out", str(afile / "sub")], tmp_path,
+    (tmp_path / "ckpts").mkdir()
+    check_bad_input_in_process(["ckpt", "export", str(tmp_path / "ckpts"), "--out", str(afile / "sub")], tmp_path,
                                f"--out '{afile}/sub' cannot be created: '{afile}' is a file", capsys, afile)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpts"]

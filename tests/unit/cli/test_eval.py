@@ -22,10 +22,10 @@ def keel_eval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["{run}", "--tasks", "t", "--num-fewshot", "-2"], "--num-fewshot -2: expected 0 or more"),
     (["{root}/nowhere", "--tasks", "t"], "does not exist; pass a run directory"),
     (["{run}", "--tasks", " , "], "no tasks given"),
-    (["{run}", "--tasks", "t", "--include", "{root}/missing"], "task directory '{root}/missing' does not exist"),
+    (["{run}", "--tasks", "t", "--include", "{root}/missing"], "--include '{root}/missing' does not exist"),
     (["{run}", "--tasks", "no_such_task_anywhere", "--include", "{root}/tasks"],
      "unknown task 'no_such_task_anywhere': not an lm-eval task or in {root}/tasks"),
-    (["{run}", "--tasks", "t", "--out", "{root}"], "is a directory; give the JSON file to write"),
+    (["{run}", "--tasks", "t", "--out", "{root}"], "--out '{root}' is a directory; pass the path of a file to write"),
 ])
 def test_bad_eval_input_is_one_line_with_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     pytest.importorskip("lm_eval")

@@ -232,7 +232,7 @@ def test_parse_tokenizer_spec(tmp_path: Path) -> None:
     for bad in ("bpe:299", "bpe:1000001", "bpe:", "bpe:8k", "bpe:-5"):
         with pytest.raises(DataError, match="whole number from 300 to 1000000"):
             parse_tokenizer_spec(bad)
-    with pytest.raises(DataError, match=r"nowhere/tok\.json does not exist"):
+    with pytest.raises(DataError, match=r"nowhere/tok\.json' does not exist"):
         parse_tokenizer_spec(str(tmp_path / "nowhere" / "tok.json"))
     for bad in ("bpe", "gpt2", "", "Byte"):
         with pytest.raises(DataError, match=r"use byte, bpe:VOCAB .* or the path of a tokenizer\.json"):

@@ -50,7 +50,7 @@ def test_runs_lists_every_run_directory_with_its_state_and_losses(two_runs: Path
 @pytest.mark.parametrize(("args", "expect"), [
     (["report", "{runs}/a", "{runs}"], "is not a keel run directory"),
     (["report", "{runs}/a", "{runs}/a"], "given twice"),
-    (["runs", "{runs}/missing"], "is not a directory"),
+    (["runs", "{runs}/missing"], "does not exist"),
 ])
 def test_bad_arguments_are_one_line(two_runs: Path, args: list[str], expect: str) -> None:
     result = run_keel([a.format(runs=two_runs) for a in args], cwd=two_runs.parent)
