@@ -605,6 +605,7 @@ def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bo
     evals = resolve_inputs({"eval": data.decontam.eval_files}, cache, data.text_field) \
         if data.decontam.eval_files else []
     _check_readable(inputs, evals)
+    check_two_documents(inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -636,6 +637,15 @@ def _check_readable(inputs: list[InputFile], evals: list[InputFile]) -> None:
                             f"repair or replace them")
 
 
+def check_two_documents(inputs: list[InputFile]) -> None:
+    """A corpus needs a training and a validation document: refused before anything is written when the
+    inputs cannot hold two (a text file is one document; a .jsonl or .parquet file may hold many)."""
+    if len(inputs) == 1 and inputs[0].kind == "text":
+        raise DataError(f"the sources hold one document, the text file {str(inputs[0].path)!r}; a corpus needs at "
+                        f"least a training and a validation document: give more files (a directory or a glob) or "
+                        f"a .jsonl or .parquet file of documents")
+
+
 def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[InputFile], out: Path, force: bool,
                     progress: bool) -> dict:
     spec = parse_tokenizer_spec(data.tokenizer)
@@ -650,8 +660,10 @@ def _prepare_locked(data: DataConfig, inputs: list[InputFile], evals: list[Input
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         manifest = _write_corpus(tmp, work, data, inputs, stages, settings, fingerprint)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, DataError):  # these inputs and settings give no corpus: no run resumes this work
+            shutil.rmtree(work, ignore_errors=True)
         raise
     _publish(tmp, out)
     shutil.rmtree(work, ignore_errors=True)

@@ -239,11 +239,22 @@ def test_malformed_jsonl_line_is_counted_by_file_and_line_and_the_prepare_goes_o
 
 def test_one_split_empty_is_refused(tmp_path):
     # a tiny val_fraction sends every document to train: the corpus would have no validation split
+    paths = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for i, path in enumerate(paths):
+        path.write_text(f"document number {i}\n")
+    with pytest.raises(DataError, match="both splits"):
+        prepare(passthrough(paths, val_fraction=1e-9), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+    assert not [p for p in tmp_path.iterdir() if ".work" in p.name], "work that no run can use is removed"
+
+
+def test_a_single_text_file_is_refused_before_anything_is_written(tmp_path):
+    # a text file is one document: it cannot fill a training and a validation split
     path = tmp_path / "a.txt"
     path.write_text("only document\n")
-    with pytest.raises(DataError, match="both splits"):
-        prepare(passthrough([path], val_fraction=1e-9), tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+    with pytest.raises(DataError, match="the sources hold one document, the text file"):
+        prepare(passthrough([path]), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
