@@ -58,8 +58,9 @@ def _check_name(text: str, what: str, valid: str) -> str:
     if len(raw) > most:
         raise KeelError(f"{what} {shown(text)} is {len(raw)} bytes long, over the system's limit of {most}; "
                         f"{valid}")
+    longest = _limit(text, "PC_NAME_MAX", NAME_MAX)
     for part in raw.split(b"/"):
-        if len(part) > (longest := _limit(text, "PC_NAME_MAX", NAME_MAX)):
+        if len(part) > longest:
             raise KeelError(f"{what} {shown(text)} holds a name of {len(part)} bytes ({os.fsdecode(part)[:16]!r}…), "
                             f"over the file system's limit of {longest}; {valid}")
     return text

@@ -13,6 +13,7 @@ from keel.cli.data import ensure_corpus
 from keel.cli.pathargs import PathArg, writes_dir
 from keel.config import load_config
 from keel.errors import KeelError
+from keel.paths import check_writable_dir
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +65,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             mtbf_s, duration_s = parse_duration(args.mtbf), parse_duration(args.duration)
         except ValueError as e:
             raise KeelError(f"--mtbf {args.mtbf} --duration {args.duration}: {e}") from None
+    check_writable_dir(args.workdir, "--workdir")  # its default too, before any run starts
     say = (lambda line: None) if args.json else (lambda line: print(f"drill: {line}", file=sys.stderr, flush=True))
     drill = Drill(args.workdir, list(args.overrides), config=config, nproc=args.nproc, steps=steps,
                   interval=args.interval, timeout=args.timeout, say=say,
