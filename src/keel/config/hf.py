@@ -10,6 +10,7 @@ from typing import Any
 from keel.config.checks import ffn_hidden_dim
 from keel.config.schema import ModelConfig
 from keel.errors import CheckpointError, ConfigError
+from keel.paths import check_input
 
 CONFIG = "config.json"
 # model_type -> (architecture, whether it has QK-norm)
@@ -197,7 +198,8 @@ def fill_from_hf(data: dict[str, Any], in_file: set[str], on_command_line: set[s
     if not isinstance(source, str) or not source.startswith("hf:") or "\0" in source or not _utf8(source):
         return  # no import, or a value loading refuses with its own message
     assert isinstance(model, dict)
-    path = Path(source.removeprefix("hf:"))
+    path = check_input(source.removeprefix("hf:"), "model.init_from", "dir",
+                       "pass hf:DIR, a Hugging Face Llama or Qwen3 model directory", ConfigError)
     taken = read_hf_model_fields(path)
     given = (on_command_line if "init_from" in on_command_line else in_file | on_command_line) & set(model)
     if diffs := _disagreements(model, given, taken):
