@@ -15,7 +15,7 @@ VIRTUAL_FILE_SYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts"
                                   "pstore", "bpf", "configfs", "efivarfs", "fusectl", "mqueue", "binfmt_misc"})
 PATH_MAX = 4096  # bytes of a path with its final NUL (Linux's limits.h), where pathconf cannot say
 NAME_MAX = 255  # bytes of one name, where the file system cannot say
-SHOWN_CHARS = 80  # a path longer than this is shown by its ends
+SHOWN_CHARS = 300  # a longer path (only a broken one is) is shown by its ends: a message stays one readable line
 
 
 def shown(path: str | Path) -> str:
@@ -23,7 +23,7 @@ def shown(path: str | Path) -> str:
     text = str(path)
     if len(text) <= SHOWN_CHARS:
         return repr(text)
-    return f"{text[:48]!r}…{text[-24:]!r} ({len(text)} characters)"
+    return f"{text[:160]!r}…{text[-80:]!r} ({len(text)} characters)"
 
 
 def _limit(path: str, name: str, default: int) -> int:
