@@ -175,6 +175,7 @@ def restart_budget(args: argparse.Namespace, cfg: Config) -> int:
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
     """What a start can check from its arguments and config alone, before it creates anything."""
     from keel.drill.faults import check_injections
+    from keel.monitor.run_monitor import check_exporter_ports
     from keel.monitor.trackers import check_trackers
     from keel.paths import check_input, check_writable_dir
     from keel.train.callbacks import check_callbacks
@@ -192,6 +193,8 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
                     "pass hf:DIR, a Hugging Face Llama directory")
     check_callbacks(cfg.callbacks)
     check_trackers(cfg)
+    if not in_torchrun_worker():  # the launcher: a port set in the config and taken, before any worker binds one
+        check_exporter_ports(cfg.monitor, args.nproc or 1)
     if cfg.eval.downstream_tasks:
         for include in cfg.eval.downstream_include:
             check_input(include, "eval.downstream_include", "dir", "pass directories of lm-eval task YAML files")

@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 import tomllib
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,16 @@ def _type_name(tp: Any) -> str:
             dict: "a table"}.get(tp, str(tp).replace("typing.", ""))
 
 
+def _set_type(tp: Any) -> Any:
+    """The type a value of an option must have: `int | None` (an option that may be left unset; TOML has no
+    null, so a value given is always the other type) takes an int."""
+    if isinstance(tp, types.UnionType):
+        return next(t for t in typing.get_args(tp) if t is not type(None))
+    return tp
+
+
 def _check_value(path: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> Any:
+    tp = _set_type(tp)
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
@@ -220,7 +230,8 @@ def to_toml(cfg: Config) -> str:
 
     def write(section: str, values: dict) -> None:  # a nested dataclass is a [section.sub] table
         nested = {k: v for k, v in values.items() if isinstance(v, dict)}
-        lines.extend(["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in nested])
+        lines.extend(["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" if v is not None else f"# {k}: unset"
+                                             for k, v in values.items() if k not in nested])
         for key, sub in nested.items():
             write(f"{section}.{key}", sub)
 
@@ -251,8 +262,9 @@ def reference() -> list[tuple[str, str, str, str]]:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             choices = f.metadata.get("choices")
             help_text = f.metadata.get("help", "") + (f"; one of: {', '.join(choices)}" if choices else "")
+            tp = _set_type(tp)
             type_name = tp.__name__ if isinstance(tp, type) else str(tp)
-            rows.append((prefix + f.name, type_name, _toml_value(default), help_text))
+            rows.append((prefix + f.name, type_name, "unset" if default is None else _toml_value(default), help_text))
 
     walk(Config, "")
     return rows

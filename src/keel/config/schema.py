@@ -315,8 +315,10 @@ class MonitorConfig:
                                    "matmuls and two reductions", ge=0)
     telemetry_interval_s: float = option(10.0, "seconds between hardware, network and storage samples of each "
                                          "node (0: no telemetry)", ge=0, le=YEAR_S)
-    prometheus_port: int = option(9400, "port of the Prometheus exporter (0: no exporter); with per = rank, rank "
-                                  "r of a node serves port + r", ge=0, le=65535)
+    prometheus_port: int | None = option(None, "port of the Prometheus exporter; unset: 9400, or the next free port "
+                                         "when it is taken; a port set here is served or the start is refused; 0: "
+                                         "no exporter. With per = rank, rank r of a node serves port + r",
+                                         ge=0, le=65535)
     prometheus_host: str = option("127.0.0.1", "address the exporter binds (0.0.0.0 to let other hosts scrape)")
     prometheus_per: str = option("node", "node: one exporter per node (local rank 0: the run's metrics, its own "
                                  "rank's, the node's telemetry); rank: one per process", choices=("node", "rank"))

@@ -6,6 +6,7 @@ Prometheus exporter), the alert rules and, on each node's local rank 0, the tele
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Iterator
@@ -16,15 +17,18 @@ from typing import Any
 
 from keel.config import MonitorConfig
 from keel.core.replica import GROUP_ENV
+from keel.errors import ConfigError
 from keel.monitor.alerts import Alerts
 from keel.monitor.goodput import GoodputLedger
 from keel.monitor.metrics import MetricsRegistry
-from keel.monitor.sinks import PrometheusExporter, Sink, TensorBoardSink
+from keel.monitor.sinks import PrometheusExporter, Sink, TensorBoardSink, bind_error, serve_exporter
 from keel.monitor.telemetry import Reading, Telemetry
 from keel.rundir.events import JsonlSink, RunLog
 from keel.rundir.quarantine import node_name
 
 TELEMETRY = "telemetry.jsonl"
+DEFAULT_PORT = 9400  # the exporter's when monitor.prometheus_port is unset
+PORT_SEARCH = 100  # ports above a taken default one that an exporter tries
 
 
 @dataclass
@@ -54,12 +58,31 @@ def run_labels(run_dir: Path, rank: int) -> dict[str, str]:
     return labels
 
 
-def exporter_port(mc: MonitorConfig) -> int:
-    """This process's exporter port: replica groups on one host take consecutive blocks of ports, group G
-    the G-th (one port per node, or one per local rank with per = rank)."""
+def exporter_port(mc: MonitorConfig, local: int, local_world: int, group: int) -> int:
+    """The port of local rank `local`'s exporter: from monitor.prometheus_port (9400 when unset), replica groups on
+    one host take consecutive blocks of ports, group G the G-th (one port per node, or one per local rank with
+    per = rank)."""
     per_rank = mc.prometheus_per == "rank"
-    block = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if per_rank else 1
-    return mc.prometheus_port + int(replica_group() or 0) * block + (local_rank() if per_rank else 0)
+    block = local_world if per_rank else 1
+    return (mc.prometheus_port or DEFAULT_PORT) + group * block + (local if per_rank else 0)
+
+
+def check_exporter_ports(mc: MonitorConfig, nproc: int) -> None:
+    """Before this node's workers start: a port set in monitor.prometheus_port that one of their exporters could
+    not serve on is refused (an unset one moves to the next free port instead)."""
+    if not mc.prometheus_port:
+        return
+    group = int(replica_group() or 0)
+    for local in range(nproc if mc.prometheus_per == "rank" else 1):
+        port = exporter_port(mc, local, nproc, group)
+        if (e := bind_error(mc.prometheus_host, port)) is not None:
+            raise ConfigError(_port_refused(mc, port, e))
+
+
+def _port_refused(mc: MonitorConfig, port: int, e: OSError) -> str:
+    return (f"monitor.prometheus_port = {mc.prometheus_port}: the exporter cannot serve on {mc.prometheus_host}:{port} "
+            f"({e.strerror or e}); set a free port, leave it unset to take {DEFAULT_PORT} or the next free one, or "
+            f"set 0 for no exporter")
 
 
 class RunMonitor:
@@ -76,12 +99,8 @@ class RunMonitor:
         self.sinks: list[Sink] = [TensorBoardSink(run_dir / "tensorboard")] if self.rank0 and mc.tensorboard else []
         self.ended: str | None = None  # how the run ended, once it has (None: it failed)
         self.exporter: PrometheusExporter | None = None
-        if mc.prometheus_port and (local_rank() == 0 or mc.prometheus_per == "rank"):
-            port = exporter_port(mc)
-            try:
-                self.exporter = PrometheusExporter(mc.prometheus_host, port, self.labels)
-            except OSError as e:  # a port taken is no reason to stop a training run
-                self.unavailable("prometheus", f"cannot serve on {mc.prometheus_host}:{port} ({e.strerror or e})")
+        if mc.prometheus_port != 0 and (local_rank() == 0 or mc.prometheus_per == "rank"):
+            self.exporter = self._start_exporter(mc)
         if self.exporter is not None:
             self.exporter.set("keel_step_stall_threshold_seconds", mc.alerts.stall_s)
         self.telemetry: Telemetry | None = None
@@ -91,6 +110,25 @@ class RunMonitor:
             self.telemetry = Telemetry(mc.telemetry_interval_s, storage_dir, self._on_telemetry, self.unavailable,
                                        gpus=None)
             self.telemetry.start()
+
+    def _start_exporter(self, mc: MonitorConfig) -> PrometheusExporter | None:
+        """The exporter on this process's port, said in one line. An unset monitor.prometheus_port takes the next
+        free port when the rule's is taken (a second run on the machine); a port set and taken is bad input."""
+        port = exporter_port(mc, local_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                             int(replica_group() or 0))
+        try:
+            exporter = serve_exporter(mc.prometheus_host, port, self.labels,
+                                      search=0 if mc.prometheus_port else PORT_SEARCH)
+        except OSError as e:
+            if mc.prometheus_port:
+                raise ConfigError(_port_refused(mc, port, e)) from None
+            above = f" or the {PORT_SEARCH} ports above it" if e.errno == errno.EADDRINUSE else ""
+            self.unavailable("prometheus", f"cannot serve on {mc.prometheus_host}:{port}{above} ({e.strerror or e})")
+            return None
+        host = f"[{mc.prometheus_host}]" if ":" in mc.prometheus_host else mc.prometheus_host
+        moved = f" (port {port} is taken)" if exporter.port != port else ""
+        self.log.say(f"Prometheus metrics at http://{host}:{exporter.port}/metrics{moved}")
+        return exporter
 
     def unavailable(self, source: str, reason: str) -> None:
         """A source of telemetry (or the exporter) that this node cannot provide: said once, never zeros."""

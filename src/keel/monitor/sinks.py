@@ -3,7 +3,9 @@ Prometheus exporter; experiment trackers are sinks too (keel.monitor.trackers)."
 
 from __future__ import annotations
 
+import errno
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,3 +114,28 @@ class PrometheusExporter:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_exporter(host: str, port: int, labels: dict[str, str], search: int = 0) -> PrometheusExporter:
+    """The exporter on `port`, or on the first free one of the `search` ports above it while it is taken.
+    Raises OSError: the port's own error, or the last port's when all are taken."""
+    last = min(port + search, 65535)
+    for candidate in range(port, last):
+        try:
+            return PrometheusExporter(host, candidate, labels)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    return PrometheusExporter(host, last, labels)
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why an exporter could not serve on host:port now (None: it could), tried the way its server binds."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:  # socket.gaierror included: a host that does not resolve
+        return e
+    return None

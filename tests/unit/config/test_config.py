@@ -358,6 +358,9 @@ def test_reference_covers_every_leaf_option() -> None:
     assert {"train.steps", "optim.lr", "data.sources.NAME.paths", "callbacks[].path", "callbacks[].args"} <= set(keys)
     for key, type_name, default, help_text in rows:
         assert help_text.strip(), f"{key} has no help"
+        if leaves[key] is None:  # an option left unset by default: TOML has no null
+            assert default == "unset" and "unset" in help_text, key
+            continue
         assert type_name.startswith(type(leaves[key]).__name__), (key, type_name)
         # The documented default is valid TOML and is the real default.
         assert tomllib.loads(f"v = {default}")["v"] == leaves[key], key
@@ -381,3 +384,13 @@ def test_an_attention_logit_threshold_without_the_signals_is_refused_in_one_line
         load_config(None, ["guard.spike.attn_logit_threshold=100"])
     both = load_config(None, ["guard.spike.attn_logit_threshold=100", "monitor.signals_interval=10"])
     assert both.guard.spike.attn_logit_threshold == 100
+
+
+def test_an_unset_option_stays_unset_through_the_written_config(tmp_path: Path) -> None:
+    unset = load_config(None, [])
+    assert unset.monitor.prometheus_port is None and "# prometheus_port: unset" in to_toml(unset)
+    assert roundtrip(unset, tmp_path).monitor.prometheus_port is None
+    given = load_config(None, ["monitor.prometheus_port=9400"])
+    assert roundtrip(given, tmp_path).monitor.prometheus_port == 9400, "a port set is not the unset default"
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config(None, ["monitor.prometheus_port='x'"])

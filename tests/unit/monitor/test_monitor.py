@@ -438,3 +438,72 @@ def test_exporter_per_node_is_local_rank_0_and_per_rank_is_port_plus_local_rank(
                 assert labels == {"run": tmp_path.name, "node": labels["node"], "rank": "1"} and value > 0
         finally:
             monitor.stop()
+
+
+# ---------------------------------------------------------------- what the monitor says on the console
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port another process's server holds (a listening socket, as a second run's exporter)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def monitor_in(tmp_path: Path, mc: MonitorConfig) -> RunMonitor:
+    log = RunLog(tmp_path, 0)
+    return RunMonitor(mc, tmp_path, 0, torch.device("cpu"), log, time.time(), str(tmp_path))
+
+
+def test_an_unset_port_moves_past_a_taken_one_and_is_said_once(tmp_path: Path, capsys, monkeypatch) -> None:
+    import keel.monitor.run_monitor as run_monitor
+
+    with held_port() as taken:
+        monkeypatch.setattr(run_monitor, "DEFAULT_PORT", taken)  # what 9400 is to an unset monitor.prometheus_port
+        monitor = monitor_in(tmp_path, MonitorConfig(telemetry_interval_s=0))
+        try:
+            assert monitor.exporter is not None and monitor.exporter.port > taken
+            monitor.step_done(1)
+            assert "keel_last_step_timestamp_seconds" in scrape(monitor.exporter.port)
+            served = monitor.exporter.port
+        finally:
+            monitor.stop()
+            monitor.log.__exit__()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"Prometheus metrics at http://127.0.0.1:{served}/metrics (port {taken} is taken)"]
+    assert not any(e["kind"] == "telemetry" for e in read_jsonl(tmp_path / "events.jsonl"))
+
+
+def test_a_port_set_and_taken_is_refused_in_one_line(tmp_path: Path) -> None:
+    from keel.errors import ConfigError
+    from keel.monitor.run_monitor import check_exporter_ports
+
+    with held_port() as taken:
+        mc = MonitorConfig(prometheus_port=taken, telemetry_interval_s=0)
+        with pytest.raises(ConfigError) as before:  # what `keel train` checks before any worker starts
+            check_exporter_ports(mc, nproc=2)
+        with pytest.raises(ConfigError) as inside:  # a worker that lost the port after that check
+            monitor_in(tmp_path, mc)
+        check_exporter_ports(MonitorConfig(prometheus_port=None), nproc=2)  # unset: the next free one will do
+        check_exporter_ports(MonitorConfig(prometheus_port=0), nproc=2)  # no exporter
+    for e in (before, inside):
+        message = str(e.value)
+        assert len(message.splitlines()) == 1 and f"127.0.0.1:{taken}" in message and "in use" in message
+        assert f"monitor.prometheus_port = {taken}" in message and "leave it unset" in message
+
+
+def test_per_rank_ports_are_checked_for_every_local_rank(tmp_path: Path) -> None:
+    from keel.errors import ConfigError
+    from keel.monitor.run_monitor import check_exporter_ports
+    from keel.monitor.sinks import bind_error
+
+    with held_port() as taken:
+        if bind_error("127.0.0.1", taken - 1) is not None:
+            pytest.skip(f"port {taken - 1}, below the held one, is taken too")
+        check_exporter_ports(MonitorConfig(prometheus_port=taken - 1, prometheus_per="node"), nproc=2)
+        with pytest.raises(ConfigError, match=f":{taken} "):  # local rank 1 of 2 serves base + 1
+            check_exporter_ports(MonitorConfig(prometheus_port=taken - 1, prometheus_per="rank"), nproc=2)
