@@ -29,19 +29,24 @@ LOUD = ("error", "warning", "ALERT", "keel:")  # what --quiet still shows
 class Progress:
     """Writes every message to logs/rank-R.log; rank 0 also prints it: on a terminal the progress line
     redraws in place, elsewhere (CI logs, files) each is a plain line; under --quiet (KEEL_QUIET) only
-    warnings, errors and alerts reach the console."""
+    warnings, errors and alerts reach the console. `log` writes to the file alone: what a person looking
+    into the run wants (timeouts, where MFU's peak came from), not one watching it start."""
 
     def __init__(self, log_path: Path, echo: bool, layout: str = "") -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.layout = layout  # shown on each progress line
+        self.mfu_shown = True  # whether MFU's peak is one the progress line shows MFU against (keel.monitor.mfu)
         self.file = open(log_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed by close()
         self.echo = echo
         self.quiet = os.environ.get("KEEL_QUIET") == "1"
         self.tty = sys.stdout.isatty()
         self._bar_shown = False  # a progress line is on the terminal, without its newline
 
-    def __call__(self, message: str, bar: bool = False) -> None:
+    def log(self, message: str) -> None:
         self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+    def __call__(self, message: str, bar: bool = False) -> None:
+        self.log(message)
         if not self.echo or (self.quiet and not message.startswith(LOUD)):
             return
         if bar and self.tty:
@@ -65,17 +70,20 @@ class Progress:
             self(message)
 
     def step(self, step: int, total: int, record: dict) -> None:
+        """The progress line. MFU only against a peak it can be read against and when this interval has one,
+        the share of time in collectives only once a step was profiled: never a placeholder."""
         width = 20
         done = int(width * step / total)
         eta = (total - step) * record["time/step_s"]
-        mfu = record.get("throughput/mfu")
+        mfu = record.get("throughput/mfu") if self.mfu_shown else None
         comm = record.get("time/comm_share")
         self(f"step {step:>{len(str(total))}}/{total} [{'#' * done}{'.' * (width - done)}] "
              f"loss {record['train/loss']:.4f} | lr {record['optim/lr']:.2e} | grad {record['optim/grad_norm']:.3f} | "
              f"{format_count(record['throughput/tokens_per_s'])} tok/s | {record['time/step_s']:.3f} s/step | "
-             f"MFU {'unknown' if mfu is None else f'{mfu:.1%}'} | "
-             f"goodput {record.get('goodput/ratio', float('nan')):.0%} | "
-             f"comm {'-' if comm is None else f'{comm:.0%}'} | {self.layout} | ETA {format_duration(eta)}", bar=True)
+             + ("" if mfu is None else f"MFU {mfu:.1%} | ")
+             + f"goodput {record.get('goodput/ratio', float('nan')):.0%} | "
+             + ("" if comm is None else f"comm {comm:.0%} | ")
+             + f"{self.layout} | ETA {format_duration(eta)}", bar=True)
 
 
 def summary_lines(s: dict) -> list[str]:

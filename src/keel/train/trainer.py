@@ -166,10 +166,10 @@ class Trainer:
         """The components in the order their hooks run, and the state each saves with the run."""
         cfg, ctx, monitor, watchdog, hooks = self.cfg, self.ctx, self.monitor, self.watchdog, self.hooks
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        self.peak, self.peak_note = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype,
-                                                       measure=self._measured_peak)
+        self.peak = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype, measure=self._measured_peak)
+        self.say.mfu_shown = self.peak.shown
         self.meter = StepMeter(self.tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len)
-                               * self.tokens_per_step, ctx.world_size, self.peak)
+                               * self.tokens_per_step, ctx.world_size, self.peak.flops)
         straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,
                                       self.say, self.run_dir, ctx.device)
         comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
@@ -297,10 +297,10 @@ class Trainer:
         self.say(f"training {cfg.name}: {param_count(cfg.model) / 1e6:.2f}M parameters, {ctx.world_size} × "
                  f"{ctx.device.type} ({self.mesh.layout.describe()}), global batch {cfg.train.global_batch} × "
                  f"{cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, run directory {self.run_dir}")
-        self.say(f"MFU against {self.peak_note}")
+        self.say.log(self.peak.note())  # the log's, like the watchdog's timeouts: not for the first screen
         if cfg.health.watchdog.enabled:
             self.watchdog.hosts = self.hosts
-            self.say(self.watchdog.describe(rendezvous_timeout()))
+            self.say.log(self.watchdog.describe(rendezvous_timeout()))
 
     def fit(self) -> int:
         """Each step: a batch, forward and backward, the step's one reduction, the components' verdict after

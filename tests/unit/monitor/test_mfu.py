@@ -1,4 +1,5 @@
-"""MFU's denominator: measured on a CPU or given, never guessed; collectives in flight together count once."""
+"""MFU's denominator: measured on a CPU or given, never guessed, and shown only when it is a peak; collectives in
+flight together count once."""
 
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ def process_group() -> None:
     destroy_distributed()
 
 
-def test_cpu_peak_is_measured_and_plausible(process_group: None) -> None:
-    peak, note = resolve_peak_flops("auto", torch.device("cpu"), torch.float32)
-    assert peak is not None and 1e8 < peak < 1e13, peak
-    assert note.startswith("measured")
+def test_cpu_peak_is_measured_and_plausible_but_not_shown(process_group: None) -> None:
+    for setting in ("auto", "measure"):
+        peak = resolve_peak_flops(setting, torch.device("cpu"), torch.float32)
+        assert peak.flops is not None and 1e8 < peak.flops < 1e13, peak
+        assert peak.source.startswith("measured") and not peak.shown
+        assert peak.note().startswith("MFU is left off the progress line") and "monitor.peak_flops" in peak.note()
 
 
-def test_given_peak_is_used_as_is(process_group: None) -> None:
-    peak, note = resolve_peak_flops("989e12", torch.device("cpu"), torch.float32)
-    assert peak == 989e12 and "given" in note
+def test_given_peak_is_used_as_is_and_shown(process_group: None) -> None:
+    peak = resolve_peak_flops("989e12", torch.device("cpu"), torch.float32)
+    assert peak.flops == 989e12 and "given" in peak.source and peak.shown
+    assert peak.note() == "MFU against given 989 TFLOP/s (monitor.peak_flops)"
 
 
 def test_overlapping_collectives_count_once() -> None:

@@ -58,3 +58,20 @@ def _read_all(leader: int) -> bytes:
         pass
     os.close(leader)
     return b"".join(chunks)
+
+
+def test_the_progress_line_has_no_placeholders(tmp_path: Path, capsys) -> None:
+    progress = Progress(tmp_path / "rank-0.log", echo=True, layout="dp_shard2")
+    progress.step(1, 10, RECORD)  # no profile yet: no comm
+    progress.step(2, 10, {**RECORD, "time/comm_share": 0.25})
+    progress.step(3, 10, {**RECORD, "throughput/mfu": None})  # an interval without MFU (unknown peak)
+    progress.mfu_shown = False  # a CPU's measured peak: MFU stays in the record, off the line
+    progress.step(4, 10, {**RECORD, "time/comm_share": 0.25})
+    progress.log("watchdog timeouts: only in the log")
+    progress.close()
+    first, second, third, fourth = capsys.readouterr().out.splitlines()
+    assert "MFU 20.0% | goodput 90% | dp_shard2 | ETA" in first and "comm" not in first
+    assert "MFU 20.0% | goodput 90% | comm 25% | dp_shard2 | ETA" in second
+    assert "| s/step | goodput 90% | dp_shard2 |" in third.replace("0.100 ", "") and "unknown" not in third
+    assert "| goodput 90% | comm 25% |" in fourth and "MFU" not in fourth
+    assert "watchdog timeouts: only in the log" in (tmp_path / "rank-0.log").read_text()
