@@ -130,10 +130,14 @@ class RunMonitor:
         self.log.say(f"Prometheus metrics at http://{host}:{exporter.port}/metrics{moved}")
         return exporter
 
-    def unavailable(self, source: str, reason: str) -> None:
-        """A source of telemetry (or the exporter) that this node cannot provide: said once, never zeros."""
-        self.log.events.emit("telemetry", self.step, "unavailable", source=source, reason=reason)
-        self.log.say(f"telemetry: {source} unavailable: {reason}")
+    def unavailable(self, source: str, reason: str, applies: bool = True) -> None:
+        """A source of telemetry (or the exporter) that this node cannot provide: said once, never zeros. One that
+        does not apply here (no GPU on a CPU machine) stays off the console: events.jsonl and the log have it."""
+        self.log.events.emit("telemetry", self.step, "unavailable", source=source, reason=reason, applies=applies)
+        if applies:
+            self.log.say(f"warning: telemetry: {source} unavailable: {reason}")
+        else:
+            self.log.say.log(f"telemetry: {source} does not apply here: {reason}")
 
     def _on_telemetry(self, readings: list[Reading]) -> None:
         """On the telemetry thread, every monitor.telemetry_interval_s."""

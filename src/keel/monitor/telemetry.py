@@ -1,8 +1,10 @@
 """Per-node hardware, network and storage telemetry, sampled by one low-overhead daemon thread per node.
 
 Each source (host, gpu, network, storage) measures what this node can measure. A source that cannot is
-reported once through `on_unavailable(source, reason)` and its readings are simply absent: a reading of
-zero always means zero was measured. A sample only reads counters and makes one small fsync'd write, so
+reported once through `on_unavailable(source, reason, applies)` and its readings are simply absent: a reading
+of zero always means zero was measured. `applies` tells a source that has nothing to measure on this node (no
+GPU, no interface besides loopback, checkpoints off the local disk, a query the GPU does not support) from one
+that should measure and fails. A sample only reads counters and makes one small fsync'd write, so
 it costs milliseconds: no subprocesses, no sleeping.
 """
 
@@ -43,10 +45,20 @@ class Reading:
 
 
 class Unavailable(Exception):
-    """This node cannot measure the source at all: it is reported once and not tried again."""
+    """This node cannot measure the source at all: it is reported once and not tried again. `applies` is
+    False when there is nothing here for it to measure."""
+
+    def __init__(self, reason: str, applies: bool = True) -> None:
+        super().__init__(reason)
+        self.applies = applies
 
 
-Report = Callable[[str, str], None]
+Report = Callable[[str, str, bool], None]  # source, reason, whether the source applies to this node
+
+
+def nvidia_present() -> bool:
+    """Whether this node has NVIDIA GPUs for NVML to measure: the driver's control device or its /proc entry."""
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
 
 
 class Source:
@@ -107,7 +119,7 @@ class NetworkSource(Source):
         with contextlib.suppress(OSError, AttributeError):  # flags are missing on some platforms: "lo" will do
             self._loopback |= {nic for nic, s in psutil.net_if_stats().items() if "loopback" in s.flags.split(",")}
         if not self._interfaces():
-            raise Unavailable("no network interface besides loopback")
+            raise Unavailable("no network interface besides loopback", applies=False)
 
     def _interfaces(self) -> dict[str, Any]:
         return {nic: c for nic, c in psutil.net_io_counters(pernic=True).items() if nic not in self._loopback}
@@ -140,7 +152,7 @@ class StorageSource(Source):
 
     def open(self) -> None:
         if self._location is None or is_url(self._location):
-            raise Unavailable("checkpoints are not on a local volume")
+            raise Unavailable("checkpoints are not on a local volume", applies=False)
 
     def read(self) -> list[Reading]:
         directory = Path(self._location or ".")
@@ -154,7 +166,7 @@ class StorageSource(Source):
             try:
                 readings.append(Reading("storage_write_latency_seconds", self._probe(directory)))
             except OSError as e:  # e.g. a full disk: free space above still tells why
-                self._report("storage_latency", f"the write probe in {directory} failed: {e}")
+                self._report("storage_latency", f"the write probe in {directory} failed: {e}", True)
         return readings
 
     def _probe(self, directory: Path) -> float:
@@ -189,14 +201,15 @@ class GpuSource(Source):
         self._new_reasons = True
 
     def open(self) -> None:
+        present = nvidia_present()  # without NVIDIA GPUs, neither a missing library nor NVML's failure matters
         try:
             import pynvml
         except ImportError:
-            raise Unavailable("nvidia-ml-py is not installed (pip install keel-pretrain[gpu])") from None
+            raise Unavailable("nvidia-ml-py is not installed (pip install keel-pretrain[gpu])", present) from None
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
-            raise Unavailable(f"NVML could not start: {e}") from None
+            raise Unavailable(f"NVML could not start: {e}", present) from None
         self._nvml = pynvml  # from here on close() shuts NVML down
         try:
             count = pynvml.nvmlDeviceGetCount()
@@ -204,7 +217,7 @@ class GpuSource(Source):
             raise Unavailable(f"NVML could not count the GPUs: {e}") from None
         indices = list(range(count)) if self._gpus is None else self._gpus
         if not indices:
-            raise Unavailable("no GPU on this node")
+            raise Unavailable("no GPU on this node", applies=False)
         missing = [i for i in indices if not 0 <= i < count]
         if missing:
             raise Unavailable(f"GPU {missing[0]} does not exist: NVML sees {count}")
@@ -216,7 +229,7 @@ class GpuSource(Source):
         try:
             self._events = nvml.nvmlEventSetCreate()
         except nvml.NVMLError as e:
-            self._report("xid", f"NVML event sets are not available: {e}")
+            self._report("xid", f"NVML event sets are not available: {e}", True)
             return
         refused = []
         for i, handle in self._handles.items():
@@ -226,7 +239,7 @@ class GpuSource(Source):
             except nvml.NVMLError as e:
                 refused.append(f"GPU {i}: {e}")
         if refused:
-            self._report("xid", "XID events cannot be watched on " + "; ".join(refused))
+            self._report("xid", "XID events cannot be watched on " + "; ".join(refused), True)
 
     def read(self) -> list[Reading]:
         nvml = self._nvml
@@ -270,7 +283,7 @@ class GpuSource(Source):
         return nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
 
     def _get(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """One NVML query; a query this GPU does not support is reported once and left out from then on.
+        """One NVML query; a query this GPU does not support is reported once (as not applying) and left out.
         Other NVML errors (a GPU fallen off the bus) propagate: the whole source is reported."""
         if what in self._unsupported:
             return None
@@ -278,7 +291,7 @@ class GpuSource(Source):
             return fn(*args)
         except self._nvml.NVMLError_NotSupported as e:
             self._unsupported.add(what)
-            self._report(what, f"not supported by this GPU: {e}")
+            self._report(what, f"not supported by this GPU: {e}", False)
             return None
 
     def _drain_xid(self) -> None:
@@ -315,7 +328,7 @@ class Telemetry:
     `on_sample`. One instance per node (the trainer starts it on local rank 0 only)."""
 
     def __init__(self, interval_s: float, storage_dir: Path | str | None, on_sample: Callable[[list[Reading]], None],
-                 on_unavailable: Callable[[str, str], None], gpus: list[int] | None = None) -> None:
+                 on_unavailable: Report, gpus: list[int] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"telemetry interval must be positive, got {interval_s}")
         self.interval_s = interval_s
@@ -328,10 +341,10 @@ class Telemetry:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _report(self, source: str, reason: str) -> None:
+    def _report(self, source: str, reason: str, applies: bool = True) -> None:
         if source not in self._reported:
             self._reported.add(source)
-            self.on_unavailable(source, reason)
+            self.on_unavailable(source, reason, applies)
 
     def sample(self) -> list[Reading]:
         """One pass over all sources. A source that cannot measure on this node is dropped; one that
@@ -347,7 +360,10 @@ class Telemetry:
                 except Exception as e:  # noqa: BLE001 - Unavailable, or a driver error while starting
                     self._dropped.add(source.name)
                     source.close()
-                    self._report(source.name, str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}")
+                    if isinstance(e, Unavailable):
+                        self._report(source.name, str(e), e.applies)
+                    else:
+                        self._report(source.name, f"{type(e).__name__}: {e}")
                     continue
             try:
                 readings += source.read()

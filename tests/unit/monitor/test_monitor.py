@@ -459,6 +459,22 @@ def monitor_in(tmp_path: Path, mc: MonitorConfig) -> RunMonitor:
     return RunMonitor(mc, tmp_path, 0, torch.device("cpu"), log, time.time(), str(tmp_path))
 
 
+def test_a_source_that_does_not_apply_stays_off_the_console(tmp_path: Path, capsys) -> None:
+    monitor = monitor_in(tmp_path, MonitorConfig(prometheus_port=0, telemetry_interval_s=0))
+    try:
+        monitor.unavailable("gpu", "no GPU on this node", applies=False)
+        monitor.unavailable("storage_latency", "the write probe failed: No space left on device", applies=True)
+    finally:
+        monitor.stop()
+        monitor.log.__exit__()
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: telemetry: storage_latency unavailable: the write probe failed: No space left on device"]
+    events = [(e["detail"]["source"], e["detail"]["applies"]) for e in read_jsonl(tmp_path / "events.jsonl")
+              if e["kind"] == "telemetry" and e["action"] == "unavailable"]
+    assert events == [("gpu", False), ("storage_latency", True)], "both stay in events.jsonl (keel status)"
+    assert "telemetry: gpu does not apply here: no GPU on this node" in (tmp_path / "logs" / "rank-0.log").read_text()
+
+
 def test_an_unset_port_moves_past_a_taken_one_and_is_said_once(tmp_path: Path, capsys, monkeypatch) -> None:
     import keel.monitor.run_monitor as run_monitor
 

@@ -23,13 +23,16 @@ class Recorder:
 
     def __init__(self) -> None:
         self.samples: list[list[Reading]] = []
-        self.reports: list[tuple[str, str]] = []
+        self.reports: list[tuple[str, str, bool]] = []
 
-    def unavailable(self, source: str, reason: str) -> None:
-        self.reports.append((source, reason))
+    def unavailable(self, source: str, reason: str, applies: bool) -> None:
+        self.reports.append((source, reason, applies))
 
     def reasons(self, name: str) -> list[str]:
-        return [reason for source, reason in self.reports if source == name]
+        return [reason for source, reason, _ in self.reports if source == name]
+
+    def applies(self, name: str) -> list[bool]:
+        return [applies for source, _, applies in self.reports if source == name]
 
 
 def telemetry(storage_dir: Path | str | None, interval_s: float = 60.0,
@@ -118,6 +121,7 @@ def test_storage_off_the_local_disk_is_unavailable(location: Path | str | None) 
     for _ in range(3):
         assert not any(r.name.startswith("storage_") for r in t.sample())
     assert rec.reasons("storage") == ["checkpoints are not on a local volume"]
+    assert rec.applies("storage") == [False], "nothing local to measure: not a failure"
 
 
 @pytest.mark.skipif(HAS_NVIDIA_DEVICES, reason="this node has NVIDIA GPUs")
@@ -126,6 +130,7 @@ def test_gpu_unavailable_is_reported_once_and_measures_nothing(tmp_path: Path) -
     for _ in range(3):
         assert not any(r.name.startswith("gpu_") for r in t.sample())
     [reason] = rec.reasons("gpu")
+    assert rec.applies("gpu") == [False], "a node without NVIDIA GPUs has nothing for NVML to measure"
     if HAS_PYNVML:
         assert reason.startswith("NVML could not start")
     else:
@@ -159,7 +164,7 @@ def test_network_counters_or_unavailable(tmp_path: Path) -> None:
     t, rec = telemetry(tmp_path)
     network = [r for r in t.sample() if r.name.startswith("network_")]
     if not nics:
-        assert network == [] and len(rec.reasons("network")) == 1
+        assert network == [] and rec.applies("network") == [False]
         return
     assert rec.reasons("network") == []
     expected = {f"{name}{{interface={nic},direction={d}}}" for nic in nics
@@ -200,6 +205,7 @@ def test_a_failing_source_neither_stops_the_thread_nor_the_others(tmp_path: Path
     t.stop()
     [reason] = rec.reasons("storage")
     assert reason.startswith("OSError") and "too long" in reason
+    assert rec.applies("storage") == [True], "a source that should measure and fails is a failure"
     for sample in rec.samples:
         keys = by_key(sample)
         assert "host_memory_used_bytes" in keys
@@ -221,3 +227,14 @@ def test_a_failing_sink_does_not_stop_the_thread(tmp_path: Path) -> None:
     t.stop()
     [reason] = rec.reasons("telemetry")
     assert "delivering a sample failed" in reason and "OSError" in reason
+
+
+@pytest.mark.skipif(HAS_NVIDIA_DEVICES and HAS_PYNVML, reason="NVML reads this node's GPUs")
+def test_gpus_that_nvml_cannot_read_are_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import keel.monitor.telemetry as telemetry_module
+
+    monkeypatch.setattr(telemetry_module, "nvidia_present", lambda: True)  # a GPU node: NVML should measure
+    t, rec = telemetry(tmp_path)
+    assert not any(r.name.startswith("gpu_") for r in t.sample())
+    assert rec.applies("gpu") == [True]
+    t.stop()
