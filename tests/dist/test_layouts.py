@@ -210,7 +210,7 @@ def test_tiny_config_in_tp2_pp2_reports_layout_mfu_and_comm_share(small_corpus: 
     progress = [line for line in result.stdout.splitlines() if line.startswith("step 2/2 [")]
     assert len(progress) == 1, result.stdout
     assert "| pp2 × tp2 |" in progress[0]
-    assert re.search(r"\| MFU \d+\.\d% \|", progress[0]), progress[0]
+    assert "MFU" not in progress[0], "a CPU's measured matmul rate is no peak to show MFU against"
     assert re.search(r"\| comm \d+% \|", progress[0]), progress[0]
     record = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 2 and "train/loss" in r][0]
     assert 0 < record["time/comm_s"] < record["time/step_s"] * 4 and record["time/pp_wait_s"] > 0
