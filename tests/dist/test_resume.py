@@ -5,6 +5,7 @@ Every run here is a real `keel train` command: torchrun's elastic agent, gloo, F
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -76,6 +77,38 @@ def test_rerun_of_finished_run_says_so(reference_run: Path, small_corpus: Path, 
     assert "already finished at step 40" in result.stdout
     assert losses(run_dir) == losses(reference_run), "nothing may be retrained"
     assert state_sha256(final_checkpoint(run_dir)) == before
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple]:
+    """Every entry of `run_dir`: its kind, size, mtime and (for a file) content hash."""
+    return {str(p.relative_to(run_dir)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns,
+                                          None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(run_dir.rglob("*"))}
+
+
+def test_finished_run_refuses_a_changed_learning_rate_and_writes_nothing(reference_run: Path, small_corpus: Path,
+                                                                          tmp_path: Path) -> None:
+    run_dir = tmp_path / "A-copy"
+    shutil.copytree(reference_run, run_dir)
+    before = snapshot(run_dir)
+    refused = run_keel(train_cmd(small_corpus, run_dir, 2, "optim.lr=1e-2"), cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    lines = (refused.stdout + refused.stderr).splitlines()
+    assert len(lines) == 1, lines
+    assert "finished at step 40" in lines[0] and "optim.lr 0.003 → 0.01" in lines[0], lines[0]
+    assert "--run-dir NEW" in lines[0] and "--accept-change optim.lr" in lines[0], lines[0]
+    assert snapshot(run_dir) == before, "a refused rerun must leave the run directory as it was"
+
+    # Accepted on purpose, beside a setting that may change freely (and on one process instead of two): the run
+    # stays finished with its results, and the change is recorded.
+    accepted = run_keel(train_cmd(small_corpus, run_dir, 1, "optim.lr=1e-2", "monitor.interval=2",
+                                  "--accept-change", "optim.lr"), cwd=tmp_path)
+    assert accepted.returncode == 0, accepted.stderr
+    assert "already finished at step 40" in accepted.stdout
+    changed = [e["detail"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "config"][-1]
+    assert changed["changes"]["optim.lr"] == [3e-3, 1e-2] and changed["changes"]["monitor.interval"] == [1, 2]
+    assert changed["identity_accepted"] == ["optim.lr"]
+    assert losses(run_dir) == losses(reference_run), "nothing may be retrained"
 
 
 def test_resume_on_one_process_continues_the_same_run(reference_run: Path, small_corpus: Path,

@@ -10,6 +10,11 @@ with `keel train --accept-change KEY`, which records it as an event and in every
 Everything else may change on resume and is recorded as a `config/changed` event: the number of steps,
 intervals, the optimizer's settings and the tail of its schedule, monitoring, health, guards, the
 parallel layout and the micro-batch (the same global batch, split otherwise).
+
+A run that has made all its steps trains nothing more, so a setting changed when it is run again would
+apply to nothing while its results stand for the old one: there every setting that shapes what the run
+computed is compared too, and only those that say how it is watched, saved, laid out and recovered may
+differ (`UNCOMPUTED`).
 """
 
 from __future__ import annotations
@@ -89,19 +94,61 @@ def check_identity(old: dict[str, Any], new: dict[str, Any], step: int, accepted
     changes = identity_changes(old, new, step)
     refused = {k: v for k, v in changes.items() if k not in accepted}
     if refused:
-        listed = ", ".join(f"{k} {_short(a)} → {_short(b)}" for k, (a, b) in refused.items())
         corpus = " or data.allow_corpus_change=true" if "data.corpus" in refused else ""
-        raise ConfigError(f"resuming {checkpoint} would change what defines the run: {listed}; start a new run "
-                          f"with --run-dir, or accept the change on purpose with --accept-change "
+        raise ConfigError(f"resuming {checkpoint} would change what defines the run: {_listed(refused)}; start a "
+                          f"new run with --run-dir, or accept the change on purpose with --accept-change "
                           f"{','.join(refused)}{corpus} (recorded in events.jsonl and the manifest)")
     return changes
 
 
+def check_continuation(manifest: dict, cfg: Config, identity: dict[str, Any], accepted: Iterable[str],
+                       checkpoint: str) -> dict[str, tuple[Any, Any]]:
+    """The check of every start from `manifest`'s checkpoint, in the launcher and in the workers alike: a
+    resume may not change the run's identity; a run already finished (its step reached cfg.train.steps, so
+    nothing is left to train) may not change any setting it computed with either. Returns the accepted
+    changes."""
+    step = int(manifest["step"])
+    if step < cfg.train.steps:
+        return check_identity(recorded_identity(manifest), identity, step, accepted, checkpoint)
+    accepted = set(accepted)
+    changes: dict[str, tuple[Any, Any]] = identity_changes(recorded_identity(manifest), identity, step)
+    changes.update({k: (old, new) for k, (old, new) in setting_changes(manifest.get("config"), cfg).items()
+                    if computed(k)})
+    refused = {k: v for k, v in changes.items() if k not in accepted}
+    if refused:
+        steps = "" if any(k in IDENTITY for k in refused) else ", raise train.steps to train on with the new ones"
+        corpus = " (or data.allow_corpus_change=true)" if "data.corpus" in refused else ""
+        raise ConfigError(f"this run finished at step {step} ({checkpoint}) with other settings: {_listed(refused)}; "
+                          f"its results are of those, and it has nothing left to train: start a new run with "
+                          f"--run-dir NEW{steps}, or keep its results and record the change with --accept-change "
+                          f"{','.join(refused)}{corpus}")
+    return changes
+
+
+# Settings that say how a run is watched, saved, laid out and recovered, not what it computes (the parallel
+# layout and the micro-batch give the same steps): a finished run may be run again with them changed.
+UNCOMPUTED = ("name", "callbacks", "monitor.", "health.", "checkpoint.", "parallel.", "fault_tolerance.",
+              "drill.", "train.micro_batch", "data.prefetch", "data.verify_checksums", "data.allow_corpus_change",
+              "eval.interval", "eval.downstream_interval")
+# Settings whose effect the identity compares: the corpus's sources, place and preparation are its
+# fingerprint (`data.corpus`), the sources' weights its mixture.
+COVERED = ("data.sources.", "data.dir", "data.clean.", "data.dedup.", "data.decontam.", "data.val_fraction",
+           "data.text_field", "data.shard_tokens", "data.workers")
+
+
+def computed(key: str) -> bool:
+    """Whether the setting `key` shapes what a run computes beyond its identity fields."""
+    return key not in IDENTITY and not any(key == p or (p.endswith(".") and key.startswith(p))
+                                           for p in UNCOMPUTED + COVERED)
+
+
 def check_accept_keys(keys: Iterable[str]) -> list[str]:
     keys = [k for k in keys if k]
-    if unknown := [k for k in keys if k not in IDENTITY]:
-        raise ConfigError(f"--accept-change {','.join(unknown)}: not an identity field; expected some of "
-                          f"{', '.join(IDENTITY)}")
+    known = set(IDENTITY) | {k for k in flat_config(Config()) if computed(k)}
+    if unknown := [k for k in keys if k not in known]:
+        raise ConfigError(f"--accept-change {','.join(unknown)}: not an identity field ({', '.join(IDENTITY)}) nor "
+                          f"a setting a finished run computed with (such as optim.lr or train.steps; "
+                          f"docs/resuming.md lists those that may change freely)")
     return keys
 
 
@@ -127,6 +174,10 @@ def setting_changes(old_config: dict | None, cfg: Config) -> dict[str, list]:
         return {}
     old, new = flat_config(old_config), flat_config(cfg)
     return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {_short(a)} → {_short(b)}" for k, (a, b) in changes.items())
 
 
 def _short(value: Any) -> str:

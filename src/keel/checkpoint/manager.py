@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 import keel
 from keel.checkpoint import owner, verifying
 from keel.checkpoint.digesting import DigestingWriter
-from keel.checkpoint.identity import check_identity, recorded_identity, setting_changes
+from keel.checkpoint.identity import check_continuation, setting_changes
 from keel.checkpoint.manifest import (
     CHECKSUM,
     DCP_METADATA,
@@ -528,8 +528,7 @@ class CheckpointManager:
                                   f"checkpoints/step-NNNNNN directory")
         accepted: dict = {}
         if "unreadable" not in manifest:  # a ConfigError, not a CheckpointError: no fallback to an older one
-            accepted = check_identity(recorded_identity(manifest), self.identity, int(manifest["step"]),
-                                      self.accepted, path)
+            accepted = check_continuation(manifest, self.cfg, self.identity, self.accepted, path)
         with storage.reading(name):
             # DCP trusts .metadata, so it is checked first; each rank's share of the other files is checked
             # meanwhile (started before the model was built, when this is the checkpoint `prefetch` named),

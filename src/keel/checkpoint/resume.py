@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.checkpoint.identity import check_identity, recorded_identity
+from keel.checkpoint.identity import check_continuation
 from keel.checkpoint.manifest import MANIFEST, committed, read_manifest, verify
 from keel.checkpoint.storage import Storage, locate
 from keel.config import Config
@@ -32,9 +32,11 @@ def check_resume(storage: Storage, resume: str) -> None:
                               f"{MANIFEST}); pass a checkpoints/step-NNNNNN directory, auto or never")
 
 
-def check_resume_identity(storage: Storage, resume: str, identity: dict, accepted: tuple[str, ...]) -> None:
-    """Refuse, before any worker starts, a resume that would change the run's identity: compared with the
-    checkpoint the workers will load (the newest whose files are all there, for `auto`)."""
+def check_resume_identity(storage: Storage, resume: str, cfg: Config, identity: dict,
+                          accepted: tuple[str, ...]) -> None:
+    """Refuse, before any worker starts (and so before anything is written), a resume that would change the
+    run's identity, or a finished run given settings it did not compute with: compared with the checkpoint
+    the workers will load (the newest whose files are all there, for `auto`)."""
     if resume == "never":
         return
     if resume == "auto":
@@ -45,5 +47,4 @@ def check_resume_identity(storage: Storage, resume: str, identity: dict, accepte
     for name in names:
         manifest = read_manifest(storage, name)
         if manifest is not None and "unreadable" not in manifest:
-            check_identity(recorded_identity(manifest), identity, int(manifest["step"]), accepted,
-                           storage.path(name))
+            check_continuation(manifest, cfg, identity, accepted, storage.path(name))

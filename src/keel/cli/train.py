@@ -34,7 +34,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "--nnodes")
     t.add_argument("--accept-change", action="append", default=[], metavar="KEY[,KEY]",
                    help="resume although these identity fields changed (e.g. train.seq_len for a longer context "
-                        "phase); the change is recorded in events.jsonl and every later manifest")
+                        "phase), or take a finished run as it is although these settings changed (e.g. optim.lr); "
+                        "the change is recorded in events.jsonl (and every later manifest)")
     t.add_argument("--quiet", action="store_true", help="no progress on the console, only warnings, errors and "
                    "alerts (everything still goes to RUN_DIR/logs)")
     t.set_defaults(handler=cmd_train)
@@ -45,8 +46,8 @@ def in_torchrun_worker() -> bool:
 
 
 def accepted_changes(cfg: Config, flags: list[str]) -> tuple[str, ...]:
-    """The identity fields a resume may change on purpose: `--accept-change`, and the corpus when
-    data.allow_corpus_change is set."""
+    """The identity fields a resume (and the settings a finished run) may change on purpose: `--accept-change`,
+    and the corpus when data.allow_corpus_change is set."""
     from keel.checkpoint.identity import check_accept_keys
 
     keys = check_accept_keys(k.strip() for flag in flags for k in flag.split(","))
@@ -131,8 +132,8 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
         resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
     if not worker:
         check_resume(storage, resume)  # a bad --resume fails here, before any process starts
-        check_resume_identity(storage, resume, run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]),
-                              accepted)
+        check_resume_identity(storage, resume, cfg, run_identity(cfg, corpus.fingerprint,
+                                                                 corpus.manifest["tokenizer"]), accepted)
         if cfg.model.init_from:
             from keel.checkpoint.export import check_hf_matches
 

@@ -6,8 +6,12 @@ import pytest
 
 from keel.checkpoint.identity import (
     IDENTITY,
+    UNCOMPUTED,
     check_accept_keys,
+    check_continuation,
     check_identity,
+    computed,
+    flat_config,
     recorded_identity,
     run_identity,
     setting_changes,
@@ -85,7 +89,80 @@ def test_setting_changes_list_every_changed_key() -> None:
     assert setting_changes(old, cfg) == {"optim.lr": [3e-3, 1e-3], "train.steps": [200, 400]}
 
 
-def test_accept_change_takes_identity_fields_only() -> None:
-    assert check_accept_keys(["train.seq_len", ""]) == ["train.seq_len"]
-    with pytest.raises(ConfigError, match="--accept-change optim.lr: not an identity field"):
-        check_accept_keys(["optim.lr"])
+def test_accept_change_takes_identity_fields_and_computed_settings() -> None:
+    assert check_accept_keys(["train.seq_len", "", "optim.lr"]) == ["train.seq_len", "optim.lr"]
+    with pytest.raises(ConfigError, match="--accept-change monitor.interval: not an identity field"):
+        check_accept_keys(["monitor.interval"])
+    with pytest.raises(ConfigError, match="--accept-change optim.learning_rate: not"):
+        check_accept_keys(["optim.learning_rate"])
+
+
+def finished(cfg: Config, step: int = 200) -> dict:
+    """The manifest of the checkpoint a run of `cfg` ended with at `step`."""
+    import dataclasses
+
+    return {"step": step, "identity": identity_of(cfg), "config": dataclasses.asdict(cfg)}
+
+
+def test_a_finished_run_refuses_a_setting_it_computed_with_in_one_line() -> None:
+    manifest, cfg = finished(Config()), Config()
+    cfg.optim.lr, cfg.guard.enabled = 1e-2, False
+    with pytest.raises(ConfigError) as e:
+        check_continuation(manifest, cfg, identity_of(cfg), (), "runs/tiny/checkpoints/step-000200")
+    text = str(e.value)
+    assert "finished at step 200" in text and "\n" not in text
+    assert "guard.enabled true → false, optim.lr 0.003 → 0.01" in text
+    assert "--run-dir NEW" in text and "raise train.steps" in text
+    assert "--accept-change guard.enabled,optim.lr" in text
+
+
+def test_the_same_change_on_a_run_with_steps_left_is_a_resume() -> None:
+    cfg = Config()
+    cfg.optim.lr = 1e-2
+    assert check_continuation(finished(Config(), step=100), cfg, identity_of(cfg), (), "c") == {}
+    cfg.train.steps = 400  # raised: the finished run trains on with the new rate
+    assert check_continuation(finished(Config()), cfg, identity_of(cfg), (), "c") == {}
+
+
+def test_a_finished_run_may_change_how_it_is_watched_saved_and_laid_out() -> None:
+    cfg = Config()
+    cfg.name, cfg.monitor.interval, cfg.monitor.mlflow.enabled = "renamed", 1, True
+    cfg.checkpoint.interval, cfg.health.max_restarts, cfg.parallel.dp_shard, cfg.train.micro_batch = 7, 3, 2, 8
+    cfg.eval.interval, cfg.data.workers = 5, 4
+    assert check_continuation(finished(Config()), cfg, identity_of(cfg), (), "c") == {}
+
+
+def test_an_identity_change_of_a_finished_run_is_named_once_with_no_way_through_steps() -> None:
+    cfg = Config()
+    cfg.model.n_layers = 2
+    with pytest.raises(ConfigError) as e:
+        check_continuation(finished(Config()), cfg, identity_of(cfg), (), "c")
+    assert str(e.value).count("model.n_layers") == 2  # the change, and the key to accept
+    assert "raise train.steps" not in str(e.value)
+
+
+def test_an_accepted_change_of_a_finished_run_is_returned_to_be_recorded() -> None:
+    cfg = Config()
+    cfg.optim.lr, cfg.train.steps = 1e-2, 150
+    changes = check_continuation(finished(Config()), cfg, identity_of(cfg), ["optim.lr", "train.steps"], "c")
+    assert changes == {"optim.lr": (3e-3, 1e-2), "train.steps": (200, 150)}
+
+
+def test_which_settings_a_finished_run_compares() -> None:
+    keys = set(flat_config(Config()))
+    assert {k for k in keys if k.startswith(("optim.", "guard."))} <= {k for k in keys if computed(k)}
+    assert {"train.steps", "train.precision", "eval.sequences", "data.skip_batches"} <= {k for k in keys
+                                                                                         if computed(k)}
+    free = {k for k in keys if not computed(k)}
+    assert {k for k in keys if k.startswith(("monitor.", "health.", "checkpoint.", "parallel."))} <= free
+    assert set(IDENTITY) & keys <= free  # compared as identity fields, with their own rules, not twice
+    assert all(any(k == p or k.startswith(p) for k in keys) for p in UNCOMPUTED), "a prefix matches no setting"
+
+
+def test_resuming_md_lists_every_setting_a_finished_run_may_change() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "resuming.md").read_text()
+    section = text[text.index("## A finished run"):]
+    for prefix in UNCOMPUTED:
+        assert f"`{prefix}*`" in section if prefix.endswith(".") else f"`{prefix}`" in section, prefix
