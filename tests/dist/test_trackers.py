@@ -99,6 +99,7 @@ def test_mlflow_gets_every_metric_and_the_config_and_a_resume_appends_to_the_sam
     assert saved == {"run_id": run.info.run_id, "tracking_uri": mlflow_server.url, "sent_step": 24}
     assert run.info.status == "FINISHED" and run.data.tags["keel.state"] == "finished"
     assert run.data.tags["team"] == "lm" and run.data.tags["keel.run_dir"] == str(run_dir.resolve())
+    assert run.info.run_name == run_dir.name and run.data.tags["keel.config"] == "tiny"  # named after its directory
     assert set(run.data.metrics) == logged_keys(run_dir)  # every metric keel logs, under its own name
     for key in ("train/loss", "optim/lr", "val/loss"):  # each step's newest value is keel's
         history = {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, key),
@@ -173,14 +174,16 @@ def wandb_records(path: Path) -> Iterator:
 
 
 def wandb_run(run_dir: Path) -> dict:
-    """What the offline run files under RUN_DIR/wandb hold: (run directory, run id) of each run record, tags,
-    config, history by step, summary, artifacts."""
-    seen: dict = {"ids": [], "tags": set(), "config": {}, "history": {}, "summary": {}, "artifacts": []}
+    """What the offline run files under RUN_DIR/wandb hold: (run directory, run id) of each run record, names,
+    tags, config, history by step, summary, artifacts."""
+    seen: dict = {"ids": [], "names": set(), "tags": set(), "config": {}, "history": {}, "summary": {},
+                  "artifacts": []}
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 seen["ids"].append((path.parent.name, record.run.run_id))
+                seen["names"] |= {record.run.display_name} - {""}
                 seen["tags"] |= set(record.run.tags)
                 seen["config"].update({c.key: json.loads(c.value_json) for c in record.run.config.update})
             elif kind == "config":
@@ -209,7 +212,8 @@ def test_wandb_offline_run_files_hold_the_run_and_a_resume_continues_the_same_ru
     # the first start, the restart after the kill and the report's attachment: one run id
     segments = {segment for segment, _ in seen["ids"]}
     assert len(segments) == 3 and {run_id for _, run_id in seen["ids"]} == {saved["id"]}
-    assert {"proxy", "resume", "checkpoint", "finish"} <= seen["tags"]
+    assert {"proxy", "config=tiny", "resume", "checkpoint", "finish"} <= seen["tags"]
+    assert seen["names"] == {run_dir.name}  # named after its run directory, the config's name a tag
     assert seen["config"]["model"]["dim"] == 64 and seen["config"]["train"]["steps"] == 24
     expected = last_per_step(run_dir, "train/loss")
     assert {step: row["train/loss"] for step, row in seen["history"].items() if "train/loss" in row} == \

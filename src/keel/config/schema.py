@@ -273,7 +273,7 @@ class MlflowConfig:
     tracking_uri: str = option("", "the tracking server, e.g. http://mlflow:5000 (empty: MLFLOW_TRACKING_URI, else "
                                "MLflow's own default)")
     experiment: str = option("keel", "experiment the run is logged under (created if missing)")
-    run_name: str = option("", "the MLflow run's name (empty: the run's name)")
+    run_name: str = option("", "the MLflow run's name (empty: the run directory's name)")
     tags: list[str] = option([], "tags of the MLflow run, each `KEY=VALUE` (or `KEY`, set to true)")
     timeout_s: float = option(10.0, "seconds one request to the server may take before it is retried or given "
                               "up; training never waits for the tracker", gt=0, le=3600)
@@ -286,7 +286,7 @@ class WandbConfig:
                            "the report; a resumed run continues the same W&B run")
     project: str = option("keel", "the W&B project")
     entity: str = option("", "the W&B team or user (empty: the account's default)")
-    run_name: str = option("", "the W&B run's name (empty: the run's name)")
+    run_name: str = option("", "the W&B run's name (empty: the run directory's name)")
     tags: list[str] = option([], "tags of the W&B run")
     mode: str = option("online", "online (sent as it runs), offline (written under RUN_DIR/wandb, `wandb sync` "
                        "uploads it later)", choices=("online", "offline"))

@@ -16,6 +16,7 @@ from keel.config import Config, MlflowConfig, WandbConfig
 
 # MLflow's limits per log_batch call, and on a key's characters.
 MLFLOW_PARAMS_PER_CALL, MLFLOW_METRICS_PER_CALL, MLFLOW_TAG_CHARS = 100, 1000, 5000
+WANDB_TAG_CHARS = 64
 _MLFLOW_KEY = re.compile(r"[^\w./\- :]")
 # The state a keel run ended in → MLflow's run status (a paused run is resumed later into the same MLflow run).
 MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED", "failed": "FAILED"}
@@ -35,8 +36,8 @@ def mlflow_key(key: str) -> str:
 class MlflowBackend:
     name = "mlflow"
 
-    def __init__(self, mc: MlflowConfig, run_name: str, run_dir: Path) -> None:
-        self.mc, self.run_name, self.run_dir = mc, mc.run_name or run_name, run_dir
+    def __init__(self, mc: MlflowConfig, run_name: str, config_name: str, run_dir: Path) -> None:
+        self.mc, self.run_name, self.config_name, self.run_dir = mc, mc.run_name or run_name, config_name, run_dir
         # Requests give up quickly: the queue holds what is not sent yet, and a dead server must not hold
         # the end of the run for MLflow's default two minutes per request.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(math.ceil(mc.timeout_s)))
@@ -57,11 +58,15 @@ class MlflowBackend:
             experiment = self.client.get_experiment_by_name(self.mc.experiment)
             experiment_id = (experiment.experiment_id if experiment is not None else
                              self.client.create_experiment(self.mc.experiment))
-            tags = {key: value if sep else "true" for key, sep, value in (tag.partition("=") for tag in self.mc.tags)}
-            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name,
-                                                 tags={**tags, "keel.run_dir": str(self.run_dir.resolve())}
-                                                 ).info.run_id
+            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags()).info.run_id
         return {"run_id": self.run_id, "tracking_uri": uri}
+
+    def tags(self) -> dict[str, str]:
+        """A new run's tags: the configured ones (`KEY=VALUE`, or a bare `KEY` as true), where its run directory
+        is and the name of its config."""
+        tags = {key: value if sep else "true" for key, sep, value in (tag.partition("=") for tag in self.mc.tags)}
+        config = {"keel.config": self.config_name} if self.config_name else {}
+        return {**tags, "keel.run_dir": str(self.run_dir.resolve()), **config}
 
     def config(self, cfg: Config, resumed: bool) -> None:
         """The resolved config as parameters (MLflow keeps a parameter's first value: a value changed on
@@ -105,8 +110,8 @@ class MlflowBackend:
 class WandbBackend:
     name = "wandb"
 
-    def __init__(self, wc: WandbConfig, run_name: str, run_dir: Path) -> None:
-        self.wc, self.run_name, self.run_dir = wc, wc.run_name or run_name, run_dir
+    def __init__(self, wc: WandbConfig, run_name: str, config_name: str, run_dir: Path) -> None:
+        self.wc, self.run_name, self.config_name, self.run_dir = wc, wc.run_name or run_name, config_name, run_dir
         self.run: Any = None
 
     def open(self, saved: dict | None) -> dict:
@@ -117,10 +122,15 @@ class WandbBackend:
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   save_code=False, disable_git=True, x_save_requirements=False)
         self.run = wandb.init(project=self.wc.project, entity=self.wc.entity or None, name=self.run_name,
-                              tags=list(self.wc.tags), mode=cast(Any, self.wc.mode), dir=str(self.run_dir),
+                              tags=self.tags(), mode=cast(Any, self.wc.mode), dir=str(self.run_dir),
                               id=saved["id"] if saved else None, resume="allow" if saved else None,
                               settings=settings)
         return {"id": self.run.id, "project": self.wc.project, "mode": self.wc.mode}
+
+    def tags(self) -> list[str]:
+        """A new run's tags: the configured ones and `config=NAME` (W&B's tags are words of at most 64
+        characters)."""
+        return [*self.wc.tags, *([f"config={self.config_name}"[:WANDB_TAG_CHARS]] if self.config_name else [])]
 
     def config(self, cfg: Config, resumed: bool) -> None:
         self.run.config.update(dataclasses.asdict(cfg), allow_val_change=True)

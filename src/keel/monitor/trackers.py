@@ -71,8 +71,18 @@ def check_trackers(cfg: Config) -> None:
 
 def make_backend(name: str, cfg: Config, run_dir: Path) -> Backend:
     if name == "mlflow":
-        return tracker_backends.MlflowBackend(cfg.monitor.mlflow, cfg.name, run_dir)
-    return tracker_backends.WandbBackend(cfg.monitor.wandb, cfg.name, run_dir)
+        return tracker_backends.MlflowBackend(cfg.monitor.mlflow, run_name(run_dir), cfg.name, run_dir)
+    return tracker_backends.WandbBackend(cfg.monitor.wandb, run_name(run_dir), cfg.name, run_dir)
+
+
+def run_name(run_dir: Path) -> str:
+    """A tracker run's name: its run directory's (the whole run's, for a replica group's RUN_DIR/groups/G), so
+    that the runs of one config in several directories (a sweep by hand) are told apart; the config's name
+    is a tag."""
+    path = run_dir.resolve()
+    if path.parent.name == "groups" and path.name.isdigit():
+        path = path.parent.parent
+    return path.name
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:

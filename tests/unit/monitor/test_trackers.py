@@ -14,8 +14,8 @@ import pytest
 
 from keel.config import Config, TrackerQueueConfig
 from keel.errors import ConfigError
-from keel.monitor.tracker_backends import flat_config
-from keel.monitor.trackers import TRACKERS, TrackerChannel, check_trackers, numeric
+from keel.monitor.tracker_backends import MlflowBackend, WandbBackend, flat_config
+from keel.monitor.trackers import TRACKERS, TrackerChannel, check_trackers, make_backend, numeric
 
 
 class Recording:
@@ -136,3 +136,21 @@ def test_an_enabled_tracker_without_its_client_is_refused_with_the_extra_to_inst
     with pytest.raises(ConfigError, match=r"monitor.wandb.enabled = true needs the wandb package: pip install "
                                           r"'keel-pretrain\[wandb\]'"):
         check_trackers(cfg)
+
+
+def test_tracker_runs_are_named_after_their_run_directory_with_the_config_as_a_tag(tmp_path: Path) -> None:
+    cfg = Config(name="tiny")
+    cfg.monitor.mlflow.tags = ["team=lm", "proxy"]
+    cfg.monitor.wandb.tags = ["proxy"]
+    run_dir = tmp_path / "tiny-lr1e-2"
+    mlflow = make_backend("mlflow", cfg, run_dir)
+    wandb = make_backend("wandb", cfg, run_dir)
+    assert isinstance(mlflow, MlflowBackend) and isinstance(wandb, WandbBackend)
+    assert mlflow.run_name == wandb.run_name == "tiny-lr1e-2"
+    assert mlflow.tags() == {"team": "lm", "proxy": "true", "keel.run_dir": str(run_dir.resolve()),
+                             "keel.config": "tiny"}
+    assert wandb.tags() == ["proxy", "config=tiny"]
+    # A replica group logs the whole run, under the run directory's name; a configured name wins.
+    assert make_backend("mlflow", cfg, run_dir / "groups" / "0").run_name == "tiny-lr1e-2"
+    cfg.monitor.wandb.run_name = "mine"
+    assert make_backend("wandb", cfg, run_dir).run_name == "mine"
