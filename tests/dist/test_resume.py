@@ -80,10 +80,11 @@ def test_rerun_of_finished_run_says_so(reference_run: Path, small_corpus: Path, 
 
 
 def snapshot(run_dir: Path) -> dict[str, tuple]:
-    """Every entry of `run_dir`: its kind, size, mtime and (for a file) content hash."""
+    """`run_dir` and every entry in it: its kind, size, mtime and (for a file) content hash (a directory's mtime
+    changes with any file made or removed in it, such as a lock file left or not)."""
     return {str(p.relative_to(run_dir)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns,
                                           None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(run_dir.rglob("*"))}
+            for p in [run_dir, *sorted(run_dir.rglob("*"))]}
 
 
 def test_finished_run_refuses_a_changed_learning_rate_and_writes_nothing(reference_run: Path, small_corpus: Path,
