@@ -34,5 +34,6 @@ EXIT_BAD_INPUT = 2
 EXIT_GUARD_STOP = 3  # a guard stopped the run: the trouble needs a person, a restart would meet it again
 EXIT_PAUSED = 75
 EXIT_QUARANTINE = 76  # a rank was found computing wrong: restart without its node (see quarantine.json)
+EXIT_REPLICA_WAIT = 72  # a replica group's quorum or heal outlived every timeout: the agent restarts the worker
 EXIT_HANG = 74  # the watchdog found a hang: the agent restarts the workers, which resume from the last checkpoint
 EXIT_STORAGE = StorageError.exit_code  # the checkpoint volume refused a save (full, read-only, ...): not restarted

@@ -13,12 +13,16 @@ made again from the same batch by the groups of the next quorum.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import re
+import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,7 @@ from keel.core.dtensor import local
 from keel.core.replica import LIGHTHOUSE_ENV, PARTICIPANTS, ROOT_ENV, replica_group
 from keel.core.state import TrainState, rng_state, set_rng_state
 from keel.data.loader import GlobalOrderLoader
-from keel.errors import EXIT_QUARANTINE, ConfigError
+from keel.errors import EXIT_QUARANTINE, EXIT_REPLICA_WAIT, ConfigError
 from keel.guard.sdc import fingerprint
 from keel.monitor.run_monitor import RunMonitor
 from keel.rundir.events import EventLog, host
@@ -43,6 +47,13 @@ from keel.rundir.quarantine import add_to_quarantine
 from keel.train.components import Builtin
 
 QUORUM_RETRY_S = 0.5
+# The groups' process group is configured within one heartbeat timeout and this: a member that died
+# between the quorum and the configuration is given up then, not after the collective timeout.
+CONNECT_GRACE_S = 1.0
+BOUND_GRACE_S = 5.0  # the watchdog's margin over the sum of the timeouts a quorum's waits are given
+# What the drills' faults (keel.drill.faults) hook into, called with the moment and the step: "join" as a
+# group starts its first quorum, "serve" as it hands its state to a healing peer, "heal" as it received one.
+DRILL_HOOKS: list[Callable[[str, int], None]] = []
 
 
 def disagreeing(table: torch.Tensor) -> list[int]:
@@ -87,7 +98,8 @@ class ReplicaGroups(Builtin):
         try:
             from torchft import Manager
             from torchft.checkpointing.pg_transport import PGTransport
-            from torchft.process_group import ProcessGroupGloo
+
+            from keel.train.replica_pg import BoundedGloo, QuorumRecorder
         except ImportError as e:
             raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-train[ft]' "
                               f"({e})") from e
@@ -97,7 +109,9 @@ class ReplicaGroups(Builtin):
         self.group = replica_group()
         self.address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         timeout = timedelta(seconds=cfg.timeout_s)
-        pg = ProcessGroupGloo(timeout=timeout)
+        self.recorder: QuorumRecorder | None = None
+        pg = BoundedGloo(cfg.heartbeat_timeout_s + CONNECT_GRACE_S, cfg.timeout_s,
+                         lambda: self.recorder.last if self.recorder else None)
         device = next(parts[0].parameters()).device
         # None: torchft's default, an HTTP server on each group's rank 0 that a healing group reads from.
         transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else None
@@ -110,6 +124,8 @@ class ReplicaGroups(Builtin):
             quorum_retries=max(1, int(cfg.quorum_timeout_s / QUORUM_RETRY_S)),
             replica_id=f"keel_group_{self.group}", lighthouse_addr=self.address,
             init_sync=False)  # every group initialises the same weights from the seed
+        # The quorum's members, read when the process group is configured (see keel.train.replica_pg).
+        self.recorder = self.manager._client = QuorumRecorder(self.manager._client)
         self.manager.register_state_dict_fn("keel", self._load_peer_state, self._peer_state)
         self.participants, self.replica_rank = 0, -1
         self.heals, self.heal_s, self.quorums, self.retries = 0, 0.0, 0, 0
@@ -123,12 +139,18 @@ class ReplicaGroups(Builtin):
 
     # ------------------------------------------------------------ what a healing group receives
 
+    def _drill(self, moment: str) -> None:
+        for hook in DRILL_HOOKS:
+            hook(moment, self.state.step)
+
     def _peer_state(self) -> dict:
+        self._drill("serve")
         return {"parts": [part.state_dict() for part in self.parts],
                 "optimizers": [opt.state_dict() for opt in self.optimizers],
                 "train": self.state.to_dict(), "rng": rng_state()}
 
     def _load_peer_state(self, peer: dict) -> None:
+        self._drill("heal")
         self.before_heal()
         for part, saved in zip(self.parts, peer["parts"], strict=True):
             part.load_state_dict(saved)
@@ -154,6 +176,7 @@ class ReplicaGroups(Builtin):
         self.monitor.ledger.charge("startup")
         if self.rank0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._wait_for_groups()
+        self._drill("join")
         healed = self._quorum()
         self.monitor.ledger.charge("replica_quorum")
         if healed:
@@ -184,9 +207,44 @@ class ReplicaGroups(Builtin):
     def on_step_start(self, step: Step) -> None:
         step.metrics[PARTICIPANTS] = float(self.participants)  # what this step's quorum holds, from its start
 
+    @contextlib.contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """A watchdog over a wait inside torchft that keel cannot interrupt: every wait in it has a timeout
+        (the quorum, the process group's configuration, the heal's transfer), so one that outlives their sum
+        never ends, and the worker exits for its launcher to start it again, out of the lighthouse's
+        heartbeats: the other groups then go on without it."""
+        cfg = self.cfg
+        limit_s = cfg.quorum_timeout_s + cfg.heartbeat_timeout_s + CONNECT_GRACE_S + 2 * cfg.timeout_s + BOUND_GRACE_S
+        timer = threading.Timer(limit_s, self._stuck, args=(what, limit_s))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _stuck(self, what: str, limit_s: float) -> None:
+        self.say(f"error: replica group {self.group}'s {what} did not end within {limit_s:.0f} s (the sum of its "
+                 f"fault_tolerance timeouts); the worker exits {EXIT_REPLICA_WAIT} and its launcher starts it again")
+        faulthandler.dump_traceback(all_threads=True)  # where it waited
+        if self.rank0:
+            self.events.emit("quorum", self.state.step, "stuck", group=self.group, what=what, waited_s=round(limit_s))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_REPLICA_WAIT)
+
     def _quorum(self) -> bool:
         started, step_before = time.perf_counter(), self.manager.current_step()
-        self.manager.start_quorum()  # synchronous: a heal is applied before this returns
+        with self._bounded("quorum"):
+            self.manager.start_quorum()  # synchronous: a heal is applied before this returns
+        if (error := self.manager.errored()) is not None:
+            # No process group (a member died before it was configured, or the heal failed): nothing this
+            # step computes is committed, it is made again by the next quorum; the last good quorum's
+            # shares stand meanwhile (this one may count a dead process among its members).
+            if self.rank0:
+                cause = getattr(error, "original_exception", error)
+                self.events.emit("quorum", self.state.step, "failed", group=self.group, error=str(cause)[:300])
+            return False
         healed = self.manager.current_step() > step_before
         if healed:
             self.heals, self.heal_s = self.heals + 1, time.perf_counter() - started
