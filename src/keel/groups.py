@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -29,6 +30,7 @@ from keel.errors import EXIT_PAUSED, EXIT_STORAGE, KeelError
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.launch import without_flags
 from keel.rundir.events import EventLog
+from keel.rundir.status import read_status
 from keel.train import lighthouse as lighthouse_script
 from keel.train.replicas import heartbeats
 
@@ -48,10 +50,12 @@ def shared_checkpoints(cfg: Config, run_dir: Path) -> str:
 
 
 def group_argv(argv: list[str], cfg: Config, run_dir: Path, group: int, nproc: int, max_restarts: int) -> list[str]:
-    """The user's command for one group: its own run directory, the run's checkpoint directory."""
+    """The user's command for one group: its own run directory, the run's checkpoint directory, and its restart
+    budget alone to end it: a restarted group resumes at its live peers' step, so restarts that do not get it
+    past the step it last reached (`health.no_progress_restarts`) are no sign that the run stopped moving."""
     return [*without_flags(argv, GROUP_FLAGS), "--run-dir", str(group_dir(run_dir, group)), "--nproc", str(nproc),
             "--max-restarts", str(max_restarts), f"fault_tolerance.replica_groups={cfg.fault_tolerance.replica_groups}",
-            f"checkpoint.dir={shared_checkpoints(cfg, run_dir)}"]
+            f"checkpoint.dir={shared_checkpoints(cfg, run_dir)}", f"health.no_progress_restarts={max_restarts + 1}"]
 
 
 def start_lighthouse(cfg: Config, run_dir: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
@@ -127,13 +131,38 @@ class KeptLighthouse:
         self.proc.wait()
 
 
-def wait_all(procs: list[subprocess.Popen], lighthouse: KeptLighthouse | None) -> list[int]:
-    """Every group's exit code, once all have ended, tending the lighthouse meanwhile."""
-    while any(proc.poll() is None for proc in procs):
+def wait_all(procs: list[subprocess.Popen], lighthouse: KeptLighthouse | None,
+             ended: Callable[[int, int, int], None] = lambda group, code, running: None) -> list[int]:
+    """Every group's exit code, once all have ended, tending the lighthouse meanwhile; `ended(group, code, the
+    groups still running)` as each group ends."""
+    running = set(range(len(procs)))
+    while running:
+        for group in sorted(running):
+            if procs[group].poll() is not None:
+                running.discard(group)
+                ended(group, procs[group].returncode, len(running))
         if lighthouse is not None:
             lighthouse.tend()
         time.sleep(LIGHTHOUSE_POLL_S)
     return [proc.wait() for proc in procs]
+
+
+def group_lost(events: EventLog, run_dir: Path, groups: int) -> Callable[[int, int, int], None]:
+    """What a group's end says: one that failed for good (its launcher gave up: restart budget spent, a guard
+    stopped it, voted out) while others train on raises an alert; the run goes on with fewer groups."""
+
+    def ended(group: int, code: int, running: int) -> None:
+        events.emit("group", 0, "ended", group=group, exit_code=code)
+        if code in (0, EXIT_PAUSED) or not running:
+            return
+        step = int(read_status(group_dir(run_dir, group)).get("step", 0))
+        message = (f"replica group {group} was given up (its launcher exited {code}; see "
+                   f"{group_dir(run_dir, group) / 'events.jsonl'}): the run goes on with {running} of {groups} groups")
+        events.emit("alert", step, "replica_group_lost", severity="critical", message=message, group=group,
+                    exit_code=code, groups_left=running)
+        print(f"keel: warning: {message}", file=sys.stderr, flush=True)
+
+    return ended
 
 
 def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_restarts: int, say=print) -> int:
@@ -166,7 +195,7 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
             events.emit("group", 0, "started", group=group, pid=procs[-1].pid, nproc=nproc)
         say(f"keel: {groups} replica groups × {nproc} process(es), lighthouse {address}; each group's logs are in "
             f"{run_dir / 'groups'}/G")
-        codes = wait_all(procs, lighthouse)
+        codes = wait_all(procs, lighthouse, group_lost(events, run_dir, groups))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -175,8 +204,6 @@ def launch_groups(cfg: Config, argv: list[str], run_dir: Path, nproc: int, max_r
                 proc.kill()
         if lighthouse is not None:
             lighthouse.stop()
-    for group, code in enumerate(codes):
-        events.emit("group", 0, "ended", group=group, exit_code=code)
     events.close()
     return job_code(codes)
 

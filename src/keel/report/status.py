@@ -116,9 +116,10 @@ def quorum_events(events: list[dict], action: str) -> list[dict]:
     return [e for e in events if e.get("kind") == "quorum" and e.get("action") == action]
 
 
-def group_summary(run: Run, info: dict) -> dict:
-    """One replica group (`info`: its summary as a run): where its own run directory stands, and its part
-    in the quorum (heals and retries over every start of the group, the live groups at its last quorum)."""
+def group_summary(run: Run, info: dict, lost: dict[int, dict]) -> dict:
+    """One replica group (`info`: its summary as a run): where its own run directory stands, its part in the
+    quorum (heals and retries over every start of the group, the live groups at its last quorum), and why
+    the run gave it up (`lost`: the launcher's `replica_group_lost` alerts by group), if it did."""
     quorums = [e for e in run.events if e.get("kind") == "quorum" and "participants" in (e.get("detail") or {})]
     heals = quorum_events(run.events, "heal")
     last_heal = {"time": heals[-1].get("time"), "step": heals[-1].get("step"),
@@ -128,7 +129,8 @@ def group_summary(run: Run, info: dict) -> dict:
             "participants": quorums[-1]["detail"]["participants"] if quorums else None,
             "heals": len(heals), "last_heal": last_heal, "retries": len(quorum_events(run.events, "retry")),
             "goodput_ratio": info["goodput_ratio"],
-            "last_checkpoint": info["last_checkpoint"]}
+            "last_checkpoint": info["last_checkpoint"],
+            "given_up": (lost.get(int(run.path.name)) or {}).get("detail", {}).get("message")}
 
 
 def run_state(alive: bool, states: list[str]) -> str:
@@ -151,7 +153,9 @@ def replica_summary(run_dir: Path, dirs: list[Path], events: int = 5) -> dict:
     top = run_status(run_dir, events)  # the group launcher's lock and events
     runs = [load_run(d) for d in dirs]
     infos = [summarize(run, events=0) for run in runs]
-    groups = [group_summary(run, info) for run, info in zip(runs, infos, strict=True)]
+    lost = {e["detail"]["group"]: {**e, "group": e["detail"]["group"]} for e in read_jsonl(run_dir / "events.jsonl")
+            if e.get("kind") == "alert" and e.get("action") == "replica_group_lost"}
+    groups = [group_summary(run, info, lost) for run, info in zip(runs, infos, strict=True)]
     lead = max(infos, key=lambda i: i["step"])
     buckets: dict[str, float] = {}
     for run in runs:
@@ -164,7 +168,7 @@ def replica_summary(run_dir: Path, dirs: list[Path], events: int = 5) -> dict:
             "last_checkpoint": newest_checkpoint([g["last_checkpoint"] for g in groups]),
             "eta_s": lead["eta_s"] if state != "finished" else None,
             "goodput_ratio": goodput_ratio({"buckets": buckets}),
-            "alerts": by_time(tagged(groups, [i["alerts"] for i in infos]), newest_first=True)[:5],
+            "alerts": by_time([*lost.values(), *tagged(groups, [i["alerts"] for i in infos])], newest_first=True)[:5],
             "events": by_time(top["events"] + tagged(groups, [r.events for r in runs]))[-events:]
             if events > 0 else [], "groups": groups}
 
@@ -235,6 +239,8 @@ def group_lines(groups: list[dict]) -> list[str]:
                      f"{g['participants'] if g['participants'] is not None else '-'} live at its last quorum · "
                      f"{g['heals']} heal(s){healed} · {g['retries']} retr{'y' if g['retries'] == 1 else 'ies'} · "
                      f"goodput {f'{ratio:.1%}' if ratio is not None else '-'}")
+        if g.get("given_up"):
+            lines.append(f"      given up: {g['given_up']}")
     return lines
 
 
