@@ -130,7 +130,7 @@ class ReplicaGroups(Builtin):
         self.participants, self.replica_rank = 0, -1
         self.heals, self.heal_s, self.quorums, self.retries = 0, 0.0, 0, 0
         self.position: dict = {}  # the loader's state before this step's batch: an uncommitted step reads it again
-        self.joined = False
+        self.joined, self.joined_at = False, 0.0
         self.joined_by_peer: Callable[[], None] = lambda: None  # a group joined with its own state
         self.before_heal: Callable[[], None] = lambda: None  # called before a peer's state replaces this group's
         self.check_every, self.verified = check_every, 0
@@ -172,17 +172,37 @@ class ReplicaGroups(Builtin):
         """The first step's quorum, before anything is restored: True when this group was behind a live
         peer and received its state (then storage is not read); False when no live group has progressed
         further, so every member of the quorum restores the same newest checkpoint."""
-        self.joined = True
+        self.joined, self.joined_at = True, time.monotonic()
         self.monitor.ledger.charge("startup")
         if self.rank0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._wait_for_groups()
         self._drill("join")
         healed = self._quorum()
+        while not healed and self._others_left_out():
+            time.sleep(QUORUM_RETRY_S)
+            healed = self._quorum()
         self.monitor.ledger.charge("replica_quorum")
         if healed:
             self.say(f"replica group {self.group} healed from a live peer at step {self.state.step} in "
                      f"{self.heal_s:.2f} s ({self.participants} group(s) in the quorum)")
         return healed
+
+    def _others_left_out(self) -> bool:
+        """Whether this group's first quorum left out groups that heartbeat at the lighthouse (or failed): then it
+        asks again, within the quorum timeout. A lighthouse started again knows no group, and gives its first
+        quorum to whichever asks first, alone: a restarted group must not train from a checkpoint while a live
+        one is ahead of it. The same answer on every rank of the group (they ask for quorums together)."""
+        live = heartbeating(self.address, self.cfg.heartbeat_timeout_s) if self.rank0 else None
+        again = torch.tensor([float(live is not None and self.participants < len(live))])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(again, op=dist.ReduceOp.MAX)
+        if not again.item():
+            return False
+        if time.monotonic() - self.joined_at > self.cfg.quorum_timeout_s:
+            self.say(f"warning: replica group {self.group}'s quorum still leaves out live groups after "
+                     f"{self.cfg.quorum_timeout_s:.0f} s; it trains with those it holds")
+            return False
+        return True
 
     def _wait_for_groups(self) -> None:
         """At a group's first start, until every replica group's manager heartbeats at the lighthouse (at
