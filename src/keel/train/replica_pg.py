@@ -11,7 +11,10 @@ torchft configures its group at each new quorum from a prefix of the first group
   while: no quorum forms without them, and every group stands still.
 So each quorum configures under a prefix of its own (its id, its step and its members' ids, which name
 each process's incarnation), the store and the gloo connection wait at most `connect_s`, and the
-collectives keep their own timeout.
+collectives keep their own timeout. Likewise, a healing group's request for a peer's state over HTTP is
+answered once the peer's quorum allows it, right after its configuration; a peer whose quorum failed
+never does, and the healing group would wait the whole transfer timeout, heartbeating: it waits
+`connect_s` for the answer to begin (the transfer itself keeps the timeout between its reads).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from torchft.checkpointing import HTTPTransport
 from torchft.process_group import ProcessGroupGloo
 
 
@@ -67,3 +71,15 @@ class BoundedGloo(ProcessGroupGloo):
         if hasattr(opts, "timeout"):  # the connection's short bound must not cut a collective short
             opts.timeout = self.collective_timeout
         return opts
+
+
+class PromptHTTPTransport(HTTPTransport):
+    """torchft's HTTP checkpoint transport; a healing group waits at most `answer_s` for its peer to start
+    answering (the socket's timeout, between reads), not the whole transfer timeout."""
+
+    def __init__(self, timeout: timedelta, answer_s: float) -> None:
+        super().__init__(timeout=timeout, num_chunks=0)
+        self.answer = timedelta(seconds=answer_s)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        return super().recv_checkpoint(src_rank, metadata, step, min(timeout, self.answer))

@@ -99,7 +99,7 @@ class ReplicaGroups(Builtin):
             from torchft import Manager
             from torchft.checkpointing.pg_transport import PGTransport
 
-            from keel.train.replica_pg import BoundedGloo, QuorumRecorder
+            from keel.train.replica_pg import BoundedGloo, PromptHTTPTransport, QuorumRecorder
         except ImportError as e:
             raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-train[ft]' "
                               f"({e})") from e
@@ -110,11 +110,12 @@ class ReplicaGroups(Builtin):
         self.address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         timeout = timedelta(seconds=cfg.timeout_s)
         self.recorder: QuorumRecorder | None = None
-        pg = BoundedGloo(cfg.heartbeat_timeout_s + CONNECT_GRACE_S, cfg.timeout_s,
-                         lambda: self.recorder.last if self.recorder else None)
+        connect_s = cfg.heartbeat_timeout_s + CONNECT_GRACE_S
+        pg = BoundedGloo(connect_s, cfg.timeout_s, lambda: self.recorder.last if self.recorder else None)
         device = next(parts[0].parameters()).device
-        # None: torchft's default, an HTTP server on each group's rank 0 that a healing group reads from.
-        transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else None
+        # http: an HTTP server on each group's rank 0 that a healing group reads from.
+        transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else \
+            PromptHTTPTransport(timeout, answer_s=connect_s)
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=cfg.min_replicas, use_async_quorum=False, timeout=timeout,
