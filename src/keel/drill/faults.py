@@ -7,6 +7,8 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -18,10 +20,10 @@ import torch.distributed as dist
 from keel.checkpoint.manifest import step_name
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
-from keel.core.replica import PARTICIPANTS, replica_group
+from keel.core.replica import PARTICIPANTS, ROOT_ENV, replica_group
 from keel.core.state import TrainState
 from keel.errors import ConfigError
-from keel.rundir.events import EventLog
+from keel.rundir.events import EventLog, read_jsonl
 
 
 class Injector(Callback):
@@ -224,6 +226,91 @@ class KillRejoined(_InStep):
 
     def deliver(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_lighthouse(after_s: float = 0.0) -> None:
+    """SIGKILL the lighthouse `keel train --replica-groups` started (the last one it names in its events), now
+    or `after_s` seconds from now from a process of its own (this one may be gone by then)."""
+    root = Path(os.environ.get(ROOT_ENV, "."))
+    pids = [e["detail"]["pid"] for e in read_jsonl(root / "events.jsonl")
+            if e.get("kind") == "lighthouse" and (e.get("detail") or {}).get("pid")]
+    if not pids:
+        return
+    if after_s <= 0:
+        os.kill(int(pids[-1]), signal.SIGKILL)
+        return
+    subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep({after_s}); os.kill({int(pids[-1])}, 9)"],
+                     start_new_session=True)
+
+
+class _AtReplicaMoment(Injector):
+    """A fault delivered in replica group `group` at a moment of its part in the quorum (keel.train.replicas'
+    DRILL_HOOKS: `join`, `serve`, `heal`) of a step from `from_step` on, at most `times` times in the run."""
+
+    moment = ""
+
+    def __init__(self, group: int = 1, times: int = 1, from_step: int = 0) -> None:
+        self.group, self.times, self.from_step = group, times, from_step
+
+    def attach(self, spec: str, index: int, run_dir: Path) -> None:
+        super().attach(spec, index, run_dir)
+        from keel.train.replicas import DRILL_HOOKS  # hooked before the group joins (before `on_build`)
+
+        if self.group == replica_group():
+            DRILL_HOOKS.append(self._hook)
+
+    def _hook(self, moment: str, step: int) -> None:
+        if moment == self.moment and step >= self.from_step and self.due() and self.delivered() < self.times:
+            self.fire(step, attempt=attempt())
+            self.deliver()
+
+    def due(self) -> bool:
+        return True
+
+    def deliver(self) -> None:
+        raise NotImplementedError
+
+
+class KillJoining(_AtReplicaMoment):
+    """SIGKILL a restarted worker of replica group `group` `after_s` seconds after it began joining the live
+    groups (its first quorum, or its heal); with `lighthouse_after_s`, the lighthouse that much later."""
+
+    moment = "join"
+
+    def __init__(self, group: int = 1, times: int = 1, after_s: float = 0.2, lighthouse_after_s: float = 0.0,
+                 from_step: int = 0) -> None:
+        super().__init__(group, times, from_step)
+        self.after_s, self.lighthouse_after_s = after_s, lighthouse_after_s
+
+    def due(self) -> bool:
+        return attempt() > 0
+
+    def deliver(self) -> None:
+        def kill() -> None:
+            if self.lighthouse_after_s > 0:
+                kill_lighthouse(self.lighthouse_after_s)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Timer(self.after_s, kill).start()
+
+
+class KillHealing(_AtReplicaMoment):
+    """SIGKILL replica group `group`'s worker as it heals: the live state received, not yet applied."""
+
+    moment = "heal"
+
+    def deliver(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillLighthouseServing(_AtReplicaMoment):
+    """SIGKILL the lighthouse as replica group `group` hands its state to a healing peer (the transfer then
+    runs without a lighthouse)."""
+
+    moment = "serve"
+
+    def deliver(self) -> None:
+        kill_lighthouse()
 
 
 class HangInStep(_InStep):
@@ -454,7 +541,8 @@ INJECTORS = {"nan_grads": NanInGradients, "poison_batch": PoisonedBatch, "bitfli
              "sigkill_during_checkpoint_write": SigkillDuringCheckpointWrite,
              "fill_disk_before_checkpoint": FillDiskBeforeCheckpoint,
              "read_only_before_checkpoint": ReadOnlyBeforeCheckpoint, "kill": KillInStep,
-             "kill_in_reduce": KillInReduce, "kill_rejoined": KillRejoined, "hang": HangInStep,
+             "kill_in_reduce": KillInReduce, "kill_rejoined": KillRejoined, "kill_joining": KillJoining,
+             "kill_healing": KillHealing, "kill_lighthouse_serving": KillLighthouseServing, "hang": HangInStep,
              "signal": SignalInStep, "slow": SlowRank, "slow_collective": SlowCollective,
              "wrong_allreduce": WrongAllReduce}
 

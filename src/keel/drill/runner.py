@@ -413,7 +413,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     outcome = _replica_outcome(run_dir, ref_dir, steps)
     broken = outcome.pop("broken") + _launches_broken(scenario, launches)
     starts = sum(1 for e in events if e["kind"] == "start" and e["group"] == 0)
-    if starts != 1:
+    if scenario.survivor and starts != 1:
         broken.append(f"the surviving group started {starts} times: it must never restart")
     fault_time, fault_step = _replica_fault_point(launches[0], events)
     detected = _find(events, scenario.detect, after=fault_time) if fault_time is not None else None
@@ -435,7 +435,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         if scenario.recovered_by else 0.0 if detected else None
     ledger, ref_ledger = _json(survivor / "goodput.json"), _json(ref_survivor / "goodput.json")
     recomputed = int(ledger.get("recomputed_steps", 0))
-    if recomputed:
+    if recomputed and scenario.survivor:
         broken.append(f"the surviving group made {recomputed} committed steps again")
     step_s = [r["time/step_s"] for r in _read(survivor / "metrics.jsonl") if "time/step_s" in r]
     return {

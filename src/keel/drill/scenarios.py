@@ -68,6 +68,7 @@ class Scenario:
     nodes: int = 1  # launchers of an elastic job (--nnodes 1:N), each with nproc // N processes
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
     groups: int = 1  # replica groups (`--replica-groups`, one process each); the reference has as many
+    survivor: bool = True  # with groups: group 0 is never hit, keeps its process and makes no step again
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -145,6 +146,27 @@ def _replica_groups(plan: Plan) -> list[Scenario]:
                  f"their processes and reconnect; {REPLICA_PROMISE}",
                  inject=(PACE,), outside=Outside("SIGKILL", at_step=at, target=LIGHTHOUSE),
                  **{**lost, "detect": ("lighthouse", "restarted"), "recovered_by": None}),
+        Scenario("rejoin_killed_lighthouse", "a replica group SIGKILLed, its new worker SIGKILLed again while it "
+                 "joins and the lighthouse a second later: no wait outlives its timeout, the group heals; "
+                 f"{REPLICA_PROMISE}",
+                 inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1",
+                         "kill_joining:group=1,after_s=0.2,lighthouse_after_s=1"), **{**lost, "max_restarts": 2}),
+        Scenario("group_killed_in_heal", "a replica group SIGKILLed, then again as it heals (the live state "
+                 "received): the survivors notice within the heartbeat timeout, the group heals at its next start; "
+                 f"{REPLICA_PROMISE}",
+                 inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1", "kill_healing:group=1"),
+                 **{**lost, "max_restarts": 2}),
+        Scenario("lighthouse_killed_in_heal", "the lighthouse SIGKILLed while a healed group's state is handed "
+                 f"over: the transfer completes, the lighthouse is started again, the groups train on; "
+                 f"{REPLICA_PROMISE}",
+                 inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1", "kill_lighthouse_serving:group=0"),
+                 **lost),
+        Scenario("both_groups_killed", "every replica group SIGKILLed within a second: each is restarted, the first "
+                 "quorum holds both again and resumes from the newest checkpoint; the run ends as the fault-free "
+                 f"replica-group run (within {REPLICA_ATOL:g}), the same tokens seen",
+                 inject=(f"kill:step={at},rank=-1,group=0", f"kill:step={at},rank=-1,group=1"),
+                 **{**lost, "survivor": False, "detect": ("failure", "restart"),
+                    "recovered_by": ("quorum", "change", {"group": 0, "participants": 2})}),
     ]
 
 
