@@ -41,10 +41,10 @@ DOWN_S = 3
 TOLERANCE = 1e-4  # float32 sums in another order, compounded over the steps after the fault
 
 
-def ft_cmd(corpus: Path, run_dir: Path, fault: str = "", paced: bool = False) -> list[str]:
+def ft_cmd(corpus: Path, run_dir: Path, *fault: str, paced: bool = False) -> list[str]:
     probe = f'callbacks=[{{path = "tests.dist.replica_probe:StepLedger", args = {{out = "{run_dir / "probe"}"}}}}]'
-    killed = "kill" in fault
-    faults = ", ".join(f'"{f}"' for f in (PACE if paced else "", WHILE_MISSING if killed else "", fault) if f)
+    killed = any("kill" in f for f in fault) and not paced
+    faults = ", ".join(f'"{f}"' for f in (PACE if paced else "", WHILE_MISSING if killed else "", *fault) if f)
     return ["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(run_dir), *SMALL_RUN,
             f"train.steps={STEPS}", f"data.dir={corpus}", "eval.interval=0", "checkpoint.interval=100",
             "fault_tolerance.max_restarts=2", probe, f"drill.inject=[{faults}]"]
@@ -226,6 +226,98 @@ def test_lighthouse_killed_mid_run_is_restarted_and_the_groups_train_on(fault_fr
     survivor, other, clean = ledger(run_dir, 0), ledger(run_dir, 1), ledger(fault_free, 0)
     for s in range(1, STEPS + 1):
         assert (survivor[s]["params"], survivor[s]["optimizer"]) == (other[s]["params"], other[s]["optimizer"]), s
+    assert survivor[STEPS]["tokens_seen"] == clean[STEPS]["tokens_seen"]
+    for a, b in zip(final_params(run_dir, 0), final_params(fault_free, 0), strict=True):
+        assert torch.allclose(a, b, atol=TOLERANCE, rtol=0), (a - b).abs().max()
+
+
+def survivor_steps_s(run_dir: Path, until: int = STEPS) -> list[float]:
+    """How long each of the survivor's (group 0's) committed steps up to `until` took, from the end of the one
+    before."""
+    times = [r["time"] for s, r in sorted(ledger(run_dir, 0).items()) if s <= until]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def test_a_group_killed_again_as_it_joins_and_the_lighthouse_then_make_no_one_wait_for_ever(
+        fault_free: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """Group 1 SIGKILLed in step 11, its new worker SIGKILLed again as it joins, the lighthouse SIGKILLed a second
+    later: torchft's waits on it (a quorum of three processes for two groups, its process group configured from
+    a member that is gone, a quorum numbered again by a new lighthouse) end within their timeouts, the survivor
+    keeps its process and the run ends as the fault-free run."""
+    run_dir = tmp_path / "rejoin"
+    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT + 1},rank=-1,group=1",
+                 "kill_joining:group=1,after_s=0.2,lighthouse_after_s=1", paced=True)
+    bounds = ["fault_tolerance.timeout_s=20", "fault_tolerance.quorum_timeout_s=20"]
+    done = run_keel([*cmd, *bounds], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kills = [e for e in group_events(run_dir, 1, "drill") if "kill" in e["detail"]["fault"]]
+    assert [e["detail"]["fault"].partition(":")[0] for e in kills] == ["kill", "kill_joining"]
+    (restarted,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["action"] == "restarted"]
+    assert restarted["kind"] == "lighthouse"
+    assert len(group_events(run_dir, 0, "start")) == 1, "the surviving group must never restart"
+    assert len({r["pid"] for r in ledger(run_dir, 0).values()}) == 1
+    assert sorted(ledger(run_dir, 0)) == list(range(1, STEPS + 1))
+    assert len(group_events(run_dir, 1, "start")) == 3
+    assert not [e for e in group_events(run_dir, 0, "quorum") + group_events(run_dir, 1, "quorum")
+                if e["action"] == "stuck"], "no worker had to be ended by the quorum's watchdog"
+    assert max(survivor_steps_s(run_dir)) < 20, "no wait ran to a timeout (20 s)"
+    assert_same_run(run_dir, fault_free)
+
+
+def test_a_group_killed_in_its_heal_and_the_lighthouse_in_a_transfer_cost_the_survivor_a_heartbeat(
+        fault_free: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """Group 1 SIGKILLed in step 10 (its restart held back, so that the survivor goes on alone first) and its new
+    worker again as it heals (the live state received): the survivor notices within the heartbeat timeout (1 s),
+    not the collective timeout (30 s here). Group 1 SIGKILLed again in step 25, and the lighthouse as the
+    survivor hands it its state: the heal completes, the run goes on."""
+    run_dir = tmp_path / "in_heal"
+    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT},rank=-1,group=1,down_s={DOWN_S}",
+                 "kill_healing:group=1",
+                 "kill:step=25,rank=-1,group=1", "kill_lighthouse_serving:group=0,from_step=25", paced=True)
+    done = run_keel([*cmd, "fault_tolerance.timeout_s=30", "fault_tolerance.max_restarts=3"], cwd=tmp_path,
+                    timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fired = [(e["detail"]["fault"].partition(":")[0], e["detail"]["attempt"]) for g in (0, 1)
+             for e in group_events(run_dir, g, "drill") if "kill" in e["detail"]["fault"]]
+    assert sorted(fired) == [("kill", 0), ("kill", 2), ("kill_healing", 1), ("kill_lighthouse_serving", 0)]
+    assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl") if e["action"] == "restarted"] == ["lighthouse"]
+    assert len(group_events(run_dir, 0, "start")) == 1, "the surviving group must never restart"
+    assert sorted(ledger(run_dir, 0)) == list(range(1, STEPS + 1))
+    steps_s = survivor_steps_s(run_dir, until=24)  # before the lighthouse is killed
+    paced_s = sorted(steps_s)[len(steps_s) // 2]
+    # The bound asked of a loss during a heal: a heartbeat timeout and two steps, with a margin for a loaded machine.
+    assert max(steps_s) <= 1.0 + 2 * paced_s + 1.5, (max(steps_s), paced_s)
+    assert [e["action"] for e in group_events(run_dir, 1, "quorum")][-1] == "heal"
+    assert_same_run(run_dir, fault_free)
+
+
+def test_both_groups_killed_resume_together_and_a_group_given_up_is_an_alert(
+        fault_free: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """Both groups SIGKILLed in the same step: both restart, resume from the newest checkpoint (or the later
+    one heals from the first). Group 1 killed once more with its restart budget (1) spent is given up: a
+    critical alert and a `keel status` line say so, and group 0 ends the run alone, as the fault-free run ends."""
+    run_dir = tmp_path / "both"
+    cmd = ft_cmd(small_corpus, run_dir, f"kill:step={FAULT_AT + 1},rank=-1,group=0",
+                 f"kill:step={FAULT_AT + 1},rank=-1,group=1", "kill:step=20,rank=-1,group=1", paced=True)
+    done = run_keel([*cmd, "fault_tolerance.max_restarts=1", "checkpoint.interval=5"], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    top = read_jsonl(run_dir / "events.jsonl")
+    ended = {e["detail"]["group"]: e["detail"]["exit_code"] for e in top if e["kind"] == "group"
+             and e["action"] == "ended"}
+    assert ended == {0: 0, 1: 3}
+    (alert,) = [e for e in top if e["kind"] == "alert"]
+    assert (alert["action"], alert["detail"]["severity"], alert["detail"]["group"]) == \
+        ("replica_group_lost", "critical", 1)
+    status = run_keel(["status", str(run_dir)], cwd=tmp_path)
+    assert "given up: replica group 1 was given up" in status.stdout, status.stdout
+    # Each restarted group resumes from the newest checkpoint, or, when the other was back first and trains
+    # already, heals from it.
+    for g in (0, 1):
+        assert group_events(run_dir, g, "resume") or \
+            [e for e in group_events(run_dir, g, "quorum") if e["action"] == "heal"], g
+    assert [len(group_events(run_dir, g, "start")) for g in (0, 1)] == [2, 2]
+    assert rows_by_step(run_dir) == rows_by_step(fault_free)
+    survivor, clean = ledger(run_dir, 0), ledger(fault_free, 0)
     assert survivor[STEPS]["tokens_seen"] == clean[STEPS]["tokens_seen"]
     for a, b in zip(final_params(run_dir, 0), final_params(fault_free, 0), strict=True):
         assert torch.allclose(a, b, atol=TOLERANCE, rtol=0), (a - b).abs().max()
