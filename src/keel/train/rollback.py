@@ -55,8 +55,9 @@ class Recovery:
         if action.kind == "stop":
             if action.to_step is not None:  # the steps after it are abandoned: their checkpoints may hold the fault
                 self.manager.retire_after(action.to_step, self.events, state.step, remove=self.writer())
-            self.say(f"error: guard {action.guard} stopped the run at step {state.step}: {action.reason}. "
-                     f"Details in events.jsonl; the newest checkpoint is {self.manager.latest()}")
+            if action.exit_code is None:  # an asker that gives its own code has said why
+                self.say(f"error: guard {action.guard} stopped the run at step {state.step}: {action.reason}. "
+                         f"Details in events.jsonl; the newest checkpoint is {self.manager.latest()}")
             return EXIT_GUARD_STOP
         if action.rolls_back:
             try:
