@@ -130,21 +130,20 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
     resume = args.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and committed(storage):
         resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
+    lock = RunLock(run_dir, node_name() if elastic else "")
+    if not worker and not held_by_launcher(run_dir):
+        lock.check_free()  # a run in use is said to be so, not judged by the checkpoints its job is writing
     if not worker:
         check_resume(storage, resume)  # a bad --resume fails here, before any process starts
         check_resume_identity(storage, resume, cfg, run_identity(cfg, corpus.fingerprint,
                                                                  corpus.manifest["tokenizer"]), accepted)
-        if cfg.model.init_from:
-            from keel.checkpoint.export import check_hf_matches
-
-            check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
+        check_init_from(cfg)
     if not worker and (received := stop_requested_early()):
         print(f"keel: {received} received before the job started; nothing was changed, run the same command to "
               f"start it", flush=True)
         return EXIT_PAUSED
     # The launcher holds the run directory for the whole job (each node's launcher its own lock in an
     # elastic job); torchrun's own workers lock it in rank 0.
-    lock = RunLock(run_dir, node_name() if elastic else "")
     with lock if not worker and not held_by_launcher(run_dir) else contextlib.nullcontext():
         if in_groups:
             from keel.groups import launch_groups  # the replica groups' code only where there are groups
@@ -163,6 +162,14 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
 
         # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
         return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])
+
+
+def check_init_from(cfg: Config) -> None:
+    """The Hugging Face weights a fresh run starts from fit its model, checked before any process starts."""
+    if cfg.model.init_from:
+        from keel.checkpoint.export import check_hf_matches
+
+        check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
 
 
 def restart_budget(args: argparse.Namespace, cfg: Config) -> int:

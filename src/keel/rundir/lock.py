@@ -31,10 +31,18 @@ class RunLock:
         self.run_dir, self.name, self.workers = run_dir, LOCK + suffix, WORKERS + suffix
         self.fd = -1
 
-    def acquire(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / self.name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def check_free(self) -> None:
+        """Refuse now if another job holds the run directory, creating nothing: the checks made before the
+        lock is taken (the run's settings against its checkpoints) would otherwise answer for a run in use."""
+        try:
+            fd = os.open(self.run_dir / self.name, os.O_RDWR)
+        except OSError:
+            return  # no lock file (a new run) or none this process may open: `acquire` decides
+        self._take(fd)
+        os.close(fd)  # the exclusive lock goes with it
+
+    def _take(self, fd: int) -> None:
+        """The exclusive lock on `fd`, or a KeelError naming its holder (and `fd` closed)."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -42,6 +50,12 @@ class RunLock:
             os.close(fd)
             raise KeelError(f"run directory {str(self.run_dir)!r} is in use by another keel job ({holder}); wait for "
                             f"it to end or pass another --run-dir") from None
+
+    def acquire(self) -> RunLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / self.name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._take(fd)
         workers = self.run_dir / self.workers
         if left := _workers_alive(workers):
             os.close(fd)
