@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -31,9 +32,9 @@ from keel.checkpoint.export import (
     model_config_from_hf,
     read_hf_config,
 )
-from keel.checkpoint.hf_tokenizer import TOKENIZER_FILES, checkpoint_tokenizer
+from keel.checkpoint.hf_tokenizer import TOKENIZER_FILES, checkpoint_tokenizer, write_hf_tokenizer
 from keel.config import ModelConfig
-from keel.errors import CheckpointError, KeelError
+from keel.errors import CheckpointError
 from keel.model.init import init_weights
 from keel.model.llama import Llama, ffn_hidden_dim
 
@@ -510,11 +511,74 @@ def test_export_finds_the_tokenizer_or_says_what_to_pass(tmp_path: Path, capsys,
         checkpoint_tokenizer(None, str(checkpoint))
 
 
-def test_export_without_the_tokenizers_package_names_the_extra(tmp_path: Path, monkeypatch) -> None:
-    from keel.data.tokenizer import ByteTokenizer
+# `keel ARGS` in a process where the named packages cannot be imported, as in keel's runtime-only install.
+WITHOUT = """
+import importlib.abc, sys
 
-    save_checkpoint(build(TINY), tmp_path / "ckpt")
-    monkeypatch.setitem(sys.modules, "tokenizers", None)  # what an environment without the package looks like
-    with pytest.raises(KeelError, match=r"pip install 'keel-pretrain\[bpe\]'"):
-        export_hf(tmp_path / "ckpt", TINY, tmp_path / "hf", tokenizer=ByteTokenizer())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "nothing written"
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in sys.argv[1].split(","):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+from keel.cli import main
+code = main(sys.argv[2:])
+assert not set(sys.argv[1].split(",")) & set(sys.modules), "a blocked package was imported"
+sys.exit(code)
+"""
+
+
+def keel_without(packages: str, *args: str) -> subprocess.CompletedProcess:
+    from tests.conftest import keel_env
+
+    return subprocess.run([sys.executable, "-c", WITHOUT, packages, *args], env=keel_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_byte_tokenizer_exports_without_the_tokenizers_package(tmp_path: Path, transformers,
+                                                                    tokenizer_runs) -> None:
+    run_dir, tok = tokenizer_runs["byte"]
+    out = tmp_path / "hf"
+    done = keel_without("tokenizers,transformers", "ckpt", "export", str(run_dir), "--out", str(out))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG, SINGLE, *TOKENIZER_FILES])
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert isinstance(hf, transformers.PreTrainedTokenizerFast)
+    # Real text, as the built-in corpus holds it, and the texts that look special to one tokenizer or another
+    texts = [Path(json.__file__).read_text(), Path(dataclasses.__file__).read_text(), *random_texts(200)]
+    documents = [ids.tolist() for ids in tok.encode_documents(texts)]
+    assert len(documents[1]) > 10_000
+    assert hf(texts)["input_ids"] == documents
+    assert hf(texts, add_special_tokens=False)["input_ids"] == [ids[1:-1] for ids in documents]
+    assert [hf.decode(ids, skip_special_tokens=True) for ids in documents] == texts
+
+
+def test_a_bpe_export_without_the_tokenizers_package_names_the_extra(tmp_path: Path, tokenizer_runs) -> None:
+    run_dir, _ = tokenizer_runs["bpe"]
+    out = tmp_path / "hf"
+    done = keel_without("tokenizers", "ckpt", "export", str(run_dir), "--out", str(out))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "pip install 'keel-pretrain[bpe]'" in done.stderr, done.stderr
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [], "nothing written"
+
+
+def test_the_byte_tokenizer_file_is_the_one_tokenizers_builds(tmp_path: Path) -> None:
+    """keel writes the byte tokenizer's tokenizer.json itself; `tokenizers`, given the same model, pre-tokenizer,
+    decoder, special tokens and post-processor, serialises the same JSON."""
+    hf = pytest.importorskip("tokenizers")
+    from keel.data.tokenizer import SPECIALS, ByteTokenizer, byte_level_alphabet
+
+    write_hf_tokenizer(ByteTokenizer(), tmp_path, 64)
+    written = json.loads((tmp_path / TOKENIZER_FILES[0]).read_text(encoding="utf-8"))
+    model = hf.Tokenizer(hf.models.BPE(vocab=byte_level_alphabet(), merges=[]))
+    model.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = hf.decoders.ByteLevel()
+    model.add_special_tokens([hf.AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    model.post_processor = hf.processors.TemplateProcessing(
+        single="<|bos|> $A <|eos|>", pair="<|bos|> $A <|eos|> <|bos|>:1 $B:1 <|eos|>:1",
+        special_tokens=[("<|bos|>", 256), ("<|eos|>", 257)])
+    assert written == json.loads(model.to_str())
+    loaded = hf.Tokenizer.from_file(str(tmp_path / TOKENIZER_FILES[0]))
+    loaded.encode_special_tokens = True  # as transformers' split_special_tokens sets it
+    assert loaded.encode("é<|eos|>").ids == [256, 195, 169, *b"<|eos|>", 257]
