@@ -63,7 +63,7 @@ def start_lighthouse(cfg: Config, run_dir: Path, port: int = 0) -> tuple[subproc
     ft = cfg.fault_tolerance
     if lighthouse_script.extension() is None:
         raise KeelError("torchft not found: fault_tolerance.replica_groups > 1 needs torchft "
-                        "(pip install 'keel-train[ft]'), or give fault_tolerance.lighthouse")
+                        "(pip install 'keel-pretrain[ft]'), or give fault_tolerance.lighthouse")
     port = port or free_port()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "logs" / "lighthouse.log", "ab") as log:

@@ -27,7 +27,7 @@ def extension() -> Path | None:
 def main() -> int:
     path = extension()
     if path is None:
-        print("torchft is not installed: pip install 'keel-train[ft]'", file=sys.stderr)
+        print("torchft is not installed: pip install 'keel-pretrain[ft]'", file=sys.stderr)
         return 2
     loader = importlib.machinery.ExtensionFileLoader(EXTENSION, str(path))
     spec = importlib.util.spec_from_file_location(EXTENSION, path, loader=loader)

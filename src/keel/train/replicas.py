@@ -101,7 +101,7 @@ class ReplicaGroups(Builtin):
 
             from keel.train.replica_pg import BoundedGloo, PromptHTTPTransport, QuorumRecorder
         except ImportError as e:
-            raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-train[ft]' "
+            raise ConfigError("fault_tolerance.replica_groups > 1 needs torchft: pip install 'keel-pretrain[ft]' "
                               f"({e})") from e
         self.cfg, self.parts, self.optimizers, self.state, self.loader = cfg, parts, optimizers, state, loader
         self.dp_rank, self.dp_size, self.events, self.say, self.rank0 = dp_rank, dp_size, events, say, rank0
