@@ -1,9 +1,10 @@
-"""Downstream tasks through lm-evaluation-harness: the tasks named (lm-eval's own, or YAML task files in the
-`include` directories), run on an lm-eval model, their scores as flat `TASK/METRIC` numbers."""
+"""Downstream tasks through lm-evaluation-harness: the tasks named (lm-eval's own, keel's shipped ones, or YAML task
+files in the `include` directories), run on an lm-eval model, their scores as flat `TASK/METRIC` numbers."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -13,18 +14,26 @@ from typing import Any
 from keel.errors import ConfigError
 
 EXTRA = "pip install 'keel-pretrain[eval]'"
+# keel's own tasks (keel.downstream.stdlib_tasks), installed with the package: always beside the include directories
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "tasks"
 
 
-def _lm_eval_tasks(include: list[str]) -> Path:
-    """lm-eval's own task directory, once lm-eval imports and every include directory exists (one-line errors)."""
+def with_shipped(include: list[str]) -> list[str]:
+    """The include directories, keel's shipped tasks' first."""
+    return [str(SHIPPED), *(path for path in include if Path(path).resolve() != SHIPPED)]
+
+
+def _lm_eval_tasks() -> Path:
+    """lm-eval's own task directory, once lm-eval imports (a one-line error without it)."""
     try:
         import lm_eval.tasks
     except ImportError:
         raise ConfigError(f"downstream evaluation needs lm-evaluation-harness: {EXTRA}") from None
-    for path in include:
-        if not Path(path).is_dir():
-            raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
     return Path(lm_eval.tasks.__file__).parent
+
+
+def shipped_tasks() -> list[str]:
+    return sorted(path.stem for path in SHIPPED.glob("*.yaml"))
 
 
 def _task_manager(include: list[str], tasks: list[str]) -> Any:
@@ -44,15 +53,20 @@ def task_files(root: Path) -> Iterator[Path]:
     return (p for p in root.rglob("*") if p.suffix not in (".py", ".pyc", ".md") and p.is_file())
 
 
+def _yaml_files(root: Path) -> Iterator[Path]:
+    """The YAML of an include directory (*.yaml and templates), not its data files, which may be large."""
+    return (p for p in root.rglob("*") if "yaml" in p.name and p.is_file())
+
+
 def _written_nowhere(tasks: list[str], include: list[str]) -> list[str]:
-    """The tasks that neither the include directories' index holds nor any of lm-eval's task files so much as
-    mentions: unknown for certain, since lm-eval's index takes every name (task, group, tag) from YAML that
-    writes it out. Reading lm-eval's 8 MB of task files as bytes takes a fraction of a second, its index
-    seconds, so a mistyped name is refused at once."""
-    root = _lm_eval_tasks(include)
-    own = set(_indexed(tuple(include), with_lm_eval=False).all_tasks) if include else set()
-    missing = {t.encode() for t in tasks if t not in own}
-    for path in task_files(root) if missing else ():
+    """The tasks that no task file so much as mentions, of the include directories or lm-eval's: unknown for
+    certain, since lm-eval's index takes every name (task, group, tag) from YAML that writes it out. Reading
+    lm-eval's 8 MB of task files as bytes takes a fraction of a second, its index seconds, so a mistyped name is
+    refused at once."""
+    root = _lm_eval_tasks()
+    missing = {t.encode() for t in tasks}
+    files = itertools.chain((p for path in include for p in _yaml_files(Path(path))), task_files(root))
+    for path in files:
         text = path.read_bytes()
         missing = {name for name in missing if name not in text}
         if not missing:
@@ -71,16 +85,24 @@ def _indexed(include: tuple[str, ...], with_lm_eval: bool) -> Any:
 
 
 def check_tasks(tasks: list[str], include: list[str]) -> Any:
-    """The task manager, once every task is known to it (lm-eval's or the include directories')."""
+    """The task manager, once every task is known to it (lm-eval's, keel's shipped ones or the include
+    directories')."""
     if not tasks:
-        raise ConfigError("no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy) or tasks of --include")
+        raise ConfigError(f"no tasks given; name lm-eval tasks (e.g. hellaswag,arc_easy), keel's own "
+                          f"({', '.join(shipped_tasks())}) or tasks of --include")
+    for path in include:
+        if not Path(path).is_dir():
+            raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
+    include = with_shipped(include)
     manager, unknown = None, _written_nowhere(tasks, include)
     if not unknown:
         manager = _task_manager(include, tasks)
         unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f" or in {', '.join(include)}" if include else " (pass --include DIR for task files of your own)"
-        raise ConfigError(f"unknown task {', '.join(map(repr, unknown))}: not an lm-eval task{where}")
+        given = include[1:]
+        where = f", nor in {', '.join(given)}" if given else " (pass --include DIR for task files of your own)"
+        raise ConfigError(f"unknown task {', '.join(map(repr, unknown))}: not an lm-eval task, nor keel's "
+                          f"({', '.join(shipped_tasks())}){where}")
     return manager
 
 

@@ -24,7 +24,8 @@ def keel_eval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["{run}", "--tasks", " , "], "no tasks given"),
     (["{run}", "--tasks", "t", "--include", "{root}/missing"], "--include '{root}/missing' does not exist"),
     (["{run}", "--tasks", "no_such_task_anywhere", "--include", "{root}/tasks"],
-     "unknown task 'no_such_task_anywhere': not an lm-eval task or in {root}/tasks"),
+     "unknown task 'no_such_task_anywhere': not an lm-eval task, nor keel's (keel_stdlib_heldout, "
+     "keel_stdlib_next_line), nor in {root}/tasks"),
     (["{run}", "--tasks", "t", "--out", "{root}"], "--out '{root}' is a directory; pass the path of a file to write"),
 ])
 def test_bad_eval_input_is_one_line_with_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

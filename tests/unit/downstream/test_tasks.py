@@ -33,6 +33,7 @@ def test_tasks_of_the_include_directories_alone_are_found_without_lm_evals_own(t
 def test_a_task_no_task_file_mentions_is_refused_without_building_an_index() -> None:
     pytest.importorskip("lm_eval")
     built = _indexed.cache_info().misses
-    with pytest.raises(ConfigError, match=r"^unknown task 'hellaswagg': not an lm-eval task \(pass --include"):
+    with pytest.raises(ConfigError, match=r"^unknown task 'hellaswagg': not an lm-eval task, nor keel's "
+                                          r"\(keel_stdlib_heldout, keel_stdlib_next_line\) \(pass --include"):
         check_tasks(["hellaswag", "hellaswagg"], [])
     assert _indexed.cache_info().misses == built
