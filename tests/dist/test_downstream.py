@@ -126,3 +126,20 @@ def test_in_training_evaluation_logs_the_scores_of_the_checkpoint_and_changes_no
     assert losses == reference
     report = run_keel(["report", str(run_dir)], cwd=tmp_path)
     assert report.returncode == 0 and "Downstream tasks" in (run_dir / "report.html").read_text()
+
+
+def test_keel_s_own_tasks_score_a_trained_checkpoint_offline(reference_run: Path, tmp_path: Path) -> None:
+    """The shipped tasks, as `keel eval runs/tiny --tasks ...` runs them after `make train`: found without
+    --include, their data read from the package with no network."""
+    pytest.importorskip("lm_eval")
+    done = run_keel(["eval", str(reference_run), "--tasks", "keel_stdlib_next_line,keel_stdlib_heldout", "--device",
+                     "cpu", "--batch-size", "16", "--out", str(tmp_path / "scores.json")], cwd=tmp_path, env=OFFLINE)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "keel_stdlib_next_line" in done.stdout and "byte_perplexity" in done.stdout
+    tasks = json.loads((tmp_path / "scores.json").read_text())["tasks"]
+    next_line, heldout = tasks["keel_stdlib_next_line"], tasks["keel_stdlib_heldout"]
+    assert 0 <= next_line["acc"] <= 1 and next_line["acc_stderr"] > 0
+    # 40 steps on other files of the standard library already predict its held-out files better than chance
+    assert 1 < heldout["byte_perplexity"] < 256 and heldout["bits_per_byte"] < 8
+    assert heldout["bits_per_byte"] == pytest.approx(torch.log2(torch.tensor(heldout["byte_perplexity"])).item(),
+                                                     rel=1e-4)

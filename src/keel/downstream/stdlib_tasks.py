@@ -30,6 +30,9 @@ NEXT_LINE, HELDOUT = "stdlib_next_line.jsonl", "stdlib_heldout.jsonl"
 MADE_WITH = (3, 11)  # the Python whose standard library the shipped files were made from
 CONTEXT_CHARS = 400  # the lines before a question, at most this many characters
 PER_FILE = 12  # questions per held-out file
+# Every choice fits the context of a model of 64 tokens (with the byte tokenizer, a token per byte): lm-eval's
+# Hugging Face model refuses a continuation longer than the context.
+LINE_BYTES = 60
 CHOICES = 4
 HELDOUT_BYTES = 4096  # the perplexity task's share of each file: its first lines, at most this many bytes
 
@@ -58,9 +61,10 @@ def _head(text: str, limit: int) -> str:
 
 
 def _candidates(doc: str) -> list[int]:
-    """Lines worth asking about: with at least 10 characters besides indentation, and 3 lines before them."""
+    """Lines worth asking about: with at least 10 characters besides indentation, at most LINE_BYTES bytes, and 3
+    lines before them."""
     lines = doc.splitlines()
-    return [i for i in range(3, len(lines)) if len(lines[i].strip()) >= 10]
+    return [i for i in range(3, len(lines)) if len(lines[i].strip()) >= 10 and len(lines[i].encode()) <= LINE_BYTES]
 
 
 def next_line_rows(docs: list[str], seed: int = 0) -> list[dict[str, Any]]:
