@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from keel.downstream.hub import hub_offline, offline_hint
 from keel.errors import ConfigError
 
 EXTRA = "pip install 'keel-pretrain[eval]'"
@@ -94,6 +95,7 @@ def check_tasks(tasks: list[str], include: list[str]) -> Any:
         if not Path(path).is_dir():
             raise ConfigError(f"task directory {path!r} does not exist; give a directory of lm-eval task YAML files")
     include = with_shipped(include)
+    offline = hub_offline()  # before lm-eval imports datasets, which reads the offline settings once
     manager, unknown = None, _written_nowhere(tasks, include)
     if not unknown:
         manager = _task_manager(include, tasks)
@@ -103,7 +105,18 @@ def check_tasks(tasks: list[str], include: list[str]) -> Any:
         where = f", nor in {', '.join(given)}" if given else " (pass --include DIR for task files of your own)"
         raise ConfigError(f"unknown task {', '.join(map(repr, unknown))}: not an lm-eval task, nor keel's "
                           f"({', '.join(shipped_tasks())}){where}")
+    if offline:
+        _check_cached(tasks, manager)
     return manager
+
+
+def _check_cached(tasks: list[str], manager: Any) -> None:
+    """Without the Hub, each task's data must be local or in the datasets cache: built once here (at once, offline),
+    so that a task that needs a download is named before a model is loaded or a worker starts."""
+    for task in tasks:
+        with warnings.catch_warnings(), offline_hint([task], shipped_tasks()):
+            warnings.simplefilter("ignore", DeprecationWarning)  # lm-eval 0.4.13 prefers TaskManager.load
+            manager.load_task_or_group([task])
 
 
 def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -127,8 +140,10 @@ def run_tasks(lm: Any, tasks: list[str], include: list[str], limit: int | None =
     from lm_eval import simple_evaluate
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager or check_tasks(tasks, include),
-                              limit=limit, num_fewshot=num_fewshot, log_samples=False,
-                              bootstrap_iters=1000 if stderr else 0, verbosity="ERROR")
+    manager = manager or check_tasks(tasks, include)
+    with offline_hint(tasks, shipped_tasks()):  # the Hub went out of reach since the tasks were checked
+        results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=1000 if stderr else 0,
+                                  verbosity="ERROR")
     # lm-eval keeps the scores on the process of local rank 0 (the others ran the same requests for the collectives)
     return {} if results is None else scores(results)
