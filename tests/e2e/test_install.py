@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, SMALL_RUN
 
 TEST_ONLY = ("pytest", "ruff", "mypy", "moto", "transformers", "playwright", "hypothesis", "datasketch")
@@ -45,3 +47,27 @@ def test_a_wheel_install_trains_with_a_shipped_config(small_corpus: Path, tmp_pa
     installed = subprocess.run([str(venv / "bin" / "python"), "-c", "import keel; print(keel.__file__)"],
                                cwd=work, env=env, capture_output=True, text=True, check=True).stdout
     assert str(REPO) not in installed and "site-packages" in installed  # not the source tree
+    check_export_and_eval(venv, work, env)
+
+
+def check_export_and_eval(venv: Path, work: Path, env: dict[str, str]) -> None:
+    """The run of the runtime-only install exports with its tokenizer (no `tokenizers` there), which transformers
+    loads with keel's ids; `keel eval` names the extra it needs, and the shipped tasks were installed."""
+    keel = str(venv / "bin" / "keel")
+    exported = subprocess.run([keel, "ckpt", "export", "run", "--out", "hf"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0 and exported.stderr == "", exported.stderr
+    transformers = pytest.importorskip("transformers")
+    from keel.data.tokenizer import ByteTokenizer
+
+    texts = [Path(json.__file__).read_text(), "say <|eos|> and go on", "naïve 日本語 😀", ""]
+    hf = transformers.AutoTokenizer.from_pretrained(work / "hf")
+    assert hf(texts)["input_ids"] == [ids.tolist() for ids in ByteTokenizer().encode_documents(texts)]
+    evaluated = subprocess.run([keel, "eval", "run", "--tasks", "keel_stdlib_next_line"], cwd=work, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 2 and evaluated.stderr.strip().splitlines() == [
+        "keel: error: downstream evaluation needs lm-evaluation-harness: pip install 'keel-pretrain[eval]'"]
+    shipped = subprocess.run([str(venv / "bin" / "python"), "-c", "from keel.downstream.tasks import SHIPPED; "
+                              "print(sorted(p.name for p in SHIPPED.iterdir()))"], cwd=work, env=env,
+                             capture_output=True, text=True, check=True).stdout
+    assert "keel_stdlib_next_line.yaml" in shipped and "stdlib_heldout.jsonl" in shipped and "stdlib_data.py" in shipped

@@ -38,7 +38,7 @@ def shipped_tasks() -> list[str]:
 
 
 def _task_manager(include: list[str], tasks: list[str]) -> Any:
-    """lm-eval's task index with the `include` directories' YAML tasks (checked by `_lm_eval_tasks` before).
+    """lm-eval's task index with the `include` directories' YAML tasks (directories `check_tasks` checked).
     When the directories hold every task named (as tasks, not groups or tags that may name lm-eval's own), the
     index of the directories alone: indexing lm-eval's thousands of task files takes seconds."""
     if include:
