@@ -27,7 +27,7 @@ from keel.data.tokenizer import ByteTokenizer
 
 TASKS = Path(__file__).resolve().parents[1] / "configs" / "tasks"  # installed with the package
 NEXT_LINE, HELDOUT = "stdlib_next_line.jsonl", "stdlib_heldout.jsonl"
-MADE_WITH = (3, 11)  # the Python whose standard library the shipped files were made from
+MADE_WITH = (3, 11, 7)  # the Python whose standard library the shipped files were made from
 CONTEXT_CHARS = 400  # the lines before a question, at most this many characters
 PER_FILE = 12  # questions per held-out file
 # Every choice fits the context of a model of 64 tokens (with the byte tokenizer, a token per byte): lm-eval's

@@ -14,7 +14,7 @@ from tests.conftest import run_keel
 
 
 def test_the_shipped_task_data_are_made_again_from_the_built_in_corpus(tmp_path: Path) -> None:
-    if sys.version_info[:2] != MADE_WITH:
+    if sys.version_info[:3] != MADE_WITH:
         pytest.skip(f"the shipped files come from Python {MADE_WITH}'s standard library")
     done = run_keel(["data", "prepare", "--config", "tiny", "--out", str(tmp_path / "stdlib")], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
