@@ -30,6 +30,7 @@ def _lm_eval_tasks() -> Path:
         import lm_eval.tasks
     except ImportError:
         raise ConfigError(f"downstream evaluation needs lm-evaluation-harness: {EXTRA}") from None
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on building tasks are not the user's concern
     return Path(lm_eval.tasks.__file__).parent
 
 
