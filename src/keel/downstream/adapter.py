@@ -21,6 +21,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from keel.core.dtensor import plain
 from keel.data.tokenizer import Tokenizer
+from keel.errors import ConfigError
 
 Logits = Callable[[torch.Tensor], torch.Tensor]  # (batch, seq) token ids → (batch, seq, vocab) logits
 
@@ -73,6 +74,10 @@ class KeelLM(TemplateLM):
         """(log-probability of the continuation, whether it is the greedy one) per request, in order."""
         out: list[tuple[float, bool]] = []
         size = override_bs or self.batch_size
+        if (longest := max((len(cont) for _, _, cont in requests), default=0)) > self.max_length:
+            raise ConfigError(f"a task's continuation of {longest} tokens is longer than the model's context "
+                              f"({self.max_length} tokens), so its log-likelihood cannot be computed; give the task "
+                              f"shorter choices or evaluate a model with a longer model.max_seq_len")
         for start in range(0, len(requests), size):
             chunk = requests[start:start + size]
             inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
