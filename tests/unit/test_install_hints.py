@@ -49,6 +49,7 @@ def test_every_install_hint_names_the_distribution_and_an_extra_it_has() -> None
         assert match is not None
         named = match.group("extra") or ""
         wanted = PLACEHOLDERS.get(named[1:-1], set()) if named.startswith("{") else {named}
-        if match.group("dist") != project["name"] or not wanted or not wanted <= extras:
+        quoted = hint.startswith("pip install '")  # a shell (zsh) takes an unquoted [EXTRA] as a pattern
+        if match.group("dist") != project["name"] or not wanted or not wanted <= extras or not quoted:
             wrong.append(f"{where}: {hint}")
     assert wrong == [], f"expected pip install '{project['name']}[EXTRA]' with EXTRA one of {sorted(extras)}"

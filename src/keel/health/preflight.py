@@ -285,7 +285,7 @@ def gpu_checks(device: torch.device) -> list[Check]:
     try:
         import pynvml
     except ImportError:
-        return [Check("gpu_nvml", True, "nvidia-ml-py not installed (pip install keel-pretrain[gpu]): GPU checks "
+        return [Check("gpu_nvml", True, "nvidia-ml-py not installed (pip install 'keel-pretrain[gpu]'): GPU checks "
                       "skipped")]
     try:
         pynvml.nvmlInit()

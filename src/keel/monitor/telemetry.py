@@ -205,7 +205,7 @@ class GpuSource(Source):
         try:
             import pynvml
         except ImportError:
-            raise Unavailable("nvidia-ml-py is not installed (pip install keel-pretrain[gpu])", present) from None
+            raise Unavailable("nvidia-ml-py is not installed (pip install 'keel-pretrain[gpu]')", present) from None
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:

@@ -134,7 +134,7 @@ def test_gpu_unavailable_is_reported_once_and_measures_nothing(tmp_path: Path) -
     if HAS_PYNVML:
         assert reason.startswith("NVML could not start")
     else:
-        assert reason == "nvidia-ml-py is not installed (pip install keel-pretrain[gpu])"
+        assert reason == "nvidia-ml-py is not installed (pip install 'keel-pretrain[gpu]')"
     assert rec.reasons("xid") == []
     t.stop()
 
