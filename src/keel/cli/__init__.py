@@ -1,5 +1,5 @@
 """`keel` command line: train, pause, status, report, quarantine, plan, sweep, drill, data prepare, ckpt, eval,
-config."""
+config, completion."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import os
 import sys
 from typing import NoReturn
 
-from keel.cli import ckpt, config, data, drill, evaluate, ops, plan, sweep, train
+from keel.cli import ckpt, completion, config, data, drill, evaluate, ops, plan, sweep, train
 from keel.errors import EXIT_BAD_INPUT, KeelError
 from keel.paths import shown
 
 # The command families in the order `keel --help` lists them.
-FAMILIES = (train, ops, plan, sweep, drill, data, ckpt, evaluate, config)
+FAMILIES = (train, ops, plan, sweep, drill, data, ckpt, evaluate, config, completion)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -27,7 +27,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--limit", type=int, help="at most this many examples per task")
     e.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
     e.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
-    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the model runs (auto: CUDA when there is a GPU)")
     e.add_argument("--tokenizer", action=PathArg, check=TOKENIZER,
                    help="the tokenizer.json (or its corpus directory) of a checkpoint "
                    "whose corpus has moved")

@@ -14,11 +14,13 @@ RUN_DIR = reads("dir", "pass the run directory of a keel train job")
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     pa = sub.add_parser("pause", help="ask a running job to checkpoint at the next step and exit 75")
-    pa.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR")
+    pa.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR",
+                    help="the run directory of the job to pause (its --run-dir)")
     pa.set_defaults(handler=cmd_pause)
     r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time, goodput, hardware, events; "
                        "with several run directories, one page comparing them")
-    r.add_argument("run_dirs", action=PathArg, check=RUN_DIR, nargs="+", metavar="RUN_DIR")
+    r.add_argument("run_dirs", action=PathArg, check=RUN_DIR, nargs="+", metavar="RUN_DIR",
+                   help="the run directory of a keel train job; several to compare them")
     r.add_argument("--out", action=PathArg, check=writes_file,
                    help="where to write it (default RUN_DIR/report.html; for several runs "
                    "./compare.html)")
@@ -30,12 +32,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true", help="one JSON array")
     ls.set_defaults(handler=cmd_runs)
     st = sub.add_parser("status", help="state, step, ETA, loss, goodput, last checkpoint, alerts, last events")
-    st.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR")
+    st.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR",
+                    help="the run directory of a keel train job, running or not")
     st.add_argument("--json", action="store_true", help="one JSON object")
     st.add_argument("--events", type=int, default=5, help="last events shown")
     st.set_defaults(handler=cmd_status)
     q = sub.add_parser("quarantine", help="keep a node out of a run: its launcher leaves, the others go on")
-    q.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR")
+    q.add_argument("run_dir", action=PathArg, check=RUN_DIR, metavar="RUN_DIR",
+                   help="the run directory of the elastic job (quarantine.json is kept there)")
     q.add_argument("node", help="node name (KEEL_NODE of its launcher, else its host name)")
     q.add_argument("--reason", default="keel quarantine", help="recorded in quarantine.json")
     q.add_argument("--release", action="store_true", help="let the node back in")

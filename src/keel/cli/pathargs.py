@@ -7,7 +7,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from keel.paths import check_input, check_name, check_writable_dir, check_writable_file
 
@@ -16,6 +16,7 @@ Check = Callable[[str, str], Any]
 SHIPPED = Path(__file__).resolve().parent.parent / "configs"  # keel/configs, installed with the package
 CONFIG_VALID = ("pass a TOML file such as configs/tiny.toml, or a shipped config's name (tiny, small, llama3_8b, "
                 "...)")
+C = TypeVar("C", bound=Callable[..., Any])
 CHECKPOINT_VALID = "pass a run directory, its checkpoints directory, a checkpoints/step-NNNNNN directory or a URL"
 
 
@@ -40,13 +41,26 @@ class PathArg(argparse.Action):
         setattr(namespace, self.dest, checked)
 
 
+def completing(paths: str, check: C, words: tuple[str, ...] = ()) -> C:
+    """`check`, marked with what a shell completes for its argument (keel.cli.completion): `paths` "dir",
+    "file" or "config" (a file or a shipped config's name), and fixed `words`."""
+    setattr(check, "completes", (paths, words))  # noqa: B010 (a function's attribute, which mypy does not know)
+    return check
+
+
+def completes(check: Check) -> tuple[str, tuple[str, ...]]:
+    """What a shell completes for an argument checked by `check`: `completing`'s mark, else any path."""
+    marked: tuple[str, tuple[str, ...]] = getattr(check, "completes", ("file", ()))
+    return marked
+
+
 def reads(kind: str, valid: str, as_text: bool = False) -> Check:
     """An input: an existing file (`kind` "file"), directory ("dir") or either ("any") that can be opened; the
     command gets it as a Path, or `as_text`."""
     def check(text: str, what: str) -> Path | str:
         path = check_input(text, what, kind, valid)
         return text if as_text else path
-    return check
+    return completing("dir" if kind == "dir" else "file", check)
 
 
 def writes_dir(text: str, what: str) -> Path:
@@ -79,7 +93,7 @@ def checkpoints_at(valid: str = CHECKPOINT_VALID) -> Check:
         if not is_url(text):
             check_input(text.removeprefix("file://"), what, "dir", valid)
         return text
-    return check
+    return completing("dir", check)
 
 
 def resume(text: str, what: str) -> str:
@@ -102,4 +116,7 @@ def source(text: str, what: str) -> str:
     return text
 
 
+completing("dir", writes_dir)
+completing("config", config_file)
+completing("dir", resume, ("auto", "never"))
 TOKENIZER = reads("any", "pass a tokenizer.json or the prepared corpus directory holding it")
