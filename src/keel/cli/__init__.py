@@ -10,6 +10,7 @@ import sys
 from typing import NoReturn
 
 from keel.cli import ckpt, completion, config, data, drill, evaluate, ops, plan, sweep, train
+from keel.cli.hints import key_value_hint
 from keel.errors import EXIT_BAD_INPUT, KeelError
 from keel.paths import shown
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeelError as e:
         return _bad_input(str(e), e.exit_code, e.every_rank)
     unknown = [a for a in rest if "=" not in a or a.startswith("-")]
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags and hasattr(args, "overrides") and (hint := key_value_hint(args.command, flags, argv)):
+        p.exit(EXIT_BAD_INPUT, f"keel: error: unrecognized arguments: {' '.join(flags)}; {hint}\n")
     if unknown or (rest and not hasattr(args, "overrides")):
         p.error(f"unrecognized arguments: {' '.join(unknown or rest)}")
     if rest:
