@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keel.cli.config import add_config_args, config_from_args
 from keel.cli.data import ensure_corpus
 from keel.cli.pathargs import PathArg, resume, writes_dir
 from keel.config import Config, resolve_layout
 from keel.errors import EXIT_PAUSED, KeelError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +115,6 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
     from keel.checkpoint.manifest import committed
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
     from keel.health.signals import stop_requested_early
-    from keel.parallel.mesh import pick_device
     from keel.rundir.lock import RunLock, held_by_launcher
     from keel.rundir.quarantine import node_name
 
@@ -123,7 +127,7 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
     max_restarts = restart_budget(args, cfg)
     if not worker and not elastic:
         resolve_layout(cfg, nproc)
-    pick_device(cfg.train.device)  # a missing device fails here, before any process starts
+    check_device(cfg, worker, nproc, in_groups)
     accepted = accepted_changes(cfg, args.accept_change)
     corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     storage = checkpoint_root(cfg, run_dir)
@@ -170,6 +174,34 @@ def check_init_from(cfg: Config) -> None:
         from keel.checkpoint.export import check_hf_matches
 
         check_hf_matches(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
+
+
+def check_device(cfg: Config, worker: bool, nproc: int, in_groups: bool) -> None:
+    """A missing device fails here, before any process starts; more processes than a CPU's cores are said once,
+    by the launcher of the whole job."""
+    from keel.core.replica import GROUP_ENV
+    from keel.parallel.mesh import pick_device
+
+    device = pick_device(cfg.train.device)
+    if not worker and GROUP_ENV not in os.environ:
+        warn_oversubscribed(device, nproc, cfg.fault_tolerance.replica_groups if in_groups else 1)
+
+
+def visible_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, which a container or `taskset` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def warn_oversubscribed(device: torch.device, nproc: int, groups: int) -> None:
+    """On a CPU more processes than cores take turns on them, and every step of every process slows; on GPUs
+    each process has a device of its own, and its cores are not what bounds the processes."""
+    cores, processes = visible_cores(), nproc * groups
+    if device.type != "cpu" or processes <= cores:
+        return
+    started = f"--nproc {nproc} x {groups} replica groups start" if groups > 1 else f"--nproc {nproc} starts"
+    print(f"keel: warning: {started} {processes} processes on {cores} visible CPU cores: they take turns on the "
+          f"cores and every step of every process is slower (up to --nproc {max(1, cores // groups)} runs at full "
+          f"speed)", file=sys.stderr, flush=True)
 
 
 def restart_budget(args: argparse.Namespace, cfg: Config) -> int:
