@@ -101,3 +101,36 @@ def test_every_argument_of_every_command_has_help() -> None:
     missing = [f"{words} {a.option_strings or a.metavar or a.dest}" for words, a in arguments
                if not (a.help or "").strip()]
     assert missing == []
+
+
+def test_zsh_function_offers_commands_flags_values_and_paths(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The script's own _keel, run by zsh on command lines set in `words` and CURRENT as zsh's completion system
+    sets them; zsh's builtins that show the candidates (compadd, _files) are replaced by ones that print them."""
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed")
+    completion = script("zsh", tmp_path, capsys)
+    cases = {
+        ("keel", "tr"): "train",
+        ("keel", "train", "--max"): "--max-restarts",
+        ("keel", "train", "--config", "ti"): "tiny",
+        ("keel", "train", "--config=ti"): "tiny",
+        ("keel", "ckpt", "export", "--dtype", ""): "bf16",
+        ("keel", "train", "train.st"): "train.steps=",
+        ("keel", "train", "--run-dir", "r"): "_files -/",
+        ("keel", "report", "runs/a", ""): "_files -/",
+        ("keel", "ckpt", "export", "--tokenizer", ""): "_files",
+        ("keel", "completion", ""): "zsh",
+    }
+    calls = "\n".join(f"words=({' '.join(shlex.quote(w) for w in line)}); CURRENT={len(line)}; _keel; print -- ---"
+                      for line in cases)
+    program = ("compdef() { :; }\ncompset() { :; }\n_files() { print -r -- _files \"$@\"; }\n"
+               "compadd() { local s=''; while [[ $1 != -- ]]; do [[ $1 == -S ]] && { s=$2; shift; }; shift; done; "
+               "shift; print -rl -- ${^@}$s; }\n"
+               f"source {shlex.quote(str(completion))}\n{calls}\n")
+    done = subprocess.run(["zsh", "-fc", program], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert done.stderr == ""
+    offered = [block.split("\n") for block in done.stdout.strip("\n-").split("\n---\n")]
+    assert len(offered) == len(cases)
+    for line, candidates in zip(cases, offered, strict=True):
+        assert cases[line] in candidates, (line, candidates)
+    assert sorted(offered[1]) == sorted(next(c for c in commands(parser()) if c.words == "keel train").options)
