@@ -36,6 +36,9 @@ def bash_completes(completion: Path, lines: list[list[str]], cwd: Path) -> list[
 def test_bash_completes_commands_flags_values_and_paths(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     completion = script("bash", tmp_path, capsys)
     subprocess.run(["bash", "-n", str(completion)], check=True)
+    registered = subprocess.run(["bash", "--norc", "--noprofile", "-c", f"source {shlex.quote(str(completion))} && "
+                                 f"complete -p keel"], capture_output=True, text=True, check=True)
+    assert registered.stdout.strip() == "complete -F _keel keel"
     (tmp_path / "runs" / "tiny").mkdir(parents=True)
     (tmp_path / "runs.txt").write_text("")
     cases = {
