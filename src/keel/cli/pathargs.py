@@ -13,10 +13,10 @@ from keel.paths import check_input, check_name, check_writable_dir, check_writab
 
 # (text as given, what it is called in a message) -> the value the command gets
 Check = Callable[[str, str], Any]
+C = TypeVar("C", bound=Callable[..., Any])
 SHIPPED = Path(__file__).resolve().parent.parent / "configs"  # keel/configs, installed with the package
 CONFIG_VALID = ("pass a TOML file such as configs/tiny.toml, or a shipped config's name (tiny, small, llama3_8b, "
                 "...)")
-C = TypeVar("C", bound=Callable[..., Any])
 CHECKPOINT_VALID = "pass a run directory, its checkpoints directory, a checkpoints/step-NNNNNN directory or a URL"
 
 

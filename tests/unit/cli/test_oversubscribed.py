@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from keel.cli import main
+from keel.cli.train import warn_oversubscribed
 
 
 def stopped_start(tmp_path: Path, capsys: pytest.CaptureFixture, nproc: int, device: str) -> list[str]:
@@ -36,3 +37,13 @@ def test_more_processes_than_cpu_cores_is_a_warning(tmp_path: Path, capsys: pyte
 def test_more_processes_than_cpu_cores_is_no_warning_on_gpus(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cores = len(os.sched_getaffinity(0))
     assert stopped_start(tmp_path, capsys, cores + 1, "cuda") == []
+
+
+def test_replica_groups_count_every_group_s_processes(capsys: pytest.CaptureFixture) -> None:
+    cores = len(os.sched_getaffinity(0))
+    warn_oversubscribed(torch.device("cpu"), cores, 1)
+    warn_oversubscribed(torch.device("cpu"), cores, 2)
+    assert capsys.readouterr().err.splitlines() == [
+        f"keel: warning: --nproc {cores} x 2 replica groups start {2 * cores} processes on {cores} visible CPU "
+        f"cores: they take turns on the cores and every step of every process is slower (up to --nproc "
+        f"{max(1, cores // 2)} runs at full speed)"]
