@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from keel.errors import KeelError
@@ -168,24 +169,24 @@ def file_system_type(path: Path) -> str:
 def check_writable_dir(path: str | Path, what: str) -> Path:
     """`path` must be a directory this process can write in, or one it can create: its nearest existing
     parent is a writable directory on a file system that holds files. Creates nothing."""
-    valid = "pass a directory (it is created when missing)"
-    text = check_name(path, what, valid)
-    found = _stat(text, what, valid, to_create=True)
-    if found is not None and not stat.S_ISDIR(found.st_mode):
-        raise KeelError(f"{what} {shown(text)} is {kind_of(found.st_mode)}, not a directory; {valid}")
-    _check_creatable(text, what, "a directory", valid)
-    return Path(text)
+    return _check_output(path, what, stat.S_ISDIR, "a directory", ", not a directory",
+                         "pass a directory (it is created when missing)")
 
 
 def check_writable_file(path: str | Path, what: str) -> Path:
     """`path` names a file a command writes: an existing file it may replace, or a new one in a directory it
     can write in or create. Creates nothing."""
-    valid = "pass the path of a file to write"
+    return _check_output(path, what, stat.S_ISREG, "a file", "", "pass the path of a file to write")
+
+
+def _check_output(path: str | Path, what: str, wanted: Callable[[int], bool], noun: str, not_noun: str,
+                  valid: str) -> Path:
+    """What an output path names is of the `wanted` kind where it exists, and can be written or created."""
     text = check_name(path, what, valid)
     found = _stat(text, what, valid, to_create=True)
-    if found is not None and not stat.S_ISREG(found.st_mode):
-        raise KeelError(f"{what} {shown(text)} is {kind_of(found.st_mode)}; {valid}")
-    _check_creatable(text, what, "a file", valid)
+    if found is not None and not wanted(found.st_mode):
+        raise KeelError(f"{what} {shown(text)} is {kind_of(found.st_mode)}{not_noun}; {valid}")
+    _check_creatable(text, what, noun, valid)
     return Path(text)
 
 
