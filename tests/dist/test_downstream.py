@@ -77,15 +77,16 @@ def test_the_adapter_scores_a_continuation_with_the_model_s_own_log_probabilitie
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from keel.downstream.models import keel_model
+    from keel.downstream.models import keel_lm, keel_model
 
-    lm, loaded = keel_model(str(reference_run), torch.device("cpu"), batch_size=2)
+    scorer, loaded = keel_model(str(reference_run), torch.device("cpu"), batch_size=2)
+    lm = keel_lm(scorer)
     context, continuation = "def main():\n    return", " 0\n\n\ndef helper():\n    pass\n"
     (score, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
-    ids = [int(i) for i in lm.tok.encode_documents([context + continuation])[0][1:-1]]
+    ids = [int(i) for i in scorer.tok.encode_documents([context + continuation])[0][1:-1]]
     n = len(continuation.encode())  # the byte tokenizer: one token per byte
     with torch.no_grad():
-        logprobs = F.log_softmax(lm.logits(torch.tensor([ids])).float(), -1)[0]
+        logprobs = F.log_softmax(scorer.logits(torch.tensor([ids])).float(), -1)[0]
     expected = sum(float(logprobs[i - 1, ids[i]]) for i in range(len(ids) - n, len(ids)))
     assert score == pytest.approx(expected, rel=1e-5)
     assert greedy == all(int(logprobs[i - 1].argmax()) == ids[i] for i in range(len(ids) - n, len(ids)))

@@ -52,7 +52,7 @@ def test_a_wheel_install_trains_with_a_shipped_config(small_corpus: Path, tmp_pa
 
 def check_export_and_eval(venv: Path, work: Path, env: dict[str, str]) -> None:
     """The run of the runtime-only install exports with its tokenizer (no `tokenizers` there), which transformers
-    loads with keel's ids; `keel eval` names the extra it needs, and the shipped tasks were installed."""
+    loads with keel's ids; `keel eval` scores keel's shipped tasks and names the extra that lm-eval's need."""
     keel = str(venv / "bin" / "keel")
     exported = subprocess.run([keel, "ckpt", "export", "run", "--out", "hf"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300)
@@ -63,9 +63,15 @@ def check_export_and_eval(venv: Path, work: Path, env: dict[str, str]) -> None:
     texts = [Path(json.__file__).read_text(), "say <|eos|> and go on", "naïve 日本語 😀", ""]
     hf = transformers.AutoTokenizer.from_pretrained(work / "hf")
     assert hf(texts)["input_ids"] == [ids.tolist() for ids in ByteTokenizer().encode_documents(texts)]
-    evaluated = subprocess.run([keel, "eval", "run", "--tasks", "keel_stdlib_next_line"], cwd=work, env=env,
-                               capture_output=True, text=True, timeout=300)
-    assert evaluated.returncode == 2 and evaluated.stderr.strip().splitlines() == [
+    evaluated = subprocess.run([keel, "eval", "run", "--tasks", "keel_stdlib_next_line,keel_stdlib_heldout",
+                                "--limit", "8", "--json"], cwd=work, env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    scores = json.loads(evaluated.stdout)["tasks"]
+    assert 0 <= scores["keel_stdlib_next_line"]["acc"] <= 1 and scores["keel_stdlib_heldout"]["bits_per_byte"] > 0
+    needs_lm_eval = subprocess.run([keel, "eval", "run", "--tasks", "hellaswag"], cwd=work, env=env,
+                                   capture_output=True, text=True, timeout=300)
+    assert needs_lm_eval.returncode == 2 and needs_lm_eval.stderr.strip().splitlines() == [
         "keel: error: downstream evaluation needs lm-evaluation-harness: pip install 'keel-pretrain[eval]'"]
     shipped = subprocess.run([str(venv / "bin" / "python"), "-c", "from keel.downstream.tasks import SHIPPED; "
                               "print(sorted(p.name for p in SHIPPED.iterdir()))"], cwd=work, env=env,

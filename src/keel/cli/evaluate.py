@@ -47,12 +47,15 @@ def check_eval_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from keel.downstream.tasks import check_tasks, run_tasks
+    from keel.downstream.tasks import check_tasks, natively, run_tasks
 
     tasks = check_eval_args(args)
-    manager = check_tasks(tasks, args.include)  # unknown tasks are refused before a model is loaded
+    native = natively(tasks, args.include, args.num_fewshot)
+    # unknown tasks are refused before a model is loaded
+    manager = None if native else check_tasks(tasks, args.include)
     # torch and the model code only now: bad input is answered without waiting for them
-    from keel.downstream.models import hf_model, is_hf_export, keel_model
+    from keel.downstream.models import hf_model, is_hf_export, keel_lm, keel_model
+    from keel.downstream.native import run_shipped
     from keel.parallel.mesh import pick_device
 
     device = pick_device(args.device)
@@ -61,9 +64,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.tokenizer is not None:
             raise KeelError(f"--tokenizer is for keel checkpoints; {target} is a Hugging Face export with its own")
         lm, loaded = hf_model(target, device, args.batch_size)
+        scores = run_tasks(lm, tasks, args.include, args.limit, args.num_fewshot, manager=manager)
     else:
-        lm, loaded = keel_model(args.target, device, args.batch_size, args.tokenizer)
-    scores = run_tasks(lm, tasks, args.include, args.limit, args.num_fewshot, manager=manager)
+        scorer, loaded = keel_model(args.target, device, args.batch_size, args.tokenizer)
+        scores = (run_shipped(scorer, tasks, args.limit) if native else
+                  run_tasks(keel_lm(scorer), tasks, args.include, args.limit, args.num_fewshot, manager=manager))
     report = {**loaded, "tasks": scores, "limit": args.limit, "num_fewshot": args.num_fewshot}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

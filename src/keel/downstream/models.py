@@ -14,7 +14,7 @@ from keel.checkpoint.hf_tokenizer import checkpoint_tokenizer
 from keel.checkpoint.inspect import latest_verified
 from keel.checkpoint.manifest import read_manifest
 from keel.config import ModelConfig
-from keel.downstream.adapter import KeelLM
+from keel.downstream.scoring import Scorer
 from keel.errors import ConfigError
 
 
@@ -23,8 +23,8 @@ def is_hf_export(path: Path) -> bool:
 
 
 def keel_model(target: str, device: torch.device, batch_size: int, tokenizer: Path | None = None
-               ) -> tuple[KeelLM, dict[str, Any]]:
-    """The checkpoint's model as lm-eval scores it, and what was loaded (checkpoint, step)."""
+               ) -> tuple[Scorer, dict[str, Any]]:
+    """The checkpoint's model as keel scores text with it, and what was loaded (checkpoint, step)."""
     storage, name = latest_verified(target)
     manifest = read_manifest(storage, name)
     assert manifest is not None  # a checkpoint that verifies has its manifest
@@ -32,7 +32,7 @@ def keel_model(target: str, device: torch.device, batch_size: int, tokenizer: Pa
     tok = checkpoint_tokenizer(manifest.get("tokenizer"), storage.path(name), tokenizer)
     with storage.reading(name):
         model = load_checkpoint_model(storage.path(name), cfg, device)
-    return KeelLM(model, tok, cfg.max_seq_len, device, batch_size), {"checkpoint": storage.path(name),
+    return Scorer(model, tok, cfg.max_seq_len, device, batch_size), {"checkpoint": storage.path(name),
                                                                        "step": manifest["step"]}
 
 
@@ -47,3 +47,10 @@ def hf_model(path: Path, device: torch.device, batch_size: int) -> tuple[Any, di
     lm = HFLM(pretrained=str(path), device=str(device), batch_size=batch_size, dtype="float32",
               add_bos_token=False)
     return lm, {"export": str(path)}
+
+
+def keel_lm(scorer: Scorer) -> Any:
+    """The scorer as lm-eval's model (lm-eval imported only here: keel's own tasks are scored without it)."""
+    from keel.downstream.adapter import KeelLM
+
+    return KeelLM(scorer)

@@ -106,13 +106,16 @@ def write(corpus: Path, out: Path = TASKS) -> list[Path]:
 
 # ---------------------------------------------------------------- lm-eval's custom_dataset
 
+def rows(name: str) -> list[dict[str, Any]]:
+    """The rows of a shipped JSON Lines file."""
+    return [json.loads(line) for line in (TASKS / name).read_text(encoding="utf-8").splitlines()]
+
+
 def dataset(name: str) -> Any:
     """The rows of a shipped JSON Lines file as the test split of a Hugging Face dataset."""
     import datasets
 
-    text = (TASKS / name).read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines()]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows(name))})
 
 
 def next_line(**_: Any) -> Any:

@@ -4,6 +4,7 @@ files in the `include` directories), run on an lm-eval model, their scores as fl
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import logging
 import warnings
@@ -22,6 +23,13 @@ SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "tasks"
 def with_shipped(include: list[str]) -> list[str]:
     """The include directories, keel's shipped tasks' first."""
     return [str(SHIPPED), *(path for path in include if Path(path).resolve() != SHIPPED)]
+
+
+def natively(tasks: list[str], include: list[str], num_fewshot: int | None) -> bool:
+    """Whether keel scores the tasks itself (keel.downstream.native): only its shipped ones, zero-shot, where
+    lm-eval is not installed (where it is, lm-eval scores every task)."""
+    return (importlib.util.find_spec("lm_eval") is None and bool(tasks) and set(tasks) <= set(shipped_tasks())
+            and not include and not num_fewshot)
 
 
 def _lm_eval_tasks() -> Path:

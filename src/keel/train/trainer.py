@@ -224,6 +224,7 @@ class Trainer:
             return []
         from keel.data.tokenizer import open_tokenizer
         from keel.downstream.adapter import KeelLM  # lm-eval: imported only where it is used
+        from keel.downstream.scoring import Scorer
         from keel.train.downstream import DownstreamEvaluation
 
         model, device = self.parts[0], self.ctx.device
@@ -238,7 +239,7 @@ class Trainer:
             return out
 
         tokenizer = open_tokenizer(self.corpus.dir, self.corpus.manifest["tokenizer"])
-        lm = KeelLM(logits, tokenizer, self.cfg.model.max_seq_len, device, self.cfg.eval.downstream_batch)
+        lm = KeelLM(Scorer(logits, tokenizer, self.cfg.model.max_seq_len, device, self.cfg.eval.downstream_batch))
         return [DownstreamEvaluation(self.cfg.eval, lm, self.watchdog, self.monitor, self.say, device)]
 
     def _trackers(self) -> list[Trackers]:

@@ -22,11 +22,12 @@ def test_a_continuation_longer_than_the_context_is_refused_and_one_that_fits_is_
     from lm_eval.api.instance import Instance
 
     from keel.downstream.adapter import KeelLM
+    from keel.downstream.scoring import Scorer
 
     torch.manual_seed(0)
     model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=259, max_seq_len=CONTEXT))
     init_weights(model, seed=0)
-    lm = KeelLM(model, ByteTokenizer(), CONTEXT, torch.device("cpu"))
+    lm = KeelLM(Scorer(model, ByteTokenizer(), CONTEXT, torch.device("cpu")))
     fits, too_long = "x" * CONTEXT, "y" * (CONTEXT + 1)
     with pytest.raises(ConfigError, match=rf"continuation of {CONTEXT + 1} tokens is longer than the model's context "
                                           rf"\({CONTEXT} tokens\)"):
