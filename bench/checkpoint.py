@@ -47,9 +47,11 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from keel.checkpoint.manager import _FLAT, CheckpointManager, SaveOutcome, _state_dict
 from keel.checkpoint.staging import HostStager
-from keel.config import load_config, resolve_layout
+from keel.config import load_config
 from keel.core.state import TrainState
-from keel.parallel.mesh import Dist, build_mesh, destroy_distributed, init_distributed
+from keel.parallel.degrees import resolve_degrees
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import Dist, destroy_distributed, init_distributed
 from keel.rundir.events import EventLog
 from keel.train.optim import build_optimizer
 from keel.train.setup import build_model_parts
@@ -137,17 +139,16 @@ class Bench:
         self.cfg = cfg
 
     def build(self, ctx: Dist) -> None:
-        mesh = build_mesh(ctx, resolve_layout(self.cfg, 1))
-        self.parts, _ = build_model_parts(self.cfg, mesh, torch.float32)
+        layout = Layout.build(ctx.device.type, resolve_degrees(self.cfg, 1))
+        self.parts, _ = build_model_parts(self.cfg, layout, torch.float32)
         self.model, self.optimizer = self.parts[0], build_optimizer(self.parts[0], self.cfg.optim)
         self.params = sum(p.numel() for p in self.model.parameters())
         gen = torch.Generator().manual_seed(0)
         batch = torch.randint(0, 256, (1, self.cfg.train.seq_len + 1), generator=gen)
         self.micro = [(batch[:, :-1], batch[:, 1:])]
-        self.stepper = Stepper(self.parts, [self.optimizer], None, grad_clip=1.0, autocast_dtype=None,
-                               loss_parallel=False)
+        self.stepper = Stepper(self.parts, [self.optimizer], None, grad_clip=1.0, autocast_dtype=None)
         self.events = EventLog(self.work / "events.jsonl", 0)
-        self.manager = CheckpointManager(self.cfg, self.work, mesh.layout.describe(), self.events)
+        self.manager = CheckpointManager(self.cfg, self.work, layout.describe(), self.events)
         self.manager.reserve(self.parts, [self.optimizer])  # as the trainer does, beside the rest of the start
         self.state = TrainState(step=0)
 

@@ -12,8 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from keel.config import load_config, resolve_layout
-from keel.parallel.mesh import build_mesh, destroy_distributed, init_distributed
+from keel.config import load_config
+from keel.parallel.degrees import resolve_degrees
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import destroy_distributed, init_distributed
 from keel.train.setup import build_model_parts
 from tests.conftest import SMALL_RUN, free_port
 
@@ -25,7 +27,7 @@ def full_weight_digests(world_size: int, overrides: list[str]) -> dict[str, str]
     ctx = init_distributed(torch.device("cpu"))
     try:
         assert ctx.world_size == world_size
-        model = build_model_parts(cfg, build_mesh(ctx, resolve_layout(cfg, world_size)), torch.float32)[0][0]
+        model = build_model_parts(cfg, Layout.build("cpu", resolve_degrees(cfg, world_size)), torch.float32)[0][0]
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         digests = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in state.items()}
     except BaseException:

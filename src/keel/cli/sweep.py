@@ -98,7 +98,8 @@ def _devices(device: str) -> list[str] | None:
 
 def _grid(args: argparse.Namespace) -> int:
     from keel.cli.data import ensure_corpus
-    from keel.config import load_config, resolve_layout
+    from keel.config import load_config
+    from keel.parallel.degrees import resolve_degrees
     from keel.paths import check_writable_dir
     from keel.rundir.lock import RunLock
     from keel.sweep.grid import expand, parse_grid, point_configs
@@ -112,7 +113,7 @@ def _grid(args: argparse.Namespace) -> int:
     points = expand(axes)
     configs = point_configs(str(path) if path else None, fixed, points)
     for cfg in configs:
-        resolve_layout(cfg, 1)  # each point is one process
+        resolve_degrees(cfg, 1)  # each point is one process
     target = load_config(path, [*args.overrides, *args.target]) if args.target else None
     out = args.out or Path("sweeps") / base.name
     check_writable_dir(out, "--out")

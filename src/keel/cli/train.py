@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 from keel.cli.config import add_config_args, config_from_args
 from keel.cli.data import ensure_corpus
 from keel.cli.pathargs import PathArg, resume, writes_dir
-from keel.config import Config, resolve_layout
+from keel.config import Config
 from keel.errors import EXIT_PAUSED, KeelError
+from keel.parallel.degrees import resolve_degrees
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +127,7 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
         check_elastic(args.nnodes, args.rdzv_endpoint, run_dir)
     max_restarts = restart_budget(args, cfg)
     if not worker and not elastic:
-        resolve_layout(cfg, nproc)
+        resolve_degrees(cfg, nproc)
     check_device(cfg, worker, nproc, in_groups)
     accepted = accepted_changes(cfg, args.accept_change)
     corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")

@@ -1,6 +1,6 @@
 """Typed config tree: TOML files, KEY=VALUE overrides, validation with messages that name the field."""
 
-from keel.config.checks import check_vocab_size, ffn_hidden_dim, head_size, resolve_layout
+from keel.config.checks import check_vocab_size, ffn_hidden_dim, head_size
 from keel.config.load import load_config, parse_override, reference, to_toml
 from keel.config.schema import (
     INT_MAX,
@@ -19,7 +19,6 @@ from keel.config.schema import (
     FaultToleranceConfig,
     GuardConfig,
     HealthConfig,
-    Layout,
     MixturePhase,
     MlflowConfig,
     ModelConfig,
@@ -41,10 +40,10 @@ from keel.config.schema import (
 __all__ = [
     "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
     "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "FaultToleranceConfig", "GuardConfig",
-    "HealthConfig", "Layout", "MixturePhase", "MlflowConfig", "ModelConfig", "MonitorConfig", "NumericsConfig",
+    "HealthConfig", "MixturePhase", "MlflowConfig", "ModelConfig", "MonitorConfig", "NumericsConfig",
     "OptimConfig", "ParallelConfig",
     "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrackerQueueConfig", "TrainConfig",
     "WandbConfig", "WatchdogConfig", "option",
     "check_vocab_size", "ffn_hidden_dim", "head_size", "load_config", "parse_override", "reference",
-    "resolve_layout", "to_toml",
+    "to_toml",
 ]

@@ -1,10 +1,11 @@
-"""Checks across fields: what no single field's bounds can say, and the layout against the world size."""
+"""Checks across fields: what no single field's bounds can say (the layout against the world size is
+keel.parallel.degrees')."""
 
 from __future__ import annotations
 
 import math
 
-from keel.config.schema import Config, DataConfig, FaultToleranceConfig, Layout, ModelConfig, TrainConfig
+from keel.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from keel.errors import ConfigError
 
 
@@ -32,6 +33,10 @@ def check_consistency(cfg: Config) -> None:
     if cfg.monitor.signals_interval and cfg.parallel.compile:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
                           f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")
+    if cfg.eval.downstream_tasks and cfg.parallel.cp > 1:
+        raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
+                          f"parallel.cp = {cfg.parallel.cp} splits over ranks by train.seq_len; evaluate its "
+                          f"checkpoints with `keel eval` instead")
     if cfg.eval.downstream_tasks and cfg.parallel.pp > 1:
         raise ConfigError(f"eval.downstream_tasks runs lm-eval on the whole model, which parallel.pp = "
                           f"{cfg.parallel.pp} splits into stages; evaluate its checkpoints with `keel eval` instead")
@@ -49,30 +54,6 @@ def _check_fault_tolerance(cfg: Config) -> None:
                           f"= {ft.replica_groups}: no quorum could ever form")
     if ft.lighthouse and not (ft.lighthouse.startswith("http://") and ft.lighthouse.rpartition(":")[2].isdigit()):
         raise ConfigError(f"fault_tolerance.lighthouse = {ft.lighthouse!r}: expected http://HOST:PORT")
-
-
-def check_group_shares(cfg: Config, layout: Layout) -> None:
-    """Every number of live replica groups a step can have must split the global batch into whole
-    micro-batches per rank: the survivors of a failure take the missing groups' share."""
-    ft, t = cfg.fault_tolerance, cfg.train
-    # A pipeline micro-batch keeps its size (the stages' buffers have it); a step runs more or fewer of them.
-    chunk = t.global_batch // layout.dp // layout.pp_microbatches if layout.pp > 1 else t.micro_batch
-    for live in range(ft.min_replicas, ft.replica_groups + 1):
-        per_rank = t.global_batch // (layout.dp * live) if t.global_batch % (layout.dp * live) == 0 else 0
-        if not per_rank or per_rank % t.micro_batch or per_rank % chunk:
-            raise ConfigError(f"train.global_batch = {t.global_batch} does not split into micro-batches of "
-                              f"{max(t.micro_batch, chunk)} over {live} live replica group(s) of {layout.dp} "
-                              f"data-parallel rank(s); use a multiple of "
-                              f"{max(t.micro_batch, chunk) * layout.dp * _lcm_upto(ft)} or raise "
-                              f"fault_tolerance.min_replicas")
-        if layout.pp > 1 and per_rank // chunk < layout.pp:
-            raise ConfigError(f"with {live} live replica group(s) each pipeline rank runs {per_rank // chunk} "
-                              f"micro-batch(es) of {chunk}, fewer than parallel.pp = {layout.pp}; raise "
-                              f"train.global_batch or parallel.pp_microbatches")
-
-
-def _lcm_upto(ft: FaultToleranceConfig) -> int:
-    return math.lcm(*range(ft.min_replicas, ft.replica_groups + 1))
 
 
 def _check_model(m: ModelConfig, t: TrainConfig) -> None:
@@ -140,42 +121,6 @@ def _check_mixture(data: DataConfig) -> None:
                           f"of a tokenizer.json")
 
 
-def resolve_layout(cfg: Config, world_size: int) -> Layout:
-    """Check the layout against the world size and the model before any process group exists."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.dp_shard == 0:
-        raise ConfigError("parallel.dp_shard = 0: expected a positive degree or -1 (the processes left over)")
-    fixed = p.pp * p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
-    if world_size % fixed:
-        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
-                          f"{p.dp_shard if p.dp_shard > 0 else '-1'} × {p.tp} do not divide the {world_size} processes")
-    dp_shard = p.dp_shard if p.dp_shard > 0 else world_size // fixed
-    dp = p.dp_replicate * dp_shard
-    per_rank = t.global_batch // dp if t.global_batch % dp == 0 else 0
-    microbatches = p.pp_microbatches or (per_rank // t.micro_batch if p.pp > 1 else 0)
-    layout = Layout(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches)
-    if layout.world_size != world_size:
-        raise ConfigError(f"parallel degrees pp × dp_replicate × dp_shard × tp = {p.pp} × {p.dp_replicate} × "
-                          f"{dp_shard} × {p.tp} = {layout.world_size}, but there are {world_size} processes; the "
-                          f"product must equal them")
-    if p.pp > 1:
-        _check_pipeline(cfg, layout, per_rank)
-    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("train.seq_len", t.seq_len)):
-        if value % p.tp:
-            raise ConfigError(f"{name} = {value} must divide by parallel.tp = {p.tp}")
-    per_step = t.micro_batch * layout.dp
-    if t.global_batch % per_step:
-        raise ConfigError(
-            f"train.global_batch = {t.global_batch} must divide by train.micro_batch × data-parallel degree = "
-            f"{t.micro_batch} × {layout.dp}; choose a global batch that is a multiple of {per_step}")
-    if cfg.eval.sequences % layout.dp:
-        raise ConfigError(f"eval.sequences = {cfg.eval.sequences} must divide by the data-parallel degree = "
-                          f"{layout.dp}")
-    check_group_shares(cfg, layout)
-    return layout
-
-
 def head_size(m: ModelConfig) -> int:
     """The size of each attention head: `model.head_dim` when given, else dim / n_heads."""
     return m.head_dim or m.dim // m.n_heads
@@ -195,32 +140,3 @@ def check_vocab_size(cfg: Config, corpus_vocab: int) -> None:
     if cfg.model.vocab_size < corpus_vocab:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the corpus tokenizer's "
                           f"vocabulary ({corpus_vocab}); set model.vocab_size >= {corpus_vocab}")
-
-
-def _check_pipeline(cfg: Config, layout: Layout, per_rank: int) -> None:
-    p, m = cfg.parallel, cfg.model
-    stages = p.pp * p.pp_stages_per_rank
-    if m.n_layers < stages:
-        raise ConfigError(f"model.n_layers = {m.n_layers} cannot fill pp × pp_stages_per_rank = {p.pp} × "
-                          f"{p.pp_stages_per_rank} stages of at least one block each")
-    interleaved = p.pp_schedule.startswith("interleaved")
-    if interleaved and p.pp_stages_per_rank < 2:
-        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} needs parallel.pp_stages_per_rank >= 2, "
-                          f"not {p.pp_stages_per_rank}")
-    if not interleaved and p.pp_stages_per_rank != 1:
-        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank, but "
-                          f"parallel.pp_stages_per_rank = {p.pp_stages_per_rank}; use interleaved_1f1b or 1")
-    if m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings = true cannot be pipelined: the embedding and the output "
-                          "projection live in different stages; set parallel.pp = 1 or untie them")
-    if per_rank == 0 or layout.pp_microbatches == 0 or per_rank % layout.pp_microbatches:
-        raise ConfigError(f"the global batch per data-parallel rank ({cfg.train.global_batch} / {layout.dp}) must "
-                          f"split into parallel.pp_microbatches = {layout.pp_microbatches} equal micro-batches")
-    if layout.pp_microbatches < p.pp:
-        raise ConfigError(f"parallel.pp_microbatches = {layout.pp_microbatches} must be at least parallel.pp = "
-                          f"{p.pp} to fill the pipeline")
-    val_per_rank = cfg.eval.sequences // layout.dp
-    if val_per_rank % layout.pp_microbatches:
-        raise ConfigError(f"eval.sequences per data-parallel rank ({val_per_rank}) must divide into "
-                          f"parallel.pp_microbatches = {layout.pp_microbatches} micro-batches")
-

@@ -221,6 +221,8 @@ class ParallelConfig:
     dp_replicate: int = option(1, "data-parallel replicas (HSDP: FSDP inside each replica, all-reduce across them)",
                                ge=1)
     dp_shard: int = option(-1, "FSDP sharding degree; -1: the processes left after the other degrees", ge=-1)
+    cp: int = option(1, "context-parallel degree: each sequence split over this many ranks (two chunks each, "
+                     "placed head-tail), attention exchanging keys and values between them", ge=1)
     tp: int = option(1, "tensor-parallel degree (with sequence parallel); keep it within a node", ge=1)
     pp: int = option(1, "pipeline-parallel degree: the blocks split into consecutive stages", ge=1)
     pp_schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or interleaved_zb "
@@ -509,29 +511,3 @@ class Config:
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The degrees of a run, resolved for its world size: dp_replicate × dp_shard × tp = world size."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int = 1
-    pp_microbatches: int = 0  # pipeline micro-batches per step and data-parallel rank
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many ways the global batch is split."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def describe(self) -> str:
-        parts = [f"{name}{n}" for name, n in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                                ("dp_shard", self.dp_shard), ("tp", self.tp)) if n > 1]
-        return " × ".join(parts) if parts else "single process"
-

@@ -68,6 +68,12 @@ def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """One dimension made of a multi-dimensional mesh's (FSDP shards parameters over data and context parallel
+    ranks together); DeviceMesh's flattening is private."""
+    return mesh._flatten(name)
+
+
 def fsspec_checkpoint_io() -> tuple[type, type]:
     """DCP's reader and writer for fsspec URLs (s3://...), which torch keeps under a private module; imported
     when a remote checkpoint directory is used."""

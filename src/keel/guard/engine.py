@@ -29,12 +29,12 @@ from keel.guard.numerics import NumericsGuard
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
 from keel.guard.spike import SpikeGuard
-from keel.parallel.mesh import Mesh
+from keel.parallel.layout import Layout
 from keel.rundir.events import EventLog
 
 
 class Guards:
-    def __init__(self, cfg: GuardConfig, deterministic: bool, mesh: Mesh, optimizers: list[torch.optim.Optimizer],
+    def __init__(self, cfg: GuardConfig, deterministic: bool, layout: Layout, optimizers: list[torch.optim.Optimizer],
                  params: list[torch.nn.Parameter], user_guards: list[Any], events: EventLog,
                  say: Callable[[str], None]) -> None:
         self.g, self.events = cfg, events
@@ -42,7 +42,7 @@ class Guards:
         on = self.g.enabled
         self.builtin: list[NumericsGuard | SpikeGuard] = [NumericsGuard(self.g), SpikeGuard(self.g)] if on else []
         self.guards: list[Any] = [*self.builtin, *user_guards]  # users' guards keep their state as callbacks
-        self.sdc = SdcGuard(self.g, mesh, optimizers, params, deterministic) if on else None
+        self.sdc = SdcGuard(self.g, layout, optimizers, params, deterministic) if on else None
         if on and not deterministic:
             say("note: step replays are off: with train.deterministic = false a recomputed step may differ by rounding")
         self.ring = (SnapshotRing(optimizers, self.g.snapshots, pin_memory=torch.cuda.is_available())

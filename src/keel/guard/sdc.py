@@ -27,7 +27,7 @@ from keel.core.actions import Action
 from keel.core.dtensor import local
 from keel.core.sync import StepReport
 from keel.guard.snapshots import live_tensors
-from keel.parallel.mesh import Mesh
+from keel.parallel.layout import Layout
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -68,11 +68,11 @@ def same_bits(a: float, b: float) -> bool:
 class SdcGuard:
     name = "sdc"
 
-    def __init__(self, cfg: GuardConfig, mesh: Mesh, optimizers: list[torch.optim.Optimizer],
+    def __init__(self, cfg: GuardConfig, layout: Layout, optimizers: list[torch.optim.Optimizer],
                  params: list[torch.nn.Parameter], deterministic: bool) -> None:
         self.cfg, self.optimizers, self.params = cfg.sdc, optimizers, params
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = mesh.mesh["dp_replicate"].get_group() if mesh.layout.dp_replicate > 1 else None
+        self.group = layout.replicas.get_group() if layout.replicas is not None else None
         self.replicas = dist.get_process_group_ranks(self.group) if self.group is not None else [self.rank]
         self.can_replay = deterministic
         self.last_verified = 0  # newest step whose state passed a check

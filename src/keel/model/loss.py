@@ -13,6 +13,8 @@ all-reduces, as Megatron's vocabulary-parallel cross entropy does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from keel.config import TrainConfig
 from keel.core.dtensor import plain
@@ -37,14 +40,26 @@ def log_normaliser(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Objective:
-    """The loss a step differentiates (`train.z_loss`, `train.cross_entropy`), on logits that may be sharded
-    over the vocabulary (tensor parallel, under `loss_parallel`)."""
+    """The loss a step differentiates (`train.z_loss`, `train.cross_entropy`), as the layout computes it
+    (keel.parallel.layout): on logits sharded over the vocabulary (`vocab_parallel`: tensor parallel), and over
+    this rank's share of each sequence's targets (`local`: context parallel)."""
     z_loss: float = 0.0
     cross_entropy: str = "torch"
+    vocab_parallel: bool = False
+    split: Callable[[torch.Tensor], torch.Tensor] | None = None  # a batch's targets → this rank's share
 
     @classmethod
-    def of(cls, train: TrainConfig) -> Objective:
-        return cls(train.z_loss, train.cross_entropy)
+    def of(cls, train: TrainConfig, vocab_parallel: bool = False,
+           split: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Objective:
+        return cls(train.z_loss, train.cross_entropy, vocab_parallel, split)
+
+    def local(self, targets: torch.Tensor) -> torch.Tensor:
+        """The targets of the positions this rank computes logits for."""
+        return targets if self.split is None else self.split(targets)
+
+    def sharded(self) -> AbstractContextManager:
+        """Where the loss and its backward run: torch's loss-parallel context for vocabulary-sharded logits."""
+        return loss_parallel() if self.vocab_parallel else nullcontext()
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the backward differentiates, and the cross entropy, each a mean over the tokens. With a z-loss

@@ -19,19 +19,19 @@ from torch.distributed.tensor.parallel import (
 from keel.config import ParallelConfig
 from keel.core.torch_private import checkpoint_wrapper
 from keel.model.llama import Llama
-from keel.parallel.mesh import Mesh
+from keel.parallel.layout import Layout
 
 
-def parallelize(model: Llama, mesh: Mesh, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
-    if mesh.layout.tp > 1:
-        apply_tensor_parallel(model, mesh.tp)
+def parallelize(model: Llama, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
+    if layout.tensor_parallel:
+        apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)
     if cfg.compile:
         for block in model.layers.values():
             block.compile()  # in place: parameter names stay the same
-    if mesh.layout.dp > 1:
+    if layout.shards_parameters:
         reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
-        apply_fsdp(model, mesh.fsdp, param_dtype, reduce_dtype)
+        apply_fsdp(model, layout.fsdp, param_dtype, reduce_dtype)
 
 
 def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:

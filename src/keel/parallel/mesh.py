@@ -1,5 +1,5 @@
-"""Process group and device mesh. Every run has a process group, a one-process run included, so
-that the trainer and checkpoints take one code path."""
+"""The process group. Every run has one, a one-process run included, so that the trainer and checkpoints take one
+code path (the device mesh over it is keel.parallel.layout's)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from keel.config import Layout
 from keel.errors import ConfigError
 
 
@@ -59,35 +57,3 @@ def destroy_distributed(wait_for_peers: bool = True, timeout_s: float = 30.0) ->
         except RuntimeError:
             pass  # a peer never arrived: leave anyway
     dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The run's named device mesh (`pp`, `dp_replicate`, `dp_shard`, `tp`) and the sub-meshes derived from it."""
-
-    mesh: DeviceMesh
-    layout: Layout
-
-    @property
-    def tp(self) -> DeviceMesh:
-        return self.mesh["tp"]
-
-    @property
-    def pp(self) -> DeviceMesh:
-        return self.mesh["pp"]
-
-    @property
-    def fsdp(self) -> DeviceMesh:
-        """Where parameters are sharded: 1-D for FSDP, 2-D (replicate, shard) for HSDP."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp_shard"]
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's slice of the global batch; ranks of one tensor-parallel group share it."""
-        return self.mesh.get_local_rank("dp_replicate") * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
-
-
-def build_mesh(ctx: Dist, layout: Layout) -> Mesh:
-    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return Mesh(mesh, layout)

@@ -4,7 +4,6 @@ model on the other mesh dimensions (TP, FSDP), run by a `torch.distributed.pipel
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -15,14 +14,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.config import Config
 from keel.core.dtensor import plain
 from keel.model.llama import Llama
 from keel.model.loss import Objective
 from keel.model.split import stage_range
-from keel.parallel.mesh import Mesh
+from keel.parallel.layout import Layout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "interleaved_zb": ScheduleInterleavedZeroBubble}
@@ -53,13 +51,12 @@ class Pipeline:
     """This rank's stages and the schedule that runs them. `forward_backward` and `evaluate` mirror
     the functions of `keel.train.step` for a pipelined model."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, parts: list[Llama], stages: list[int],
-                 optimizers: list[torch.optim.Optimizer], loss_parallel: bool) -> None:
-        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
+    def __init__(self, cfg: Config, layout: Layout, parts: list[Llama], stages: list[int],
+                 optimizers: list[torch.optim.Optimizer], objective: Objective) -> None:
+        n_stages = layout.degrees.pp * cfg.parallel.pp_stages_per_rank
         device = next(parts[0].parameters()).device
-        group = mesh.pp.get_group()
-        self.parts, self.optimizers, self.loss_parallel = parts, optimizers, loss_parallel
-        self.objective = Objective.of(cfg.train)
+        group = layout.pp.get_group()
+        self.parts, self.optimizers, self.objective = parts, optimizers, objective
         self.cross_entropies: list[torch.Tensor] = []  # of the micro-batches the last stage ran, in order
         self.pp_group = group
         self.has_first, self.has_last = 0 in stages, n_stages - 1 in stages
@@ -67,13 +64,12 @@ class Pipeline:
                            for part, stage in zip(parts, stages, strict=True)]
         self.cls = SCHEDULES[cfg.parallel.pp_schedule]
         self.stages = pipeline_stages[0] if cfg.parallel.pp_stages_per_rank == 1 else pipeline_stages
-        n_micro = mesh.layout.pp_microbatches
+        n_micro = layout.degrees.pp_microbatches
         # Every pipeline micro-batch holds this many sequences. A step with more or fewer sequences on this
         # rank (replica groups: the survivors of a lost group take its share) runs more or fewer of them.
-        self.chunk = cfg.train.global_batch // mesh.layout.dp // n_micro
+        self.chunk = cfg.train.global_batch // layout.dp // n_micro
         self.schedules = {n_micro: self.cls(self.stages, n_microbatches=n_micro, loss_fn=self._loss)}
         self.schedule = self.schedules[n_micro]
-        self.ranks_with_loss = mesh.layout.dp * mesh.layout.tp  # ranks holding the last stage
 
     def _run(self, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The mean loss of this rank's batch on the last stage, 0 elsewhere."""
@@ -82,7 +78,7 @@ class Pipeline:
         targets = torch.cat([y for _, y in micro_batches]).to(device)
         self.cross_entropies = []
         losses: list[torch.Tensor] = []
-        with vocab_parallel_loss() if self.loss_parallel else nullcontext():
+        with self.objective.sharded():
             if self.has_first:
                 run(inputs, target=targets, losses=losses)
             else:
@@ -94,7 +90,7 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the objective it differentiates; the cross entropy is what is reported."""
-        differentiated, cross_entropy = self.objective(logits, targets)
+        differentiated, cross_entropy = self.objective(logits, self.objective.local(targets))
         self.cross_entropies.append(cross_entropy.detach())
         return differentiated
 
@@ -111,5 +107,5 @@ class Pipeline:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed token loss and token count, counted on the ranks that hold the last stage."""
         loss = self._run(self.schedule.eval, batches).double()
-        tokens = float(sum(y.numel() for _, y in batches)) if self.has_last else 0.0
+        tokens = float(sum(self.objective.local(y).numel() for _, y in batches)) if self.has_last else 0.0
         return loss * tokens, torch.tensor(tokens, dtype=torch.float64, device=loss.device)

@@ -6,10 +6,11 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 
-from keel.config import Config, ModelConfig, ParallelConfig, load_config, resolve_layout
+from keel.config import Config, ModelConfig, ParallelConfig, load_config
 from keel.errors import KeelError
 from keel.model.flops import flops_per_token, param_count
 from keel.model.split import stage_blocks
+from keel.parallel.degrees import resolve_degrees
 from keel.rundir.events import read_jsonl
 
 ACS = ("none", "selective", "full")
@@ -197,7 +198,7 @@ def run_layout(run_dir: Path) -> TrainedRun:
     if not starts:
         raise KeelError(f"{run_dir}/events.jsonl has no start event: the run never trained")
     start = starts[-1]["detail"]
-    p, kept = cfg.parallel, resolve_layout(cfg, int(start["world_size"]))
+    p, kept = cfg.parallel, resolve_degrees(cfg, int(start["world_size"]))
     per_rank = cfg.train.global_batch // kept.dp
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,

@@ -84,7 +84,7 @@ def _train(cfg: Config, model_cfg: ModelConfig, tokens: torch.Tensor, device: to
     init_weights(model, cfg.train.seed)
     # The training step as the trainer makes it, without clipping: the raw updates are what is checked.
     stepper = Stepper([model], [build_optimizer(model, cfg.optim, width_ratio(model_cfg))], None, grad_clip=0.0,
-                      autocast_dtype=None, loss_parallel=False)
+                      autocast_dtype=None)
     # The model's own output is the logits, μP's output multiplier applied.
     modules = [m for m in (model.tok_embeddings, *model.layers.values(), model) if m is not None]
     seen: dict[int, float] = {}

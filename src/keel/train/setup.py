@@ -25,7 +25,8 @@ from keel.model.flops import param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
-from keel.parallel.mesh import Dist, Mesh
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import Dist
 from keel.rundir.events import EventLog, host
 from keel.rundir.lock import RunLock
 from keel.train.reuse import remember, reused
@@ -96,21 +97,21 @@ def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.train.compute_precision(device.type) == "bf16" else torch.float32
 
 
-def build_model_parts(cfg: Config, mesh: Mesh, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
+def build_model_parts(cfg: Config, layout: Layout, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:
     """The model, or this rank's pipeline stages and their stage numbers, parallelised and initialised."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    if mesh.layout.pp == 1:
+    if not layout.pipelined:
         parts, stages = [model], [0]
     else:
         from keel.parallel.pipeline import stage_ids, stage_module  # torch's pipelining loads torch._dynamo
 
-        n_stages = mesh.layout.pp * cfg.parallel.pp_stages_per_rank
-        stages = stage_ids(mesh.mesh.get_local_rank("pp"), mesh.layout.pp, cfg.parallel.pp_stages_per_rank)
+        stages = stage_ids(layout.pp_rank, layout.degrees.pp, cfg.parallel.pp_stages_per_rank)
+        n_stages = layout.degrees.pp * cfg.parallel.pp_stages_per_rank
         parts = [stage_module(model, stage, n_stages) for stage in stages]
     for part in parts:
-        parallelize(part, mesh, cfg.parallel, param_dtype)
-        part.to_empty(device=mesh.mesh.device_type)
+        parallelize(part, layout, cfg.parallel, param_dtype)
+        part.to_empty(device=layout.mesh.device_type)
         init_weights(part, cfg.train.seed)
     return parts, stages
 
@@ -157,7 +158,7 @@ class Data:
     train_text: tuple[int, int]
 
 
-def build_data(cfg: Config, mesh: Mesh, corpus: Corpus, accepted: tuple[str, ...]) -> Data:
+def build_data(cfg: Config, layout: Layout, corpus: Corpus, accepted: tuple[str, ...]) -> Data:
     if set(corpus.sources) != set(cfg.data.sources):
         raise DataError(f"data.dir {cfg.data.dir} holds the sources {', '.join(corpus.sources)}, the config "
                         f"names {', '.join(cfg.data.sources)}; name them alike in [data.sources] or prepare the "
@@ -165,11 +166,11 @@ def build_data(cfg: Config, mesh: Mesh, corpus: Corpus, accepted: tuple[str, ...
     loader = GlobalOrderLoader(
         corpus.sources, weights={name: s.weight for name, s in cfg.data.sources.items()},
         schedule=[(p.step, p.weights) for p in cfg.data.schedule], seq_len=cfg.train.seq_len,
-        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank,
-        dp_size=mesh.layout.dp, seed=cfg.train.seed,
+        global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch, dp_rank=layout.dp_rank,
+        dp_size=layout.dp, seed=cfg.train.seed,
         fingerprint=corpus.fingerprint, prefetch=cfg.data.prefetch, skips=cfg.data.skip_batches)
     val_batches = validation_batches(corpus.splits["val"], seq_len=cfg.train.seq_len, sequences=cfg.eval.sequences,
-                                     micro_batch=cfg.train.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp)
+                                     micro_batch=cfg.train.micro_batch, dp_rank=layout.dp_rank, dp_size=layout.dp)
     return Data(loader, LoaderState(loader, "data.corpus" in accepted), val_batches,
                 validation_text(corpus, cfg.train.seq_len, cfg.eval.sequences),
                 (corpus.manifest["tokens"]["train"], corpus.manifest["text_bytes"]["train"]))

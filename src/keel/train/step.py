@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
 from keel.core.dtensor import local, plain
 from keel.core.torch_private import norms as grad_norms
@@ -39,20 +38,19 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                     autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+                     autocast_dtype: torch.dtype | None = None,
                      objective: Objective = TORCH_CROSS_ENTROPY) -> torch.Tensor:
-    """Accumulate the gradients of this rank's micro-batches' objective (`keel.model.loss`); returns its
-    mean cross entropy as a tensor (no host synchronisation here). With `loss_parallel` the logits stay
-    sharded over the vocabulary (tensor parallel) and the loss and its backward are computed on the shards."""
+    """Accumulate the gradients of this rank's micro-batches' objective (`keel.model.loss`, as the layout computes
+    it); returns its mean cross entropy as a tensor (no host synchronisation here)."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
+        targets = objective.local(targets.to(device, non_blocking=True))
         with amp:
             logits = model(inputs)
-        with vocab_parallel_loss() if loss_parallel else nullcontext():
+        with objective.sharded():
             differentiated, cross_entropy = objective(logits, targets)
             del logits  # autograd keeps what the loss needs; the rest of the logits is freed before the backward
             (differentiated / len(micro_batches)).backward()
@@ -65,10 +63,10 @@ class Stepper:
     guards look: after the backward, before the update."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any, *,
-                 grad_clip: float, autocast_dtype: torch.dtype | None, loss_parallel: bool,
+                 grad_clip: float, autocast_dtype: torch.dtype | None,
                  objective: Objective = TORCH_CROSS_ENTROPY) -> None:
         self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
-        self.grad_clip, self.autocast_dtype, self.loss_parallel = grad_clip, autocast_dtype, loss_parallel
+        self.grad_clip, self.autocast_dtype = grad_clip, autocast_dtype
         self.objective = objective
         self.params = [p for part in parts for p in part.parameters()]
         self.pp_group = pipeline.pp_group if pipeline is not None else None
@@ -77,7 +75,7 @@ class Stepper:
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
-                                loss_parallel=self.loss_parallel, objective=self.objective)
+                                objective=self.objective)
 
     def grad_norm(self) -> torch.Tensor:
         return grad_norm(self.params, self.pp_group)
@@ -126,9 +124,9 @@ class Stepper:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             autocast_dtype: torch.dtype | None = None, loss_parallel: bool = False,
+             autocast_dtype: torch.dtype | None = None,
              objective: Objective = TORCH_CROSS_ENTROPY) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed token loss and token count of this rank's validation batches."""
+    """Summed token loss and token count of this rank's validation batches (its share of them)."""
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     was_training = model.training
@@ -136,10 +134,10 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = torch.zeros((), device=device, dtype=torch.float64)
     for inputs, targets in batches:
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = inputs.to(device), objective.local(targets.to(device))
         with amp:
             logits = model(inputs)
-        with vocab_parallel_loss() if loss_parallel else nullcontext():
+        with objective.sharded():
             total += objective.summed(logits, targets)
         count += targets.numel()
     model.train(was_training)

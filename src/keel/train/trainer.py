@@ -31,12 +31,12 @@ from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama, width_ratio
-from keel.model.loss import Objective
 from keel.monitor.metrics import CommProfiler, MemoryMeter, StepMeter
 from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor, replica_group
 from keel.monitor.trackers import Trackers, enabled_trackers
-from keel.parallel.mesh import Dist, Mesh
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import Dist
 from keel.rundir.events import RunLog, host
 from keel.rundir.progress import summary_lines
 from keel.rundir.status import write_status
@@ -68,9 +68,9 @@ if TYPE_CHECKING:
 class Trainer:
     """One worker's part of the run."""
 
-    def __init__(self, cfg: Config, run_dir: Path, ctx: Dist, mesh: Mesh, log: RunLog, requests: StopRequests,
+    def __init__(self, cfg: Config, run_dir: Path, ctx: Dist, layout: Layout, log: RunLog, requests: StopRequests,
                  watchdog: Watchdog, monitor: RunMonitor) -> None:
-        self.cfg, self.run_dir, self.ctx, self.mesh, self.log = cfg, run_dir, ctx, mesh, log
+        self.cfg, self.run_dir, self.ctx, self.layout, self.log = cfg, run_dir, ctx, layout, log
         self.requests, self.watchdog, self.monitor = requests, watchdog, monitor
         self.events, self.say, self.rank0 = log.events, log.say, ctx.rank == 0
         self.state, self.hooks = TrainState(), Hooks()
@@ -94,14 +94,14 @@ class Trainer:
         self.memory = MemoryMeter(ctx.device)  # before the model: what the runtime holds
         self._build_model()
         self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
-        self.corpus, self.data = corpus, build_data(cfg, self.mesh, corpus, accepted)
+        self.corpus, self.data = corpus, build_data(cfg, self.layout, corpus, accepted)
         if cfg.data.document_mask:  # each packed document starts with the corpus tokenizer's BOS
             for part in self.parts:
                 cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
         self.loader, self.loader_state = self.data.loader, self.data.loader_state
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
-        self.guards = Guards(cfg.guard, replays, self.mesh, self.optimizers, self.stepper.params,
+        self.guards = Guards(cfg.guard, replays, self.layout, self.optimizers, self.stepper.params,
                              [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
         self.hosts = gather_hosts(ctx.world_size)
         self._attach(users)
@@ -125,32 +125,31 @@ class Trainer:
     def _checkpoint_manager(self, corpus: Corpus, accepted: tuple[str, ...]) -> CheckpointManager:
         cfg = self.cfg
         return CheckpointManager(
-            cfg, self.run_dir, self.mesh.layout.describe(), self.events,
+            cfg, self.run_dir, self.layout.describe(), self.events,
             on_write=partial(self.hooks.notify, "on_checkpoint_write"),
             # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
             tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
             identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
 
     def _build_model(self) -> None:
-        cfg, mesh = self.cfg, self.mesh
+        cfg, layout = self.cfg, self.layout
         self.dtype = precision_dtype(cfg, self.ctx.device)
         autocast = self.dtype if self.dtype != torch.float32 else None
-        tp = mesh.layout.tp > 1
-        parts, stages = build_model_parts(cfg, mesh, self.dtype)
+        objective = layout.objective(cfg.train)
+        parts, stages = build_model_parts(cfg, layout, self.dtype)
         self.parts: list[nn.Module] = list(parts)
         self.optimizers: list[torch.optim.Optimizer] = [
             build_optimizer(part, cfg.optim, width_ratio(cfg.model)) for part in parts]
         self.pipeline: Pipeline | None = None
-        if mesh.layout.pp > 1:
+        if layout.pipelined:
             from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo
 
-            self.pipeline = Pipeline(cfg, mesh, parts, stages, self.optimizers, tp)
+            self.pipeline = Pipeline(cfg, layout, parts, stages, self.optimizers, objective)
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
-                               autocast_dtype=autocast, loss_parallel=tp, objective=Objective.of(cfg.train))
-        self.sync = StepSync(mesh.layout.dp * mesh.layout.tp)
+                               autocast_dtype=autocast, objective=objective)
+        self.sync = StepSync(layout.loss_divisor)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
-                         partial(evaluate, self.parts[0], autocast_dtype=autocast, loss_parallel=tp,
-                                 objective=Objective.of(cfg.train)))
+                         partial(evaluate, self.parts[0], autocast_dtype=autocast, objective=objective))
 
     def _measured_peak(self) -> float:
         """The matmul peak of these processes, measured once per job: a restart on the same hosts reuses it."""
@@ -178,13 +177,13 @@ class Trainer:
                                                   self.rank0)
         metering = Metering(monitor, self.meter, comm)
         signals = InstabilitySignals(cfg.monitor.signals_interval, self.parts, self.optimizers, cfg.model.n_layers,
-                                     self.mesh.layout.pp)
+                                     self.layout.degrees.pp)
         self.replicas = self._replica_groups() if cfg.fault_tolerance.replica_groups > 1 else None
         inspection = GuardInspection(self.guards, monitor, self.stepper,
                                      lambda step: hooks.notify("on_backward", step, True))
         pause = PauseRequests(self.requests, straggler, self.sync)
         self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
-                                       self.mesh.layout.pp, ckpt,
+                                       self.layout.degrees.pp, ckpt,
                                        [lambda: comm.last, lambda: signals.last, self.guards.metrics,
                                         lambda: straggler.last,
                                         self.replicas.metrics if self.replicas else dict],
@@ -253,7 +252,7 @@ class Trainer:
 
     def _replica_groups(self) -> ReplicaGroups:
         return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,
-                             self.mesh.dp_rank, self.mesh.layout.dp, self.monitor, self.run_dir, self.events, self.say,
+                             self.layout.dp_rank, self.layout.dp, self.monitor, self.run_dir, self.events, self.say,
                              self.rank0, self.cfg.guard.sdc.fingerprint_interval if self.cfg.guard.enabled else 0)
 
     def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
@@ -296,7 +295,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
         self.status("running", pid=os.getpid(), host=host(), world_size=ctx.world_size)
         self.say(f"training {cfg.name}: {param_count(cfg.model) / 1e6:.2f}M parameters, {ctx.world_size} × "
-                 f"{ctx.device.type} ({self.mesh.layout.describe()}), global batch {cfg.train.global_batch} × "
+                 f"{ctx.device.type} ({self.layout.describe()}), global batch {cfg.train.global_batch} × "
                  f"{cfg.train.seq_len} tokens, steps {state.step} → {cfg.train.steps}, run directory {self.run_dir}")
         self.say.log(self.peak.note())  # the log's, like the watchdog's timeouts: not for the first screen
         if cfg.health.watchdog.enabled:

@@ -11,12 +11,14 @@ import torch
 
 import keel
 from keel.checkpoint.resume import checkpoint_root
-from keel.config import CallbackSpec, Config, resolve_layout
+from keel.config import CallbackSpec, Config
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, KeelError
 from keel.health.signals import StopRequests
 from keel.health.watchdog import Watchdog, is_collective_timeout
 from keel.monitor.run_monitor import RunMonitor
-from keel.parallel.mesh import Dist, build_mesh, destroy_distributed, init_distributed, pick_device
+from keel.parallel.degrees import resolve_degrees
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import Dist, destroy_distributed, init_distributed, pick_device
 from keel.rundir.events import RunLog
 from keel.rundir.lock import held_by_launcher, hold_as_worker
 from keel.rundir.status import read_status, write_status
@@ -68,14 +70,14 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
 def _run(cfg: Config, run_dir: Path, ctx: Dist, requests: StopRequests, resume: str, accepted: tuple[str, ...],
          callbacks: list[CallbackSpec], times: dict[str, float]) -> int:
     """The Trainer inside the run's logs, watchdog and monitor, which outlive it on every path."""
-    mesh = build_mesh(ctx, resolve_layout(cfg, ctx.world_size))
-    with RunLog(run_dir, ctx.rank, mesh.layout.describe()) as log:
+    layout = Layout.build(ctx.device.type, resolve_degrees(cfg, ctx.world_size))
+    with RunLog(run_dir, ctx.rank, layout.describe()) as log:
         watchdog = Watchdog(cfg.health.watchdog, run_dir, ctx.rank, ctx.world_size, log.events, log.say)
         watchdog.start()
         monitor = RunMonitor(cfg.monitor, run_dir, ctx.rank, ctx.device, log, attempt_started(),
                              checkpoint_root(cfg, run_dir).path())
         try:
-            trainer = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)
+            trainer = Trainer(cfg, run_dir, ctx, layout, log, requests, watchdog, monitor)
             try:
                 code = trainer.build(resume, accepted, callbacks, times)
                 if code is None:

@@ -18,10 +18,10 @@ from keel.config import (
     SourceConfig,
     load_config,
     reference,
-    resolve_layout,
     to_toml,
 )
 from keel.errors import ConfigError
+from keel.parallel.degrees import resolve_degrees
 from tests.conftest import REPO
 
 CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
@@ -53,7 +53,7 @@ def test_config_directory_holds_the_shipped_configs() -> None:
 def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.name == path.stem
-    resolve_layout(cfg, 1)
+    resolve_degrees(cfg, 1)
     # Every value written in the file is the value the config holds (nothing dropped or renamed).
     def holds(node: object, value: object, where: str) -> None:
         if not isinstance(value, dict) or isinstance(node, dict) and not node:
@@ -271,25 +271,6 @@ def test_consistent_edge_cases_are_accepted() -> None:
 def test_callback_path_needs_module_and_class(tmp_path: Path) -> None:
     message = config_error([], write(tmp_path, "[[callbacks]]\npath = 'a.b:C'\n\n[[callbacks]]\npath = 'nocolon'\n"))
     assert "callbacks[1].path = 'nocolon': expected 'package.module:Class'" in message
-
-
-def test_resolve_layout() -> None:
-    cfg = load_config(None, ["train.global_batch=32", "train.micro_batch=8", "eval.sequences=64"])
-    for world_size in (1, 2, 4):
-        resolve_layout(cfg, world_size)
-    with pytest.raises(ConfigError) as info:
-        resolve_layout(cfg, 3)
-    message = str(info.value)
-    assert "\n" not in message
-    assert "train.global_batch = 32 must divide by train.micro_batch × data-parallel degree = 8 × 3" in message
-    assert "multiple of 24" in message
-    with pytest.raises(ConfigError, match="multiple of 64"):
-        resolve_layout(cfg, 8)
-    # The batch splits over 3 processes but the validation set does not.
-    cfg = load_config(None, ["train.global_batch=48", "train.micro_batch=16", "eval.sequences=64"])
-    with pytest.raises(ConfigError) as info:
-        resolve_layout(cfg, 3)
-    assert "eval.sequences = 64 must divide by the data-parallel degree = 3" in str(info.value)
 
 
 # ---------------------------------------------------------------- writing and documenting

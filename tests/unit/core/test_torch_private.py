@@ -16,6 +16,7 @@ from keel.core.torch_private import (
     checkpoint_wrapper,
     copy_all_,
     default_store,
+    flatten_mesh,
     fsspec_checkpoint_io,
     in_backward,
     norms,
@@ -71,6 +72,9 @@ def _check_group_apis() -> None:
     dtensor = DTensor.from_local(torch.zeros(3), mesh, [Replicate()])
     set_local_tensor(dtensor, torch.ones(3))
     assert torch.equal(dtensor.to_local(), torch.ones(3))
+    two = dist.device_mesh.init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    flat = flatten_mesh(two["a", "b"], "a_b")
+    assert flat.mesh_dim_names == ("a_b",) and flat.size() == 1
 
 
 def test_fsspec_reader_and_writer_import() -> None:

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from keel.checkpoint.manager import checkpoint_root
-from keel.config import CallbackSpec, load_config, resolve_layout
+from keel.config import CallbackSpec, load_config
 from keel.health.signals import StopRequests
 from keel.health.watchdog import Watchdog
 from keel.monitor.run_monitor import RunMonitor
-from keel.parallel.mesh import Dist, build_mesh
+from keel.parallel.degrees import resolve_degrees
+from keel.parallel.layout import Layout
+from keel.parallel.mesh import Dist
 from keel.rundir.events import RunLog
 from keel.train.setup import attempt_started
 from keel.train.trainer import Trainer
@@ -35,15 +37,15 @@ def build(small_corpus: Path, tmp_path: Path, group: None) -> Iterator[Callable[
             run_dir = tmp_path / "run"
             cfg = load_config(None, [*SMALL_RUN, f"data.dir={small_corpus}", *IN_PROCESS, *overrides])
             ctx = Dist(0, 1, torch.device("cpu"))
-            mesh = build_mesh(ctx, resolve_layout(cfg, 1))
-            log = stack.enter_context(RunLog(run_dir, 0, mesh.layout.describe()))
+            layout = Layout.build(ctx.device.type, resolve_degrees(cfg, 1))
+            log = stack.enter_context(RunLog(run_dir, 0, layout.describe()))
             requests = StopRequests(run_dir, 0)
             stack.callback(requests.close)
             watchdog = Watchdog(cfg.health.watchdog, run_dir, 0, 1, log.events, log.say)
             monitor = RunMonitor(cfg.monitor, run_dir, 0, ctx.device, log, attempt_started(),
                                  checkpoint_root(cfg, run_dir).path())
             stack.callback(monitor.stop)
-            built = Trainer(cfg, run_dir, ctx, mesh, log, requests, watchdog, monitor)
+            built = Trainer(cfg, run_dir, ctx, layout, log, requests, watchdog, monitor)
             stack.callback(built.close)
             assert built.build("never", (), list(callbacks), {}) is None
             return built

@@ -104,7 +104,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The Trainer's step on one model: forward/backward, the global norm, clip and update; this rank's
     loss and the norm before clipping."""
-    stepper = Stepper([model], [optimizer], None, grad_clip=grad_clip, autocast_dtype=None, loss_parallel=False)
+    stepper = Stepper([model], [optimizer], None, grad_clip=grad_clip, autocast_dtype=None)
     loss = stepper.forward_backward(micro_batches)
     norm = stepper.grad_norm()
     stepper.update(lr, norm)
@@ -113,8 +113,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The Trainer's global norm and clip of `params`' gradients."""
-    stepper = Stepper([torch.nn.ParameterList(params)], [], None, grad_clip=max_norm, autocast_dtype=None,
-                      loss_parallel=False)
+    stepper = Stepper([torch.nn.ParameterList(params)], [], None, grad_clip=max_norm, autocast_dtype=None)
     norm = stepper.grad_norm()
     stepper.clip(norm)
     return norm

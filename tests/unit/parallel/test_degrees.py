@@ -5,26 +5,27 @@ from __future__ import annotations
 
 import pytest
 
-from keel.config import Layout, load_config, resolve_layout
+from keel.config import load_config
 from keel.errors import ConfigError
+from keel.parallel.degrees import Degrees, resolve_degrees
 
 BASE = ["model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=256", "train.global_batch=32",
         "train.micro_batch=4", "eval.sequences=64"]
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
-    (1, [], Layout(1, 1, 1)),
-    (4, [], Layout(1, 4, 1)),
-    (4, ["parallel.tp=2"], Layout(1, 2, 2)),
-    (8, ["parallel.dp_replicate=2", "parallel.tp=2"], Layout(2, 2, 2)),
-    (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1"], Layout(4, 1, 1)),
-    (2, ["parallel.tp=2", "parallel.dp_shard=1"], Layout(1, 1, 2)),
+    (1, [], Degrees(1, 1, 1)),
+    (4, [], Degrees(1, 4, 1)),
+    (4, ["parallel.tp=2"], Degrees(1, 2, 2)),
+    (8, ["parallel.dp_replicate=2", "parallel.tp=2"], Degrees(2, 2, 2)),
+    (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1"], Degrees(4, 1, 1)),
+    (2, ["parallel.tp=2", "parallel.dp_shard=1"], Degrees(1, 1, 2)),
     # Pipeline: micro-batches default to the per-rank batch over train.micro_batch (32 / 2 / 4).
-    (4, ["parallel.pp=2"], Layout(1, 2, 1, 2, 4)),
-    (8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"], Layout(1, 2, 2, 2, 2)),
+    (4, ["parallel.pp=2"], Degrees(1, 2, 1, 2, 4)),
+    (8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"], Degrees(1, 2, 2, 2, 2)),
 ])
-def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout) -> None:
-    layout = resolve_layout(load_config(None, BASE + overrides), world)
+def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Degrees) -> None:
+    layout = resolve_degrees(load_config(None, BASE + overrides), world)
     assert layout == expect
     assert layout.world_size == world and layout.dp == expect.dp_replicate * expect.dp_shard
 
@@ -59,12 +60,31 @@ def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Layout)
 ])
 def test_invalid_layouts_are_refused_with_their_numbers(world: int, overrides: list[str], expect: str) -> None:
     with pytest.raises(ConfigError) as info:
-        resolve_layout(load_config(None, BASE + overrides), world)
+        resolve_degrees(load_config(None, BASE + overrides), world)
     message = str(info.value)
     assert expect in message and "\n" not in message
 
 
-def test_layout_describes_itself() -> None:
-    assert Layout(2, 2, 2).describe() == "dp_replicate2 × dp_shard2 × tp2"
-    assert Layout(1, 2, 1, 2, 4).describe() == "pp2 × dp_shard2"
-    assert Layout(1, 1, 1).describe() == "single process"
+def test_degrees_describe_themselves() -> None:
+    assert Degrees(2, 2, 2).describe() == "dp_replicate2 × dp_shard2 × tp2"
+    assert Degrees(1, 2, 1, 2, 4).describe() == "pp2 × dp_shard2"
+    assert Degrees(1, 1, 1).describe() == "single process"
+
+
+def test_resolve_degrees() -> None:
+    cfg = load_config(None, ["train.global_batch=32", "train.micro_batch=8", "eval.sequences=64"])
+    for world_size in (1, 2, 4):
+        resolve_degrees(cfg, world_size)
+    with pytest.raises(ConfigError) as info:
+        resolve_degrees(cfg, 3)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "train.global_batch = 32 must divide by train.micro_batch × data-parallel degree = 8 × 3" in message
+    assert "multiple of 24" in message
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        resolve_degrees(cfg, 8)
+    # The batch splits over 3 processes but the validation set does not.
+    cfg = load_config(None, ["train.global_batch=48", "train.micro_batch=16", "eval.sequences=64"])
+    with pytest.raises(ConfigError) as info:
+        resolve_degrees(cfg, 3)
+    assert "eval.sequences = 64 must divide by the data-parallel degree = 3" in str(info.value)

@@ -1,0 +1,101 @@
+"""The one owner of a run's parallel layout: its degrees (keel.parallel.degrees), the device mesh built once from
+them, and every fact derived from the two — which mesh each feature uses, which ranks share a batch, a loss or the
+parameters. Nothing else recomputes a layout fact: the model's parallelisation, the loader, the step's loss and
+its one reduction, the guards and the checkpoints ask this object.
+
+The mesh's dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Ranks of one tensor- or
+context-parallel group hold the same sequences (the global batch is split over dp_replicate × dp_shard); the
+context-parallel ranks hold different parts of them and are data-parallel for the parameters, so FSDP shards
+parameters over dp_shard × cp (as torchtitan does) and averages their gradients over both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from keel.config import TrainConfig
+from keel.core.torch_private import flatten_mesh
+from keel.model.loss import Objective
+from keel.parallel.degrees import DIMS, Degrees
+
+
+@dataclass(frozen=True)
+class Layout:
+    degrees: Degrees
+    mesh: DeviceMesh
+
+    @classmethod
+    def build(cls, device_type: str, degrees: Degrees) -> Layout:
+        mesh = init_device_mesh(device_type, tuple(degrees.of(dim) for dim in DIMS), mesh_dim_names=DIMS)
+        return cls(degrees, mesh)
+
+    def describe(self) -> str:
+        return self.degrees.describe()
+
+    # ---------------------------------------------------------------- which features run
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model's layers are split over a tensor-parallel group; its logits are then sharded over the
+        vocabulary and the loss is computed on the shards."""
+        return self.degrees.tp > 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.degrees.pp > 1
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether FSDP (HSDP across replicas) holds the parameters: any data- or context-parallel degree."""
+        return self.degrees.dp * self.degrees.cp > 1
+
+    # ---------------------------------------------------------------- meshes
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.get_local_rank("pp")
+
+    @functools.cached_property
+    def fsdp(self) -> DeviceMesh:
+        """Where parameters are sharded: dp_shard (with cp, the two as one dimension), 2-D (replicate, shard) for
+        HSDP. Built once: a flattened dimension is named once per mesh."""
+        if self.degrees.cp == 1:
+            return self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
+        flat = flatten_mesh(self.mesh["dp_shard", "cp"], "dp_shard_cp")
+        return self.mesh["dp_replicate", "dp_shard_cp"] if self.degrees.dp_replicate > 1 else flat
+
+    @property
+    def replicas(self) -> DeviceMesh | None:
+        """The ranks that hold the same parameter shards (HSDP's replicas), None without replicas."""
+        return self.mesh["dp_replicate"] if self.degrees.dp_replicate > 1 else None
+
+    # ---------------------------------------------------------------- batches and losses
+    @property
+    def dp(self) -> int:
+        """How many ways the global batch is split."""
+        return self.degrees.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's slice of the global batch; the ranks of one tensor- or context-parallel group share it."""
+        return self.mesh.get_local_rank("dp_replicate") * self.degrees.dp_shard + self.mesh.get_local_rank("dp_shard")
+
+    @property
+    def loss_divisor(self) -> int:
+        """How many ranks' mean losses the step's one sum holds, over which it is averaged: every data- and
+        context-parallel rank holds the mean of as many tokens, the ranks of a tensor-parallel group the same
+        one (with a pipeline, the ranks of its last stage; the others add 0)."""
+        return self.degrees.dp * self.degrees.cp * self.degrees.tp
+
+    def objective(self, train: TrainConfig) -> Objective:
+        """The training objective as this layout computes it: on vocabulary shards under tensor parallelism."""
+        return Objective.of(train, vocab_parallel=self.tensor_parallel)
