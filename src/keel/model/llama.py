@@ -8,9 +8,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from keel.config import ModelConfig
 from keel.model.flops import ffn_hidden_dim, head_size
+from keel.model.parallelizable import ParallelPlan
 
 HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
 
@@ -163,6 +172,41 @@ class Llama(nn.Module):
         if (self.cfg.tie_embeddings and embeddings is not None and output is not None
                 and output.weight is not embeddings.weight):
             output.weight = embeddings.weight
+
+    def blocks(self) -> nn.ModuleDict:
+        return self.layers
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Megatron-style TP with sequence parallel: projections column-/row-wise over heads and the SwiGLU
+        hidden size; norms and residuals sharded over the sequence between them; the output projection
+        sharded over the vocabulary, its logits left as a DTensor for the parallel loss."""
+        top: dict[str, ParallelStyle] = {}
+        if self.tok_embeddings is not None:
+            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        if self.norm is not None:
+            top["norm"] = SequenceParallel()
+        if self.output is not None:
+            top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if self.embedding_norm is not None:  # between the embedding and the first block: sharded over the sequence
+            top["embedding_norm"] = SequenceParallel(use_local_output=True)
+        # QK-norm sees this rank's heads (dimension 2 of batch, sequence, head, feature); its gains are replicated.
+        qk_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
+        per_head = {"attention.q_norm": qk_norm, "attention.k_norm": qk_norm} if self.cfg.qk_norm else {}
+        return ParallelPlan(top, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            **per_head,
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
 
     def embedded(self, x: torch.Tensor) -> torch.Tensor:
         """The token embeddings as the first block sees them (`model.embedding_norm`)."""

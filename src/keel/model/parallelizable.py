@@ -1,0 +1,35 @@
+"""What a model family declares so that keel.parallel can parallelise it without naming its modules: the
+blocks it repeats and its tensor-parallel plan. A new family implements `Parallelizable`; keel.parallel
+is not edited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A tensor-parallel plan in `parallelize_module`'s terms (submodule path → style). `top`: the modules
+    outside the blocks, by their path in the model; `block`: what every block applies, by path in the block.
+    A plan names only modules the model holds (a pipeline stage holds some of them)."""
+
+    top: dict[str, ParallelStyle]
+    block: dict[str, ParallelStyle]
+
+
+class Parallelizable(Protocol):
+    """A model (an `nn.Module`) that keel.parallel can parallelise: tensor parallel applies its plan;
+    activation checkpointing, per-block compile and FSDP work block by block."""
+
+    def blocks(self) -> nn.ModuleDict:
+        """The repeated blocks, in the container the forward runs them from: activation checkpointing
+        replaces its entries in place."""
+        ...
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The tensor-parallel plan of the model as it is now (its options, the modules it holds)."""
+        ...
