@@ -1,12 +1,13 @@
 """The guards of a run decide: continue, skip, roll back, stop, quarantine (keel.train.rollback carries
 out what they decide).
 
-They are asked twice per step. `inspect` runs after the backward, on the step report: the numerics and
-spike guards, users' guards (callbacks with an `inspect` method) and, when due, the step replay. `check`
-runs after the update: the replica fingerprints when due, the attention logits on the steps that computed the
-instability signals, then the in-memory snapshot when due. The
-strongest action wins. Every input to a decision is reduced or gathered over all ranks, so every rank
-takes the same branch. Each decision is an event with its evidence and a counter in the metrics.
+They are asked twice per step. `inspect` runs after the backward, on the step report: keel's own guards
+(each registered by its module of keel.guard, see keel.guard.registry), users' guards (callbacks with an
+`inspect` method) and, when due, the step replay. `check` runs after the update: the replica fingerprints when
+due, on the steps that computed the instability signals the guards that read them (the spike guard: the
+attention logits), then the in-memory snapshot when due. The strongest action wins. Every input to a decision
+is reduced or gathered over all ranks, so every rank takes the same branch. Each decision is an event with its
+evidence and a counter in the metrics.
 """
 
 from __future__ import annotations
@@ -14,34 +15,33 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from keel.config import GuardConfig
-from keel.core.actions import CONTINUE, Action, strongest
+from keel.core.actions import CONTINUE, Action, stronger, strongest
+from keel.core.guard import BuiltinGuard, Guard, SignalGuard
 from keel.core.state import TrainState
 from keel.core.sync import StepReport
 from keel.errors import EXIT_QUARANTINE
-from keel.guard.numerics import NumericsGuard
+from keel.guard.registry import build_guards
 from keel.guard.sdc import SdcGuard
 from keel.guard.snapshots import SnapshotRing
-from keel.guard.spike import SpikeGuard
 from keel.parallel.layout import Layout
 from keel.rundir.events import EventLog
 
 
 class Guards:
     def __init__(self, cfg: GuardConfig, deterministic: bool, layout: Layout, optimizers: list[torch.optim.Optimizer],
-                 params: list[torch.nn.Parameter], user_guards: list[Any], events: EventLog,
+                 params: list[torch.nn.Parameter], user_guards: Sequence[Guard], events: EventLog,
                  say: Callable[[str], None]) -> None:
         self.g, self.events = cfg, events
         self.rank0 = dist.get_rank() == 0
         on = self.g.enabled
-        self.builtin: list[NumericsGuard | SpikeGuard] = [NumericsGuard(self.g), SpikeGuard(self.g)] if on else []
-        self.guards: list[Any] = [*self.builtin, *user_guards]  # users' guards keep their state as callbacks
+        self.builtin: dict[str, BuiltinGuard] = build_guards(self.g) if on else {}
+        self.guards: list[Guard] = [*self.builtin.values(), *user_guards]  # users' keep their state as callbacks
         self.sdc = SdcGuard(self.g, layout, optimizers, params, deterministic) if on else None
         if on and not deterministic:
             say("note: step replays are off: with train.deterministic = false a recomputed step may differ by rounding")
@@ -101,12 +101,13 @@ class Guards:
             action = self.sdc.check(state.step) or CONTINUE
             if action.reason:
                 self._record(action, state.step)
-        spike = next((g for g in self.builtin if isinstance(g, SpikeGuard)), None)
-        if action.kind == "continue" and signals and spike is not None:
-            found = self._escalate(spike.inspect_signals(state.step, signals), state.step)
-            if found is not None:
-                self._record(found, state.step)
-                action = found
+        if action.kind == "continue" and signals:
+            for guard in self.builtin.values():
+                if isinstance(guard, SignalGuard):
+                    found = self._escalate(guard.inspect_signals(state.step, signals), state.step)
+                    if found is not None:
+                        self._record(found, state.step)
+                        action = stronger(action, found)
         if action.kind == "continue" and self.ring is not None and state.step % self.g.snapshot_interval == 0:
             self._snapshot(state)
         return self._exiting(action)
@@ -134,8 +135,8 @@ class Guards:
 
     def rolled_back(self, saved: dict, step: int) -> None:
         """The run went back to `step`, whose guard state was `saved`: the histories go back with it."""
-        for guard in self.builtin:
-            guard.load_state_dict(saved.get("guards", {}).get(guard.name, {}))
+        for name, guard in self.builtin.items():
+            guard.load_state_dict(saved.get("guards", {}).get(name, {}))
         if self.sdc is not None:
             self.sdc.rolled_back(step)
 
@@ -181,15 +182,15 @@ class Guards:
         return out
 
     def state_dict(self) -> dict:
-        return {"guards": {g.name: g.state_dict() for g in self.builtin},
+        return {"guards": {name: g.state_dict() for name, g in self.builtin.items()},
                 "sdc": self.sdc.state_dict() if self.sdc is not None else {},
                 "counts": dict(self.counts), "lr_scale": self.lr_scale, "lr_scale_until": self.lr_scale_until,
                 "rollback_steps": self.rollback_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        for g in self.builtin:
-            if g.name in state.get("guards", {}):
-                g.load_state_dict(state["guards"][g.name])
+        for name, g in self.builtin.items():
+            if name in state.get("guards", {}):
+                g.load_state_dict(state["guards"][name])
         if self.sdc is not None and state.get("sdc"):
             self.sdc.load_state_dict(state["sdc"])
         self.counts = Counter(state.get("counts", {}))

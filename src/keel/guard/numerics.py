@@ -10,8 +10,10 @@ from __future__ import annotations
 from keel.config import GuardConfig
 from keel.core.actions import Action
 from keel.core.sync import StepReport
+from keel.guard.registry import guard
 
 
+@guard("numerics")
 class NumericsGuard:
     name = "numerics"
 

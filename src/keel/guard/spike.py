@@ -14,6 +14,7 @@ import statistics
 from keel.config import GuardConfig
 from keel.core.actions import Action
 from keel.core.sync import StepReport
+from keel.guard.registry import guard
 
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution times this is its standard deviation
 REL_FLOOR = 0.01
@@ -27,6 +28,7 @@ def robust_score(history: list[float], x: float) -> tuple[float, float]:
     return (x - median) / scale, median
 
 
+@guard("spike")
 class SpikeGuard:
     name = "spike"
 

@@ -1,0 +1,34 @@
+"""A module file added to one of keel's packages for the length of a test, as a new module of the package
+would be: the file is written to a directory of its own that joins the package's path, so that the
+installed package is left alone."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+from keel.core.registry import Registry
+
+
+@contextlib.contextmanager
+def added_module(package: str, name: str, source: str, where: Path, registry: Registry) -> Iterator[str]:
+    """`source` as the file of the module PACKAGE.NAME, under `where`; yields the module's full name. On
+    leaving, the package's path, `registry`'s entries and the imported modules are as they were."""
+    pkg = importlib.import_module(package)
+    registry.all()  # the package's own modules register first: the entries restored are theirs
+    kept_path, kept_entries = list(pkg.__path__), dict(registry.entries)
+    (where / f"{name}.py").write_text(textwrap.dedent(source))
+    pkg.__path__.append(str(where))
+    importlib.invalidate_caches()
+    try:
+        yield f"{package}.{name}"
+    finally:
+        pkg.__path__[:] = kept_path
+        registry.entries = kept_entries
+        sys.modules.pop(f"{package}.{name}", None)
+        if hasattr(pkg, name):
+            delattr(pkg, name)
