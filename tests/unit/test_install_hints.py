@@ -9,12 +9,12 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-from keel.monitor.trackers import EXTRA as TRACKER_EXTRAS
+from keel.monitor.tracking.registry import BACKENDS
 from tests.conftest import REPO
 
 HINT = re.compile(r"pip install\s+'?(?P<dist>[A-Za-z0-9_.-]+)(?:\[(?P<extra>\{[^}]*\}|[^\]]*)\])?")
 # The extras that an f-string's placeholder stands for, by the placeholder's source.
-PLACEHOLDERS = {"EXTRA[name]": set(TRACKER_EXTRAS.values())}
+PLACEHOLDERS = {"kind.extra": {kind.extra for kind in BACKENDS.all().values()}}
 
 
 def text_of(node: ast.Constant | ast.JoinedStr) -> str:

@@ -217,7 +217,7 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     """What a start can check from its arguments and config alone, before it creates anything."""
     from keel.drill.faults import check_injections
     from keel.monitor.run_monitor import check_exporter_ports
-    from keel.monitor.trackers import check_trackers
+    from keel.monitor.tracking.registry import check_trackers
     from keel.paths import check_input, check_writable_dir
     from keel.train.callbacks import check_callbacks
 

@@ -1,5 +1,6 @@
-"""Experiment trackers (MLflow, Weights & Biases) as a monitor component: rank 0 hands every metrics record,
-event and checkpoint to one background thread per tracker, which owns the tracker's client.
+"""Experiment trackers (MLflow, Weights & Biases: their clients are keel.monitor.tracking's) as a monitor
+component: rank 0 hands every metrics record, event and checkpoint to one background thread per tracker,
+which owns the tracker's client.
 
 Training never waits for a tracker: records go into a bounded queue, and a record that finds the queue full
 is dropped and counted, as are those that come while a tracker rests after a failed request (the thread
@@ -20,13 +21,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from keel.config import Config, TrackerQueueConfig
 from keel.core.callbacks import Callback
 from keel.core.state import TrainState
-from keel.errors import ConfigError
-from keel.monitor import tracker_backends
+from keel.monitor.tracking.registry import Backend, enabled_trackers, make_backend
 from keel.rundir.events import read_jsonl
 
 TRACKERS = "trackers.json"
@@ -35,54 +35,6 @@ REPORT_EVERY_S = 60.0  # the thread's warnings about a tracker in trouble, at mo
 REOPEN_EVERY_S = 30.0  # a tracker that could not be opened is tried again this often
 RETRY_AFTER_S = 10.0  # a tracker whose request failed is left alone this long
 SAVE_EVERY_S = 5.0  # the last step a tracker received, kept in RUN_DIR/trackers.json this often
-EXTRA = {"mlflow": "mlflow", "wandb": "wandb"}  # tracker → the distribution's extra that installs its client
-
-
-class Backend(Protocol):
-    """One tracker's client. Every method runs on the tracker's own thread and may raise."""
-
-    name: str
-
-    def open(self, saved: dict | None) -> dict:
-        """Start a run, or continue the one `saved` describes; returns what identifies it for a resume."""
-        ...
-
-    def config(self, cfg: Config, resumed: bool) -> None: ...
-    def metrics(self, step: int, values: dict[str, float], time_s: float) -> None: ...
-    def event(self, step: int, kind: str, text: str) -> None: ...
-    def link(self, key: str, value: str) -> None: ...
-    def artifact(self, path: Path) -> None: ...
-    def close(self, ended: str) -> None: ...
-
-
-def enabled_trackers(cfg: Config) -> list[str]:
-    return [name for name in EXTRA if getattr(cfg.monitor, name).enabled]
-
-
-def check_trackers(cfg: Config) -> None:
-    """Every enabled tracker's client is installed: checked before any worker starts."""
-    import importlib.util
-
-    for name in enabled_trackers(cfg):
-        if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"monitor.{name}.enabled = true needs the {name} package: pip install "
-                              f"'keel-pretrain[{EXTRA[name]}]', or set monitor.{name}.enabled = false")
-
-
-def make_backend(name: str, cfg: Config, run_dir: Path) -> Backend:
-    if name == "mlflow":
-        return tracker_backends.MlflowBackend(cfg.monitor.mlflow, run_name(run_dir), cfg.name, run_dir)
-    return tracker_backends.WandbBackend(cfg.monitor.wandb, run_name(run_dir), cfg.name, run_dir)
-
-
-def run_name(run_dir: Path) -> str:
-    """A tracker run's name: its run directory's (the whole run's, for a replica group's RUN_DIR/groups/G), so
-    that the runs of one config in several directories (a sweep by hand) are told apart; the config's name
-    is a tag."""
-    path = run_dir.resolve()
-    if path.parent.name == "groups" and path.name.isdigit():
-        path = path.parent.parent
-    return path.name
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:
@@ -118,11 +70,11 @@ def save_ids(run_dir: Path, name: str, ids: dict) -> None:
 
 
 class TrackerChannel:
-    """One tracker behind a bounded queue and its own thread."""
+    """One tracker (`name`: its registered name) behind a bounded queue and its own thread."""
 
-    def __init__(self, backend: Backend, cfg: Config, run_dir: Path, qc: TrackerQueueConfig,
+    def __init__(self, name: str, backend: Backend, cfg: Config, run_dir: Path, qc: TrackerQueueConfig,
                  warn: Callable[[str, dict], None], start_step: int) -> None:
-        self.backend, self.cfg, self.run_dir, self.warn = backend, cfg, run_dir, warn
+        self.name, self.backend, self.cfg, self.run_dir, self.warn = name, backend, cfg, run_dir, warn
         # metrics.jsonl's records up to the step this start resumes from are sent from the file (those after it
         # are redone, and come through the queue)
         self.start_step = start_step
@@ -134,7 +86,7 @@ class TrackerChannel:
         self.opened = False
         self._next_open = self._rest_until = 0.0
         self.error = ""
-        self.thread = threading.Thread(target=self._run, name=f"keel-{backend.name}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"keel-{name}", daemon=True)
         self.thread.start()
 
     def put(self, method: str, *args: Any) -> None:
@@ -182,11 +134,11 @@ class TrackerChannel:
         """The tracker's run, opened (or continued) on first use; retried every REOPEN_EVERY_S."""
         if self.opened or time.monotonic() < self._next_open:
             return self.opened
-        saved = read_saved(self.run_dir).get(self.backend.name)
+        saved = read_saved(self.run_dir).get(self.name)
         try:
             self.ids = self.backend.open(saved)
             self.sent_step = int(saved.get("sent_step", -1)) if saved and self.ids == ids_of(saved) else -1
-            save_ids(self.run_dir, self.backend.name, {**self.ids, "sent_step": self.sent_step})
+            save_ids(self.run_dir, self.name, {**self.ids, "sent_step": self.sent_step})
             self.backend.config(self.cfg, resumed=saved is not None)
             self._backfill()
             self.opened = True
@@ -208,16 +160,16 @@ class TrackerChannel:
         self.sent_step = max(self.sent_step, step)
         if force or time.monotonic() - self._saved_at >= SAVE_EVERY_S:
             self._saved_at = time.monotonic()
-            save_ids(self.run_dir, self.backend.name, {**self.ids, "sent_step": self.sent_step})
+            save_ids(self.run_dir, self.name, {**self.ids, "sent_step": self.sent_step})
 
     def _report(self, final: bool = False) -> None:
         lost = self.dropped + self.failed
         if lost == self._reported or not (final or time.monotonic() - self._last_report >= REPORT_EVERY_S):
             return
         self._last_report, self._reported = time.monotonic(), lost
-        self.warn(f"{self.backend.name}: {self.dropped} records dropped, {self.failed} refused"
+        self.warn(f"{self.name}: {self.dropped} records dropped, {self.failed} refused"
                   f"{f' (last error: {self.error})' if self.error else ''}; training goes on",
-                  {"tracker": self.backend.name, "dropped": self.dropped, "failed": self.failed,
+                  {"tracker": self.name, "dropped": self.dropped, "failed": self.failed,
                    "error": self.error})
 
 
@@ -235,7 +187,7 @@ class Trackers(Callback):
     def on_start(self, state: TrainState) -> None:
         """The trackers start once the step this start resumes from is known."""
         self.step, cfg = state.step, self.cfg
-        self.channels = [TrackerChannel(make_backend(name, cfg, self.run_dir), cfg, self.run_dir,
+        self.channels = [TrackerChannel(name, make_backend(name, cfg, self.run_dir), cfg, self.run_dir,
                                         cfg.monitor.trackers, self._warn, state.step) for name in enabled_trackers(cfg)]
         early, self.early = self.early or [], None
         for method, args in early:

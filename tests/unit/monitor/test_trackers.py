@@ -14,14 +14,14 @@ import pytest
 
 from keel.config import Config, TrackerQueueConfig
 from keel.errors import ConfigError
-from keel.monitor.tracker_backends import MlflowBackend, WandbBackend, flat_config
-from keel.monitor.trackers import TRACKERS, TrackerChannel, check_trackers, make_backend, numeric
+from keel.monitor.trackers import TRACKERS, TrackerChannel, numeric
+from keel.monitor.tracking.mlflow_backend import MlflowBackend, flat_config
+from keel.monitor.tracking.registry import check_trackers, make_backend
+from keel.monitor.tracking.wandb_backend import WandbBackend
 
 
 class Recording:
     """A tracker that keeps what it is sent; `gate` holds every call until set, `fail` makes them raise."""
-
-    name = "mlflow"
 
     def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
         self.gate, self.fail = gate, fail
@@ -56,7 +56,7 @@ class Recording:
 
 def channel(backend: Recording, run_dir: Path, queue: int = 1000, start_step: int = 0,
             warnings: list | None = None) -> TrackerChannel:
-    return TrackerChannel(backend, Config(), run_dir, TrackerQueueConfig(queue=queue),
+    return TrackerChannel("mlflow", backend, Config(), run_dir, TrackerQueueConfig(queue=queue),
                           lambda text, detail: (warnings if warnings is not None else []).append((text, detail)),
                           start_step)
 

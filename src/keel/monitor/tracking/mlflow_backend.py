@@ -1,29 +1,29 @@
-"""The clients of the experiment trackers keel logs to (keel.monitor.trackers runs each on its own thread).
-Each is imported only when its tracker is enabled: both are optional extras."""
+"""MLflow as an experiment tracker (`monitor.mlflow`): a run of the tracking server's experiment, the config as
+its parameters, every metric under keel's names, events as tags. The client is imported on the tracker's
+thread, only where the tracker is enabled (the mlflow extra)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import re
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from keel.checkpoint.identity import flat_config as settings
-from keel.config import Config, MlflowConfig, WandbConfig
+from keel.config import Config, MlflowConfig
+from keel.monitor.tracking.registry import tracker
 
 # MLflow's limits per log_batch call, and on a key's characters.
 MLFLOW_PARAMS_PER_CALL, MLFLOW_METRICS_PER_CALL, MLFLOW_TAG_CHARS = 100, 1000, 5000
-WANDB_TAG_CHARS = 64
 _MLFLOW_KEY = re.compile(r"[^\w./\- :]")
 # The state a keel run ended in → MLflow's run status (a paused run is resumed later into the same MLflow run).
 MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED", "failed": "FAILED"}
 
 
 def flat_config(cfg: Config) -> dict[str, str]:
-    """The resolved config as `section.key` → text (lists as JSON), the way trackers show parameters."""
+    """The resolved config as `section.key` → text (lists as JSON), the way MLflow shows parameters."""
     return {key: json.dumps(value) if isinstance(value, list) else str(value)
             for key, value in settings(cfg).items()}
 
@@ -33,8 +33,8 @@ def mlflow_key(key: str) -> str:
     return _MLFLOW_KEY.sub("_", key)
 
 
+@tracker("mlflow", client="mlflow")
 class MlflowBackend:
-    name = "mlflow"
 
     def __init__(self, mc: MlflowConfig, run_name: str, config_name: str, run_dir: Path) -> None:
         self.mc, self.run_name, self.config_name, self.run_dir = mc, mc.run_name or run_name, config_name, run_dir
@@ -105,55 +105,3 @@ class MlflowBackend:
     def close(self, ended: str) -> None:
         self.client.set_tag(self.run_id, "keel.state", ended)
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(ended, "FAILED"))
-
-
-class WandbBackend:
-    name = "wandb"
-
-    def __init__(self, wc: WandbConfig, run_name: str, config_name: str, run_dir: Path) -> None:
-        self.wc, self.run_name, self.config_name, self.run_dir = wc, wc.run_name or run_name, config_name, run_dir
-        self.run: Any = None
-
-    def open(self, saved: dict | None) -> dict:
-        import wandb
-
-        # The run's own files only: no console capture, system metrics, code or package list (keel
-        # monitors the machine itself).
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
-                                  save_code=False, disable_git=True, x_save_requirements=False)
-        self.run = wandb.init(project=self.wc.project, entity=self.wc.entity or None, name=self.run_name,
-                              tags=self.tags(), mode=cast(Any, self.wc.mode), dir=str(self.run_dir),
-                              id=saved["id"] if saved else None, resume="allow" if saved else None,
-                              settings=settings)
-        return {"id": self.run.id, "project": self.wc.project, "mode": self.wc.mode}
-
-    def tags(self) -> list[str]:
-        """A new run's tags: the configured ones and `config=NAME` (W&B's tags are words of at most 64
-        characters)."""
-        return [*self.wc.tags, *([f"config={self.config_name}"[:WANDB_TAG_CHARS]] if self.config_name else [])]
-
-    def config(self, cfg: Config, resumed: bool) -> None:
-        self.run.config.update(dataclasses.asdict(cfg), allow_val_change=True)
-
-    def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:
-        self.run.log(values, step=step)
-
-    def event(self, step: int, kind: str, text: str) -> None:
-        """Each kind of event seen becomes a tag of the run; its newest is in the summary as `event/KIND`."""
-        if kind not in self.run.tags:
-            self.run.tags = (*self.run.tags, kind)
-        self.run.summary[f"event/{kind}"] = text
-
-    def link(self, key: str, value: str) -> None:
-        self.run.summary[key] = value
-
-    def artifact(self, path: Path) -> None:
-        import wandb
-
-        artifact = wandb.Artifact(f"{self.run.id}-{path.stem}", type=path.stem)
-        artifact.add_file(str(path))
-        self.run.log_artifact(artifact)
-
-    def close(self, ended: str) -> None:
-        self.run.summary["keel/state"] = ended
-        self.run.finish(exit_code=0 if ended in ("finished", "paused") else 1)
