@@ -23,6 +23,9 @@ class Layout:
     v: int = 1  # stages (model chunks) per pipeline rank: an interleaved schedule when > 1
     dp_shard: int = 1  # FSDP sharding degree
     dp_replicate: int = 1  # HSDP replicas
+    # context parallel: each sequence split into 2·cp chunks over cp ranks (rank r holds chunks r and 2·cp−1−r);
+    # data-parallel for the parameters (FSDP shards over dp_shard × cp), not for the batch
+    cp: int = 1
     micro_batch: int = 1  # sequences per micro-batch per rank
     ac: str = "none"  # activation checkpointing: none | selective | full
     sp: bool = True  # sequence parallel alongside tp > 1
@@ -31,17 +34,23 @@ class Layout:
     zero: int = 3
 
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp_shard * self.dp_replicate
+        return self.tp * self.pp * self.dp_shard * self.dp_replicate * self.cp
 
     def dp(self) -> int:
+        """Data-parallel ranks that split the batch: the CP ranks of a group share their sequences."""
         return self.dp_shard * self.dp_replicate
+
+    def shard(self) -> int:
+        """Ranks the sharded state (FSDP, ZeRO) is split over: dp_shard × cp, as torchtitan does."""
+        return self.dp_shard * self.cp
 
     def spec(self) -> str:
         """The layout as `keel plan --layout` takes it."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "sp")
 
     def describe(self) -> str:
-        parts = [f"{name}{value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("dp_shard", self.dp_shard),
+        parts = [f"{name}{value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+                                                       ("dp_shard", self.dp_shard),
                                                        ("dp_replicate", self.dp_replicate)) if value > 1]
         if self.v > 1:
             parts.append(f"v{self.v}")
@@ -84,6 +93,10 @@ class Workload:
     def flops_per_token(self) -> float:
         return flops_per_token(self.model, self.seq_len)
 
+    def local_tokens(self, layout: Layout) -> float:
+        """Tokens of one micro-batch on a rank: its sequences' share over the CP group."""
+        return self.seq_len * layout.micro_batch / layout.cp
+
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches per step on each pipeline (each data-parallel rank)."""
         return max(1, self.global_batch // (layout.dp() * layout.micro_batch))
@@ -120,19 +133,22 @@ def pipeline_imbalance(work: Workload, layout: Layout) -> float:
 
 def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layout:
     """A layout whose dp_shard may be -1 (what the others leave of `gpus`), checked against `gpus`."""
-    rest = int(values.get("tp", 1)) * int(values.get("pp", 1)) * int(values.get("dp_replicate", 1))
+    cp = int(values.get("cp", 1))
+    with_cp = " × cp" if cp > 1 else ""  # named only where it is used: most layouts have none
+    rest = int(values.get("tp", 1)) * int(values.get("pp", 1)) * int(values.get("dp_replicate", 1)) * cp
     if values.get("dp_shard", -1) == -1:
         if gpus % rest:
-            raise KeelError(f"{where}: tp × pp × dp_replicate = {rest} does not divide --gpus {gpus}")
+            raise KeelError(f"{where}: tp × pp × dp_replicate{with_cp} = {rest} does not divide --gpus {gpus}")
         values["dp_shard"] = gpus // rest
     layout = Layout(**values)  # type: ignore[arg-type]
     if layout.gpus() != gpus:
-        raise KeelError(f"{where} uses {layout.gpus()} devices (tp × pp × dp_shard × dp_replicate), not --gpus {gpus}")
+        raise KeelError(f"{where} uses {layout.gpus()} devices (tp × pp × dp_shard × dp_replicate{with_cp}), not "
+                        f"--gpus {gpus}")
     return layout
 
 
 def parse_layout(text: str, gpus: int) -> Layout:
-    """`--layout tp=8,pp=16,dp_shard=16,micro_batch=1,ac=full` (dp_shard left out: what the rest leaves)."""
+    """`--layout tp=8,pp=16,cp=2,dp_shard=8,micro_batch=1,ac=full` (dp_shard left out: what the rest leaves)."""
     names = {f.name: f.type for f in fields(Layout)}
     values: dict[str, int | str | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -166,9 +182,10 @@ def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
     p, default = cfg.parallel, ParallelConfig()
     if p == default:
         return None, []
+    # parallel.cp read where the config has it (a config from before context parallelism has none: 1)
     values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
-                                           "dp_replicate": p.dp_replicate, "micro_batch": cfg.train.micro_batch,
-                                           "ac": p.activation_checkpoint}
+                                           "dp_replicate": p.dp_replicate, "cp": getattr(p, "cp", 1),
+                                           "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint}
     layout = _filled(values, gpus, "the config's [parallel]")
     if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch
         layout = replace(layout, micro_batch=max(1, cfg.train.global_batch // layout.dp() // p.pp_microbatches))
@@ -202,6 +219,7 @@ def run_layout(run_dir: Path) -> TrainedRun:
     per_rank = cfg.train.global_batch // kept.dp
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
-                    dp_replicate=kept.dp_replicate, micro_batch=micro, ac=p.activation_checkpoint)
+                    dp_replicate=kept.dp_replicate, cp=getattr(p, "cp", 1), micro_batch=micro,
+                    ac=p.activation_checkpoint)
     precision = cfg.train.compute_precision(str(start["device"]).split(":")[0])  # "cuda:0" → cuda
     return TrainedRun(cfg, Workload.of(cfg, param_dtype=precision), layout, start)
