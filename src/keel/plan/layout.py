@@ -14,6 +14,15 @@ from keel.parallel.degrees import resolve_degrees
 from keel.rundir.events import read_jsonl
 
 ACS = ("none", "selective", "full")
+# Context parallelism is planned from this sequence length on (searched, suggested), and below it only when
+# nothing fits without it. It buys memory (activations / cp) with traffic, and it costs what the step model does
+# not see: shorter per-rank sequences run attention and the matmuls less efficiently, and the head-tail masks add
+# kernel work. Where memory does not need it the search would prefer it to TP on the exchange volume alone.
+# Published runs use it for long sequences only: Llama 3 pre-trained at 8,192 with cp = 1 and turned it on for
+# the long-context stage (arXiv 2407.21783 §3.3.2, Table 4). From 16,384, twice that, a sequence's activations
+# outgrow a device (8B: 2.8 GiB a block kept, 90 GiB for 32 blocks at tp = 1) and attention is over a third of
+# the FLOPs; the search stays as small as before for the usual 2-8k sequences.
+CP_MIN_SEQ = 16_384
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,20 @@ temporary buffers, and whether it fits the accelerator.
 
 Model state follows ZeRO's accounting (Rajbhandari et al. 2020, arXiv 1910.02054, §3.1): mixed-precision
 Adam keeps 16 bytes per parameter, 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master weights, Adam m
-and v). FSDP (ZeRO-3) shards all of it over dp_shard, ZeRO-2 the gradients and optimizer state, ZeRO-1 the
-optimizer state only (`Layout.zero`); each HSDP replica (dp_replicate) holds a full set of
-shards; TP splits every layer's matrices over tp ranks; PP gives each rank its stages' layers, the first
+and v). FSDP (ZeRO-3) shards all of it over dp_shard × cp (context-parallel ranks are data-parallel for
+the parameters), ZeRO-2 the gradients and optimizer state, ZeRO-1 the optimizer state only (`Layout.zero`);
+each HSDP replica (dp_replicate) holds a full set of shards; TP splits every layer's matrices over tp
+ranks; PP gives each rank its stages' layers, the first
 rank also the embedding and the last the final norm and output projection. Ranks differ, so the report is
 that of the fuller of the first and the last pipeline rank (as torchtitan reports the maximum over ranks).
 
 The peak is that of the backward pass: the model state, the activations kept for it (per block, by
 activation checkpointing mode), the micro-batches a pipeline keeps in flight, communication buffers, and
 the larger of the two transients that never overlap, the loss's buffers (by `train.cross_entropy`) and a
-block's backward. On a CPU the host copies of the state (checkpoint staging, in-memory snapshots) are in
+block's backward. Context parallelism (cp) gives each rank seq_len / cp tokens of every sequence: every
+per-token activation, the loss's buffers included, is divided by cp; a block's backward holds the full
+sequence's K and V, gathered over the CP group, and their gradients before they are reduced back
+(`cp_kv_buffer`). On a CPU the host copies of the state (checkpoint staging, in-memory snapshots) are in
 the same memory and count too; in fp32 (keel's CPU default) every state and activation byte count follows
 the dtype.
 
@@ -33,10 +37,11 @@ import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from keel.config import head_size
 from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.model.flops import FUSED_CHUNK, ffn_hidden_dim
-from keel.plan.layout import Layout, Workload, rank_blocks, run_layout
+from keel.plan.layout import CP_MIN_SEQ, Layout, Workload, rank_blocks, run_layout
 from keel.rundir.events import read_jsonl
 
 GIB = 2**30
@@ -90,7 +95,7 @@ def state_bytes(work: Workload) -> dict[str, int]:
 
 
 def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
-                      composite_norm: bool = False) -> tuple[float, float]:
+                      composite_norm: bool = False, cp: int = 1) -> tuple[float, float]:
     """(bytes one transformer block keeps for its backward pass, bytes it keeps when checkpointed).
 
     Korthikanti et al. 2022 (arXiv 2205.05198, §4.1) count a GPT block at s·b·h·(34 + 5·a·s/h) bytes in
@@ -113,9 +118,12 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     the norm inputs are split along the sequence too (Korthikanti: everything / t), but keel's DTensor
     sequence parallelism all-gathers the inputs of the column-parallel linears and autograd keeps the
     gathered tensors (Megatron keeps the shard and gathers again in the backward pass), so those 2·e·sbh
-    stay whole. A checkpointed block keeps only its input: e·sbh (/tp under sequence parallel)."""
+    stay whole. A checkpointed block keeps only its input: e·sbh (/tp under sequence parallel).
+    Context parallelism over cp ranks gives each rank s/cp of every sequence: every term is per token, so all
+    are divided by cp; the K and V gathered over the CP group are not kept (the backward pass gathers them
+    again: `cp_kv_buffer`)."""
     m, e = work.model, act_bytes(work)
-    tokens, h, f = work.seq_len * micro_batch, m.dim, ffn_hidden_dim(m)
+    tokens, h, f = work.seq_len * micro_batch / cp, m.dim, ffn_hidden_dim(m)
     r = m.n_kv_heads / m.n_heads
     seq_split = tp if tp > 1 and sp else 1
     norms = 2 * 4 * tokens * h * (2 if composite_norm else 1) / seq_split
@@ -124,7 +132,19 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     return norms + gathered + split, e * tokens * h / seq_split
 
 
-def loss_buffer(work: Workload, tokens: int, layout: Layout) -> float:
+def cp_kv_buffer(work: Workload, layout: Layout) -> float:
+    """Bytes of a block's context-parallel working set at its backward: the full sequence's K and V, gathered
+    over the CP group (2 · s · n_kv_heads · head_dim elements per sequence, the heads split by tp), and their
+    gradients at full length before they are reduced back to their ranks. One block's at a time: neither is
+    kept for the backward pass. The forward pass holds only the gathered K and V, half of it."""
+    if layout.cp == 1:
+        return 0.0
+    m = work.model
+    kv = 2 * work.seq_len * layout.micro_batch * m.n_kv_heads * head_size(m) / layout.tp
+    return 2 * act_bytes(work) * kv
+
+
+def loss_buffer(work: Workload, tokens: float, layout: Layout) -> float:
     """Bytes the loss holds at its backward, the logits sharded over the vocabulary by tp (`keel.model.loss`).
     torch's cross entropy: the fp32 log-probabilities, their gradient and the fp32 gradient of the logits, 12
     bytes per logit; on vocabulary shards (DTensor's loss_parallel) its backward adds the exponentials of the
@@ -175,21 +195,22 @@ def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool
     m, lay, e = work.model, layout, act_bytes(work)
     per_block, vocab = _sizes(work)
     local = params / lay.tp  # TP splits the matrices; norms' gains are negligible
-    # ZeRO-1 shards the optimizer state over dp_shard, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too.
+    # ZeRO-1 shards the optimizer state over dp_shard × cp, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too.
     sharded = {"optimizer": True, "grads": lay.zero >= 2, "params": lay.zero >= 3}
-    state = {name: local * size / (lay.dp_shard if sharded[name] else 1) for name, size in state_bytes(work).items()}
-    full, ckpt = block_activations(work, lay.micro_batch, lay.tp, lay.sp, composite_norm=cpu)
+    state = {name: local * size / (lay.shard() if sharded[name] else 1) for name, size in state_bytes(work).items()}
+    full, ckpt = block_activations(work, lay.micro_batch, lay.tp, lay.sp, composite_norm=cpu, cp=lay.cp)
     checkpointed = {"none": 0, "full": blocks, "selective": math.ceil(blocks / AC_EVERY)}.get(lay.ac)
     if checkpointed is None:
         raise KeelError(f"activation checkpointing {lay.ac!r}: expected none, selective or full")
     kept = checkpointed * ckpt + (blocks - checkpointed) * full
-    tokens = work.seq_len * lay.micro_batch
+    tokens = work.local_tokens(lay)
     if last:  # final norm input (fp32; and normalised on a CPU) and the output projection's gathered input
         kept += 4 * tokens * m.dim * (2 if cpu else 1) / (lay.tp if lay.tp > 1 and lay.sp else 1)
         kept += e * tokens * m.dim
     # The backward pass peaks either at the loss (its logits buffers, last rank) or in a block: gradients the
-    # size of its activations, and a recomputed block's activations once more. The two never overlap.
-    working = full * (2 if lay.ac != "none" else 1)
+    # size of its activations, a recomputed block's activations once more, and under CP the gathered K and V
+    # with their gradients. The two never overlap.
+    working = full * (2 if lay.ac != "none" else 1) + cp_kv_buffer(work, lay)
     backward = max(working, loss_buffer(work, tokens, lay) if last else 0.0)
     inflight = (_inflight(work, lay) - 1) * kept if first else 0.0
     # Host copies of the parameters and optimizer state (checkpoint staging, in-memory snapshots): on a CPU
@@ -204,16 +225,18 @@ def _comm_buffers(work: Workload, lay: Layout, local: float, cpu: bool) -> float
     per_block, vocab = _sizes(work)
     e = act_bytes(work)
     grad_bytes = e + (4 if e < 4 else 0)  # gradients in the parameters' dtype, and in fp32 for the reduction
-    buffers: float = 0 if cpu else NCCL_BUFFERS * sum(d > 1 for d in (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate))
-    if lay.dp_shard > 1 and lay.zero < 3:
+    # One communicator per group: tp, pp, the sharding group (dp_shard × cp), dp_replicate and cp's own.
+    groups = (lay.tp, lay.pp, lay.shard(), lay.dp_replicate, lay.cp)
+    buffers: float = 0 if cpu else NCCL_BUFFERS * sum(d > 1 for d in groups)
+    if lay.shard() > 1 and lay.zero < 3:
         # The parameters stay whole; the gradients (bucketed by the DDP-style reducer) are reduced into their
         # shard, ZeRO-2 as they are produced (one bucket in flight, taken as one block's), ZeRO-1 at the end.
         buffers += per_block * GRAD_BUCKET_BYTES / lay.tp
-    elif lay.dp_shard > 1 and lay.pp > 1:
+    elif lay.shard() > 1 and lay.pp > 1:
         # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage stays gathered and
         # accumulates unsharded gradients through the step.
         buffers += local * grad_bytes
-    elif lay.dp_shard > 1:
+    elif lay.shard() > 1:
         # Two blocks gathered (current and prefetched) plus the root unit (embedding, norm, output), which
         # FSDP does not reshard after the forward pass; one unit's unsharded gradients.
         root = work.n_params - work.model.n_layers * per_block
@@ -227,7 +250,7 @@ def usable_bytes(hw: Accelerator) -> float:
 
 def memory(work: Workload, layout: Layout, hw: Accelerator) -> MemoryBreakdown:
     """Peak bytes per device of training `work` with `layout` on `hw`."""
-    if min(layout.tp, layout.pp, layout.v, layout.dp_shard, layout.dp_replicate, layout.micro_batch) < 1:
+    if min(layout.tp, layout.pp, layout.v, layout.dp_shard, layout.dp_replicate, layout.cp, layout.micro_batch) < 1:
         raise KeelError(f"layout {layout}: every degree and the micro-batch must be at least 1")
     ranks = [_rank(work, layout, *stage, cpu=hw.key == "cpu") for stage in _stages(work, layout)]
     parts = max(ranks, key=lambda rank: sum(rank.values()))
@@ -247,9 +270,18 @@ def _moved(layout: Layout, dim: str, factor: int) -> Layout | None:
     return None
 
 
+def cp_fits_sequence(work: Workload, tp: int, cp: int) -> bool:
+    """Whether keel can split the sequence over cp ranks: into 2·cp equal chunks, each rank's share then split
+    over tp by sequence parallelism."""
+    if cp == 1:
+        return work.seq_len % tp == 0
+    return work.seq_len % (2 * cp) == 0 and (work.seq_len // cp) % tp == 0
+
+
 def _candidates(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]:
     """The obvious fixes, in the order they cost least: more tensor parallelism within a node, activation
-    checkpointing, smaller micro-batches, more pipeline stages, all of them together, then more GPUs."""
+    checkpointing, smaller micro-batches, more pipeline stages, more context parallelism (from CP_MIN_SEQ
+    tokens on, as the search), all of them together, then more GPUs."""
     m = work.model
     wider: list[Layout] = []
     lay = layout
@@ -259,6 +291,9 @@ def _candidates(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]
     out += [replace(layout, micro_batch=mb) for mb in range(layout.micro_batch - 1, 0, -1)]
     lay = layout
     while (moved := _moved(lay, "pp", 2)) and moved.pp * moved.v <= m.n_layers:
+        out.append(lay := moved)
+    lay, long = layout, work.seq_len >= CP_MIN_SEQ
+    while long and (moved := _moved(lay, "cp", 2)) and cp_fits_sequence(work, moved.tp, moved.cp):
         out.append(lay := moved)
     out.append(best := replace(wider[-1] if wider else layout, ac="full", micro_batch=1))
     while (moved := _moved(best, "pp", 2)) and moved.pp * moved.v <= m.n_layers:
@@ -287,7 +322,7 @@ def suggest(work: Workload, layout: Layout, hw: Accelerator) -> str:
     mem = memory(work, layout, hw)
     if mem.fits:
         return mem.explain()
-    where = " ".join(f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "dp_shard", "dp_replicate")
+    where = " ".join(f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp", "dp_shard", "dp_replicate")
                      if getattr(layout, name) > 1) or "one device"
     head = (f"needs {mem.reserved / GIB:.0f} GiB per device at {where}; {hw.name} has {hw.memory_bytes / GIB:.0f} "
             f"GiB ({mem.usable / GIB:.0f} usable)")

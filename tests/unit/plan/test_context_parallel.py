@@ -4,14 +4,18 @@ is searched where sequences are long or nothing fits without it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keel.config import ModelConfig, load_config
 from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
+from keel.plan.memory import block_activations, cp_kv_buffer, memory, suggest
 from keel.plan.throughput import Efficiency
 from tests.conftest import REPO
 
@@ -49,3 +53,58 @@ def test_a_config_s_parallel_cp_is_the_given_layout_s() -> None:
     assert config_layout(cfg, 64)[0] == Layout(tp=2, dp_shard=32)  # no parallel.cp: none
     cfg.parallel.cp = 4  # type: ignore[attr-defined]  # what parallel.cp = 4 gives
     assert config_layout(cfg, 64)[0] == Layout(tp=2, cp=4, dp_shard=8)
+
+
+def test_cp_divides_every_per_token_activation_of_a_16k_sequence() -> None:
+    """8B at 16,384 tokens: what a rank keeps for the backward pass and the loss's buffers fall to exactly 1/cp;
+    the state, sharded over dp_shard × cp, is that of FSDP over the same ranks."""
+    work = long_context(16_384, batch=64)
+    for ac in ("none", "selective", "full"):
+        one, four = (memory(work, Layout(dp_shard=8 // cp, cp=cp, ac=ac), H100) for cp in (1, 4))
+        assert four.activations == pytest.approx(one.activations / 4, rel=1e-12)
+        assert (four.params, four.grads, four.optimizer) == (one.params, one.grads, one.optimizer)
+    # The loss's buffers (12 bytes per logit) are the backward pass's transient at both: 1/4 of the logits.
+    one, four = (memory(work, Layout(dp_shard=2, cp=cp), H100) for cp in (1, 4))
+    assert one.backward == pytest.approx(16_384 * 128_256 * 12) and four.backward == pytest.approx(one.backward / 4)
+    assert four.params == pytest.approx(one.params / 4)  # 8 ranks shard what 2 did
+    per_token = (four.activations + four.backward) / (one.activations + one.backward)
+    assert per_token == pytest.approx(0.25, rel=1e-9)
+
+
+def test_a_block_s_backward_holds_the_gathered_k_and_v_and_their_gradients() -> None:
+    """8B: 8 KV heads of 128. At 16,384 tokens the full sequence's K and V are 2 × 16,384 × 8 × 128 bf16
+    elements, 64 MiB, and their gradients as much; tp splits the heads; nothing is kept for the backward."""
+    # A smaller vocabulary and the fused loss: a block's backward, not the loss, is the backward pass's peak.
+    work = Workload(replace(model("llama3_8b"), vocab_size=32_000), 16_384, 64, cross_entropy="fused")
+    assert cp_kv_buffer(work, Layout(cp=4)) == 128 * MIB
+    assert cp_kv_buffer(work, Layout(cp=4, tp=2, micro_batch=2)) == 128 * MIB
+    assert cp_kv_buffer(work, Layout()) == 0
+    for ac, factor in (("none", 1), ("full", 2)):
+        layout = Layout(cp=4, dp_shard=2, ac=ac)
+        full, _ = block_activations(work, 1, tp=1, sp=True, cp=4)
+        assert memory(work, layout, H100).backward == pytest.approx(factor * full + 128 * MIB)
+
+
+def test_a_short_sequence_is_not_told_to_use_cp() -> None:
+    """CP would make this 70B layout fit at 8,192 tokens (its sharding grows to 4 ranks), but below CP_MIN_SEQ
+    the suggestion keeps to what the search would choose from."""
+    work = Workload(model("llama3_70b"), 8192, 64, cross_entropy="fused")
+    layout = Layout(tp=4, dp_shard=2, dp_replicate=2, micro_batch=4, ac="full")
+    assert memory(work, Layout(tp=4, cp=4, micro_batch=4, ac="full"), H100).fits
+    assert suggest(work, layout, H100).endswith("; try tp=8 pp=2 dp_shard=1 dp_replicate=1 micro_batch=1")
+
+
+# One pipeline rank: with several, the breakdown is the fuller rank's, which CP may change.
+LAYOUTS = st.builds(Layout, tp=st.sampled_from([1, 2, 4, 8]), dp_shard=st.sampled_from([1, 2, 8]),
+                    dp_replicate=st.sampled_from([1, 2]), micro_batch=st.integers(1, 4),
+                    ac=st.sampled_from(["none", "selective", "full"]), sp=st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["llama3_8b", "llama3_70b"]), LAYOUTS, st.sampled_from([16_384, 65_536, 131_072]),
+       st.sampled_from([2, 4, 8, 16]))
+def test_cp_divides_what_every_layout_keeps_per_token(name: str, layout: Layout, seq: int, cp: int) -> None:
+    work = Workload(model(name), seq, 4096)
+    one, split = memory(work, layout, H100), memory(work, replace(layout, cp=cp), H100)
+    assert split.activations == pytest.approx(one.activations / cp, rel=1e-9)
+    assert split.optimizer == pytest.approx(one.optimizer / cp, rel=1e-9)
