@@ -12,7 +12,7 @@ Time = latency + moved bytes / (link bandwidth × `Efficiency.link`); latency = 
 ring plus one hop latency per step, intra- or inter-node (NCCL src/graph/tuning.cc, Simple protocol:
 base 8.4 µs, per hop 3.4 µs NVLink, 9.6 µs network).
 
-Placement: ranks are numbered tp fastest, then dp_shard, pp, dp_replicate, so a group's members are
+Placement: ranks are numbered tp fastest, then cp, dp_shard, pp, dp_replicate, so a group's members are
 `stride` ranks apart (stride = product of the degrees inside it). A group whose span fits in a node
 uses `hw.intra_bw`; otherwise each member talks through its own NIC at `hw.inter_bw` (one NIC per
 device, as on DGX/HGX), which is what nccl-tests' bus bandwidth shows across nodes.
@@ -21,7 +21,14 @@ What each parallelism costs per step and device (keel's FSDP2 and pipelining beh
 - TP with sequence parallel: all-gather + reduce-scatter of the micro-batch's activations (the bytes of
   one all-reduce) twice per layer forward, twice backward, twice per recomputed forward (Korthikanti et
   al. 2022, arXiv 2205.05198, §4.2.2), on the critical path (no async TP).
-- FSDP over dp_shard: all-gather of the bf16 parameters in the forward and again in the backward
+- CP over cp ranks (stride tp: NVLink while tp·cp fits a node, the network otherwise): per block and
+  micro-batch, an all-gather of its K and V at full sequence length (2·s·n_kv_heads·head_dim elements
+  per sequence, the heads split by tp) in the forward, again in the backward and in each recomputed
+  forward, and a reduce-scatter of their gradients (`cp_exchange`). On the critical path like TP's
+  collectives: attention waits for its gathered K and V (no ring-attention pipelining), so none of it is
+  hidden. Compute needs no CP term: each rank computes its share of the tokens, and the head-tail chunks
+  give every rank the same share of the causal attention.
+- FSDP over dp_shard × cp: all-gather of the bf16 parameters in the forward and again in the backward
   (reshard after forward), reduce-scatter of fp32 gradients (keel's reduce_dtype default), one call per
   block. Without a pipeline keel syncs every micro-batch; with one, the schedule gathers once and
   reduces once per step.
@@ -43,9 +50,11 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, run_layout
+from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
 
 BASE_LATENCY = 8.4e-6  # s, NCCL ring Simple base latency (src/graph/tuning.cc baseLat)
@@ -111,10 +120,11 @@ def efficiency_for(hw: Accelerator) -> Efficiency:
 @dataclass(frozen=True)
 class StepBreakdown:
     """Seconds per optimizer step on one device. fsdp_comm and dp_comm are the whole traffic; only
-    `exposed_comm` (TP, pipeline transfers and the unhidden FSDP/DP part) adds to the step."""
+    `exposed_comm` (TP, CP, pipeline transfers and the unhidden FSDP/DP part) adds to the step."""
 
     compute: float
     tp_comm: float
+    cp_comm: float
     fsdp_comm: float
     dp_comm: float
     pp_p2p: float
@@ -127,9 +137,9 @@ class StepBreakdown:
 
     def parts(self) -> dict[str, float]:
         """What the step time is made of; the values add up to `total`."""
-        hidden_part = self.exposed_comm - self.tp_comm - self.pp_p2p
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_p2p": self.pp_p2p, "bubble": self.bubble,
-                "fsdp_dp_exposed": hidden_part}
+        hidden_part = self.exposed_comm - self.tp_comm - self.cp_comm - self.pp_p2p
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "pp_p2p": self.pp_p2p,
+                "bubble": self.bubble, "fsdp_dp_exposed": hidden_part}
 
     def explain(self) -> str:
         share = {name: value / self.total for name, value in self.parts().items() if value > 0}
@@ -176,29 +186,64 @@ def peak_flops(work: Workload, hw: Accelerator) -> float:
 
 def _data_parallel_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, layers: int,
                         m_micro: int, act_dtype: int) -> tuple[float, float]:
-    """(FSDP or ZeRO traffic over dp_shard (stride tp), DP traffic over dp_replicate (stride tp·dp_shard·pp))
-    of one step, `layers` blocks on the busiest pipeline rank."""
+    """(FSDP or ZeRO traffic over dp_shard × cp (stride tp), DP traffic over dp_replicate (stride
+    tp·cp·dp_shard·pp)) of one step, `layers` blocks on the busiest pipeline rank."""
     local_params = work.n_params / (layout.tp * layout.pp)
     calls = layers + 1  # one unit per block and the root (embeddings, norm, output)
     syncs = 1 if layout.pp > 1 else m_micro
     gathers = 1 if layout.pp > 1 else 2 * m_micro
-    fsdp_link = _link(hw, layout.tp, layout.dp_shard, eff)
+    shard = layout.shard()
+    fsdp_link = _link(hw, layout.tp, shard, eff)
     fsdp_comm = 0.0
-    if layout.dp_shard > 1 and layout.zero >= 3:
-        gather = collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link)
-        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, layout.dp_shard, fsdp_link)
+    if shard > 1 and layout.zero >= 3:
+        gather = collective("all_gather", act_dtype * local_params / calls, shard, fsdp_link)
+        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, shard, fsdp_link)
         fsdp_comm = calls * (gathers * gather + syncs * scatter)
-    elif layout.dp_shard > 1:
+    elif shard > 1:
         # ZeRO-1/2: the whole parameters stay; the gradients are reduce-scattered into their shard (ZeRO-2: every
         # micro-batch outside a pipeline; ZeRO-1: once per step) and the updated parameters all-gathered once.
         reduces = syncs if layout.zero == 2 else 1
-        fsdp_comm = calls * (reduces * collective("reduce_scatter", GRAD_BYTES * local_params / calls,
-                                                  layout.dp_shard, fsdp_link)
-                             + collective("all_gather", act_dtype * local_params / calls, layout.dp_shard, fsdp_link))
-    dp_link = _link(hw, layout.tp * layout.dp_shard * layout.pp, layout.dp_replicate, eff)
-    dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / layout.dp_shard / calls,
+        fsdp_comm = calls * (reduces * collective("reduce_scatter", GRAD_BYTES * local_params / calls, shard,
+                                                  fsdp_link)
+                             + collective("all_gather", act_dtype * local_params / calls, shard, fsdp_link))
+    dp_link = _link(hw, layout.tp * shard * layout.pp, layout.dp_replicate, eff)
+    dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / shard / calls,
                                          layout.dp_replicate, dp_link)
     return fsdp_comm, dp_comm
+
+
+def cp_kv_bytes(work: Workload, layout: Layout) -> float:
+    """Bytes of one block's K and V for a micro-batch at the full sequence length, the heads split by tp: what
+    each CP all-gather fills and each reduce-scatter of their gradients empties."""
+    m = work.model
+    return 2 * work.seq_len * layout.micro_batch * m.n_kv_heads * head_size(m) / layout.tp * act_bytes(work)
+
+
+def _cp_collectives(layout: Layout) -> tuple[float, int]:
+    """(K/V all-gathers, gradient reduce-scatters) per block and micro-batch: forward, backward, recomputes."""
+    return 2 + RECOMPUTE[layout.ac], 1
+
+
+def cp_exchange(work: Workload, layout: Layout) -> float:
+    """Bytes each rank receives per step in the CP exchange: a ring collective over cp ranks moves (cp−1)/cp of
+    its buffer through each, for every collective of every block on the busiest pipeline rank and every
+    micro-batch."""
+    if layout.cp == 1:
+        return 0.0
+    gathers, scatters = _cp_collectives(layout)
+    per_block = (gathers + scatters) * (layout.cp - 1) / layout.cp * cp_kv_bytes(work, layout)
+    return max(rank_blocks(work, layout)) * work.micro_batches(layout) * per_block
+
+
+def _cp_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency) -> float:
+    """Seconds of the CP exchange per step (`cp_exchange`'s collectives, each with its latency)."""
+    if layout.cp == 1:
+        return 0.0
+    link, kv = _link(hw, layout.tp, layout.cp, eff), cp_kv_bytes(work, layout)
+    gathers, scatters = _cp_collectives(layout)
+    per_block = gathers * collective("all_gather", kv, layout.cp, link) \
+        + scatters * collective("reduce_scatter", kv, layout.cp, link)
+    return max(rank_blocks(work, layout)) * work.micro_batches(layout) * per_block
 
 
 def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency = DEFAULT) -> StepBreakdown:
@@ -215,9 +260,9 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
     compute = tokens_per_device * work.flops_per_token * (1 + recompute / 3) \
         / (peak * eff.compute * size_factor(m.dim, eff.size_exponent)) * pipeline_imbalance(work, layout)
 
-    act_dtype = 2 if work.param_dtype in ("bf16", "fp16") else 4
+    act_dtype = act_bytes(work)
     layers = max(rank_blocks(work, layout))  # on the busiest pipeline rank, all its chunks
-    act = layout.micro_batch * work.seq_len * m.dim * act_dtype  # one micro-batch's hidden states
+    act = work.local_tokens(layout) * m.dim * act_dtype  # one micro-batch's hidden states (its CP share)
 
     # TP: the bytes of one all-reduce (= reduce-scatter + all-gather with SP) per pair of collectives.
     tp_link = _link(hw, 1, layout.tp, eff)
@@ -229,22 +274,23 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
     tp_comm = layers * m_micro * per_layer / 2 * one if layout.tp > 1 else 0.0
 
     fsdp_comm, dp_comm = _data_parallel_comm(work, layout, hw, eff, layers, m_micro, act_dtype)
+    cp_comm = _cp_comm(work, layout, hw, eff)
 
     # PP: activations forward and gradients back across each stage boundary, per micro-batch and chunk.
     pp_p2p = bubble = 0.0
     if layout.pp > 1:
-        pp_link = _link(hw, layout.tp * layout.dp_shard, layout.pp, eff)
+        pp_link = _link(hw, layout.tp * layout.shard(), layout.pp, eff)
         sent = act / (layout.tp if layout.sp else 1)
         pp_p2p = 2 * layout.v * m_micro * (BASE_LATENCY + sent / pp_link.bandwidth)
-        bubble = (compute + tp_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
+        bubble = (compute + tp_comm + cp_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
 
     hideable = fsdp_comm + dp_comm
     exposed_dp = hideable - min(eff.overlap * hideable, compute)
-    exposed = tp_comm + pp_p2p + exposed_dp
+    exposed = tp_comm + cp_comm + pp_p2p + exposed_dp
     total = compute + bubble + exposed
     tps = tokens_per_device / total
     mfu = tps * work.flops_per_token / peak
-    return StepBreakdown(compute, tp_comm, fsdp_comm, dp_comm, pp_p2p, bubble, exposed, total, tps, mfu,
+    return StepBreakdown(compute, tp_comm, cp_comm, fsdp_comm, dp_comm, pp_p2p, bubble, exposed, total, tps, mfu,
                          mfu * (1 + recompute / 3))
 
 
@@ -318,7 +364,7 @@ def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
                                                                  size_exponent=0.0))
     layout = run.layout
     bubble_share = (layout.pp - 1) / (layout.v * run.work.micro_batches(layout)) if layout.pp > 1 else 0.0
-    fixed = nominal.tp_comm + nominal.pp_p2p  # never hidden
+    fixed = nominal.tp_comm + nominal.cp_comm + nominal.pp_p2p  # never hidden
     compute_s = run.step_s - run.comm_s
     if compute_s <= 0:
         raise KeelError(f"{run_dir}: the measured communication ({run.comm_s:.3g} s) fills the whole step "

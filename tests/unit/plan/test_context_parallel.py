@@ -16,7 +16,7 @@ from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
 from keel.plan.memory import block_activations, cp_kv_buffer, memory, suggest
-from keel.plan.throughput import Efficiency
+from keel.plan.throughput import Efficiency, _link, collective, cp_exchange, cp_kv_bytes, step_time
 from tests.conftest import REPO
 
 H100 = by_key("h100")
@@ -108,3 +108,44 @@ def test_cp_divides_what_every_layout_keeps_per_token(name: str, layout: Layout,
     one, split = memory(work, layout, H100), memory(work, replace(layout, cp=cp), H100)
     assert split.activations == pytest.approx(one.activations / cp, rel=1e-9)
     assert split.optimizer == pytest.approx(one.optimizer / cp, rel=1e-9)
+
+
+def test_the_exchange_gathers_k_and_v_each_way_and_reduces_their_gradients() -> None:
+    """Per block and sequence, each rank receives (cp−1)/cp of 2 · s · n_kv_heads · head_dim elements in the
+    forward all-gather, as much in the backward's and in each recomputed forward's, and in the reduce-scatter
+    of the gradients."""
+    work = long_context(16_384, batch=64)
+    layout = Layout(cp=4, dp_shard=2)  # 8 ranks, 32 micro-batches of one sequence each
+    assert cp_kv_bytes(work, layout) == 64 * MIB
+    per_block = 3 / 4 * 64 * MIB
+    assert cp_exchange(work, layout) == pytest.approx(32 * 32 * 3 * per_block)
+    assert cp_exchange(work, replace(layout, ac="full")) == pytest.approx(32 * 32 * 4 * per_block)
+    assert cp_exchange(work, replace(layout, tp=2)) == pytest.approx(32 * 32 * 3 * per_block / 2)  # tp splits heads
+    assert cp_exchange(work, Layout(dp_shard=8)) == 0.0
+
+
+@pytest.mark.parametrize(("tp", "cp", "inside"), [(2, 4, True), (1, 8, True), (4, 4, False), (8, 2, False)])
+def test_the_exchange_runs_over_nvlink_while_tp_times_cp_fits_a_node(tp: int, cp: int, inside: bool) -> None:
+    work = long_context(131_072, batch=8)
+    layout = Layout(tp=tp, cp=cp, dp_shard=64 // (tp * cp))
+    link = _link(H100, tp, cp, EXACT)
+    assert link.bandwidth == (H100.intra_bw if inside else H100.inter_bw)
+    kv = cp_kv_bytes(work, layout)
+    one = 2 * collective("all_gather", kv, cp, link) + collective("reduce_scatter", kv, cp, link)
+    step = step_time(work, layout, H100, EXACT)
+    assert step.cp_comm == pytest.approx(32 * work.micro_batches(layout) * one)
+    # never hidden: it adds to the step as TP's collectives do
+    assert step.total == pytest.approx(step.compute + step.tp_comm + step.cp_comm + step.fsdp_comm + step.dp_comm)
+    assert sum(step.parts().values()) == pytest.approx(step.total)
+
+
+def test_cp_splits_each_rank_s_tokens_and_the_state_over_dp_shard_times_cp() -> None:
+    """Four CP ranks with micro-batches of four sequences compute what four FSDP ranks with one each do, and the
+    sharding group spans the same eight ranks: the same compute and FSDP traffic per step."""
+    work = long_context(16_384, batch=64)
+    cp, fsdp = Layout(cp=4, dp_shard=2, micro_batch=4), Layout(dp_shard=8, micro_batch=1)
+    a, b = step_time(work, cp, H100), step_time(work, fsdp, H100)
+    assert work.micro_batches(cp) == work.micro_batches(fsdp) == 8
+    assert a.compute == pytest.approx(b.compute) and a.fsdp_comm == pytest.approx(b.fsdp_comm)
+    assert a.tokens_per_s_per_device * a.total * 8 == pytest.approx(64 * 16_384)
+    assert a.cp_comm > 0 == b.cp_comm and a.total > b.total
