@@ -2,9 +2,11 @@
 time, and why the best one wins.
 
 Enumerated: tp over the divisors of a node's device count that divide the heads, KV heads and sequence
-(keel's TP constraints); pp from 1 to the block count, at most MAX_PP (stages split as keel.model.split
-does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4 chunks per rank
-(interleaved 1F1B) where there are at least v·pp blocks; every
+(keel's TP constraints); cp (context parallelism) over the divisors of the device count that split the
+sequence into 2·cp equal chunks, each rank's share still divisible by tp, when the sequence is long
+(CP_MIN_SEQ) or when no layout without it fits; pp from 1 to the block count, at most MAX_PP (stages
+split as keel.model.split does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4
+chunks per rank (interleaved 1F1B) where there are at least v·pp blocks; every
 split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); micro-batches of 1, 2, 4 …
 sequences dividing the per-rank batch (and, with a pipeline, leaving at least pp of them); activation
 checkpointing none, selective, full. Layouts that do not divide the batch are not layouts; those that do
@@ -18,8 +20,8 @@ from dataclasses import dataclass, replace
 
 from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
-from keel.plan.layout import ACS, Layout, Workload
-from keel.plan.memory import GIB, MemoryBreakdown, memory, suggest
+from keel.plan.layout import ACS, CP_MIN_SEQ, Layout, Workload
+from keel.plan.memory import GIB, MemoryBreakdown, cp_fits_sequence, memory, suggest
 from keel.plan.throughput import DEFAULT, Efficiency, StepBreakdown, step_time
 
 MAX_PP = 64  # deeper pipelines need thousands of micro-batches to keep the bubble small
@@ -56,8 +58,14 @@ def _powers_of_two_dividing(n: int) -> list[int]:
     return out
 
 
-def layouts(work: Workload, gpus: int, hw: Accelerator) -> list[Layout]:
-    """Every layout of `work` on `gpus` devices that keel can run and that divides the batch."""
+def context_degrees(work: Workload, gpus: int) -> list[int]:
+    """The CP degrees above 1 that divide `gpus` and split the sequence into 2·cp equal chunks."""
+    return [d for d in _divisors(gpus) if d > 1 and work.seq_len % (2 * d) == 0]
+
+
+def layouts(work: Workload, gpus: int, hw: Accelerator, cps: list[int] | None = None) -> list[Layout]:
+    """Every layout of `work` on `gpus` devices that keel can run and that divides the batch, with each of the
+    CP degrees `cps` (default: none, cp = 1)."""
     m = work.model
     per_node = max(1, int(hw.devices_per_node))
     tps = [t for t in _divisors(per_node) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
@@ -65,50 +73,57 @@ def layouts(work: Workload, gpus: int, hw: Accelerator) -> list[Layout]:
     # Any number of stages up to the blocks (keel.model.split balances them); no pipeline with tied embeddings.
     pps = [1] if m.tie_embeddings else [p for p in range(1, min(m.n_layers, MAX_PP) + 1)]
     out: list[Layout] = []
-    for tp in tps:
-        for pp in pps:
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            if work.global_batch % dp:
-                continue
-            per_rank = work.global_batch // dp
-            vs = [1] + [v for v in (2, 4) if pp > 1 and m.n_layers >= v * pp]
-            for replicate in _divisors(dp):
-                for mb in _powers_of_two_dividing(per_rank):
-                    if pp > 1 and per_rank // mb < pp:
-                        continue
-                    for v in vs:
-                        out.extend(Layout(tp=tp, pp=pp, v=v, dp_shard=dp // replicate, dp_replicate=replicate,
-                                          micro_batch=mb, ac=ac) for ac in ACS)
+    for tp, cp, pp in ((tp, cp, pp) for tp in tps for cp in cps or [1] for pp in pps):
+        if gpus % (tp * pp * cp) or not cp_fits_sequence(work, tp, cp):
+            continue
+        dp = gpus // (tp * pp * cp)  # the batch is split over dp only: a CP group shares its sequences
+        if work.global_batch % dp:
+            continue
+        per_rank = work.global_batch // dp
+        vs = [1] + [v for v in (2, 4) if pp > 1 and m.n_layers >= v * pp]
+        for replicate in _divisors(dp):
+            for mb in _powers_of_two_dividing(per_rank):
+                if pp > 1 and per_rank // mb < pp:
+                    continue
+                for v in vs:
+                    out.extend(Layout(tp=tp, pp=pp, v=v, dp_shard=dp // replicate, dp_replicate=replicate, cp=cp,
+                                      micro_batch=mb, ac=ac) for ac in ACS)
     return out
 
 
 def _sort_key(c: Candidate) -> tuple:
     # Faster first; on a tie the simpler layout (fewer model-parallel ranks), then the roomier one.
-    return (-round(c.tokens_per_s, 6), c.layout.tp * c.layout.pp * c.layout.v, -c.memory.headroom)
+    return (-round(c.tokens_per_s, 6), c.layout.tp * c.layout.pp * c.layout.v * c.layout.cp, -c.memory.headroom)
+
+
+def _assessed(work: Workload, found: list[Layout], hw: Accelerator, eff: Efficiency) -> list[Candidate]:
+    out = []
+    for layout in found:
+        mem = memory(work, layout, hw)
+        step = step_time(work, layout, hw, eff)
+        out.append(Candidate(layout, mem, step, f"{step.explain()}; {mem.total / GIB:.1f} GiB" if mem.fits
+                             else mem.explain()))
+    return out
 
 
 def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT) -> list[Candidate]:
     """All layouts of `work` on `gpus` devices of `hw`: those that fit, fastest first, then those that do
-    not (smallest first), each with its memory and predicted step."""
+    not (smallest first), each with its memory and predicted step. Context parallelism is searched from
+    CP_MIN_SEQ on, and at shorter sequences when no layout without it fits."""
     if gpus < 1:
         raise KeelError(f"gpus = {gpus}: expected at least 1")
-    found = layouts(work, gpus, hw)
+    long = work.seq_len >= CP_MIN_SEQ
+    found = layouts(work, gpus, hw, [1, *context_degrees(work, gpus)] if long else [1])
     if not found:
+        split = "tp × pp × cp" if long else "tp × pp"
         raise KeelError(f"no layout of {gpus} devices divides the global batch of {work.global_batch} sequences: "
-                        f"data parallelism (gpus / (tp × pp), tp ≤ {hw.devices_per_node}, pp ≤ {MAX_PP}) must "
+                        f"data parallelism (gpus / ({split}), tp ≤ {hw.devices_per_node}, pp ≤ {MAX_PP}) must "
                         f"divide it; change the batch or the device count")
-    fitting, dropped = [], []
-    for layout in found:
-        mem = memory(work, layout, hw)
-        step = step_time(work, layout, hw, eff)
-        if mem.fits:
-            fitting.append(Candidate(layout, mem, step, f"{step.explain()}; {mem.total / GIB:.1f} GiB"))
-        else:
-            dropped.append(Candidate(layout, mem, step, mem.explain()))
-    fitting.sort(key=_sort_key)
-    dropped.sort(key=lambda c: c.memory.total)
+    candidates = _assessed(work, found, hw, eff)
+    if not long and not any(c.fits for c in candidates):
+        candidates += _assessed(work, layouts(work, gpus, hw, context_degrees(work, gpus)), hw, eff)
+    fitting = sorted((c for c in candidates if c.fits), key=_sort_key)
+    dropped = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
     return fitting + dropped
 
 
@@ -152,17 +167,19 @@ def explain(candidates: list[Candidate]) -> list[str]:
     lines.append(f"  its step: {parts}")
     lay = best.layout
     alternatives = [
-        ("FSDP only", lambda x: x.tp == 1 and x.pp == 1 and x.dp_replicate == 1),
+        ("FSDP only", lambda x: x.tp == 1 and x.pp == 1 and x.dp_replicate == 1 and x.cp == 1),
         (f"more TP (tp={lay.tp * 2})", lambda x: x.tp == lay.tp * 2),
         (f"less TP (tp={lay.tp // 2})", lambda x: lay.tp > 1 and x.tp == lay.tp // 2),
         ("with a pipeline" if lay.pp == 1 else "without a pipeline", lambda x: (x.pp > 1) != (lay.pp > 1)),
         ("no activation checkpointing" if lay.ac != "none" else "activation checkpointing",
          lambda x: (x.ac == "none") != (lay.ac == "none")),
+        ("without context parallelism" if lay.cp > 1 else "with context parallelism",
+         lambda x: (x.cp > 1) != (lay.cp > 1)),
     ]
     if lay.dp() > 1:
         alternatives.append(("HSDP (replicas across nodes)" if lay.dp_replicate == 1 else "FSDP across all replicas",
                              lambda x: (x.dp_replicate > 1) != (lay.dp_replicate > 1) and x.tp == lay.tp
-                             and x.pp == lay.pp))
+                             and x.pp == lay.pp and x.cp == lay.cp))
     seen = {lay}
     for name, keep in alternatives:
         alt = _best(candidates, keep)
@@ -186,6 +203,10 @@ def check_runnable(work: Workload, layout: Layout) -> None:
     if m.n_heads % layout.tp or m.n_kv_heads % layout.tp or work.seq_len % layout.tp:
         raise KeelError(f"{where}: tp = {layout.tp} must divide the heads ({m.n_heads}), KV heads ({m.n_kv_heads}) "
                         f"and the sequence ({work.seq_len})")
+    if not cp_fits_sequence(work, layout.tp, layout.cp):
+        raise KeelError(f"{where}: cp = {layout.cp} must split the sequence ({work.seq_len}) into 2 × cp = "
+                        f"{2 * layout.cp} equal chunks, each rank's {work.seq_len // layout.cp} tokens divisible by "
+                        f"tp = {layout.tp}")
     if layout.pp > 1 and m.tie_embeddings:
         raise KeelError(f"{where}: a pipeline needs untied embeddings (model.tie_embeddings = false)")
     if m.n_layers < layout.pp * layout.v:

@@ -15,8 +15,10 @@ from keel.config import ModelConfig, load_config
 from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
-from keel.plan.memory import block_activations, cp_kv_buffer, memory, suggest
-from keel.plan.throughput import Efficiency, _link, collective, cp_exchange, cp_kv_bytes, step_time
+from keel.plan.layouts import CP_MIN_SEQ, assess, explain, search
+from keel.plan.memory import GIB, block_activations, cp_kv_buffer, memory, suggest
+from keel.plan.report import Question, answer, lines
+from keel.plan.throughput import DEFAULT, Efficiency, _link, collective, cp_exchange, cp_kv_bytes, step_time
 from tests.conftest import REPO
 
 H100 = by_key("h100")
@@ -149,3 +151,67 @@ def test_cp_splits_each_rank_s_tokens_and_the_state_over_dp_shard_times_cp() -> 
     assert a.compute == pytest.approx(b.compute) and a.fsdp_comm == pytest.approx(b.fsdp_comm)
     assert a.tokens_per_s_per_device * a.total * 8 == pytest.approx(64 * 16_384)
     assert a.cp_comm > 0 == b.cp_comm and a.total > b.total
+
+
+def test_a_given_cp_that_does_not_split_the_sequence_is_refused() -> None:
+    work = long_context(16_384 + 8, batch=8)  # 16,392 = 8 × 2,049: two chunks per rank need cp | 8,196
+    candidates = search(long_context(16_384, batch=8), 8, H100)
+    with pytest.raises(KeelError, match=r"cp = 8 must split the sequence \(16392\) into 2 × cp = 16 equal chunks"):
+        assess(work, Layout(cp=8), H100, DEFAULT, candidates)
+    with pytest.raises(KeelError, match="tokens divisible by tp = 8"):
+        assess(long_context(48, batch=8), Layout(tp=8, cp=8, dp_shard=1), H100, DEFAULT, candidates)
+
+
+def test_the_search_tries_cp_only_for_long_sequences_with_the_chunks_it_needs() -> None:
+    short = search(Workload(model("llama3_8b"), 8192, 64), 64, H100)
+    assert all(c.layout.cp == 1 for c in short)
+    long = search(long_context(CP_MIN_SEQ, batch=8), 64, H100)
+    assert {c.layout.cp for c in long} == {1, 2, 4, 8, 16, 32, 64}
+    for c in long:
+        lay = c.layout
+        assert lay.gpus() == 64 and CP_MIN_SEQ % (2 * lay.cp) == 0 and (CP_MIN_SEQ // lay.cp) % lay.tp == 0
+        assert 8 % lay.dp() == 0  # the batch splits over dp only
+
+
+def test_a_short_sequence_that_fits_only_with_cp_is_searched_with_it() -> None:
+    """Below CP_MIN_SEQ context parallelism is searched when nothing fits without it: on a device between the
+    smallest layout with CP and the smallest without, the answer has CP."""
+    work = Workload(model("llama3_8b"), 8192, 8)
+    roomy = search(work, 64, replace(H100, memory_bytes=10**15))
+    without = min(c.memory.reserved for c in roomy if c.layout.cp == 1)
+    assert all(c.layout.cp == 1 for c in roomy)  # everything fits: no CP searched
+    capacity = without + GIB - MIB  # usable: the capacity less the 1 GiB runtime, a MiB short of `without`
+    found = search(work, 64, replace(H100, memory_bytes=capacity))
+    fitting = [c for c in found if c.fits]
+    assert fitting and all(c.layout.cp > 1 for c in fitting)
+    assert not any(c.fits for c in found if c.layout.cp == 1)
+
+
+def test_llama3_8b_at_128k_on_64_h100_is_planned_with_cp() -> None:
+    """8B at 131,072 tokens, 32 sequences a step on 64 H100: without CP only tp = 8 with full checkpointing fits
+    (the loss's buffers alone hold 31 GiB on TP's vocabulary shards); the best layout splits the sequence and
+    skips the recompute."""
+    found = search(long_context(131_072), 64, H100)
+    best = next(c for c in found if c.fits)
+    assert best.layout.cp > 1 and best.layout.ac != "full"
+    no_cp = [c for c in found if c.fits and c.layout.cp == 1]
+    assert no_cp and all(c.layout.tp == 8 and c.layout.ac == "full" for c in no_cp)
+    assert best.tokens_per_s > 1.1 * no_cp[0].tokens_per_s
+    text = "\n".join(explain(found))
+    assert f"best: {best.layout.describe()}" in text and "without context parallelism: best is tp8" in text
+    assert "FSDP only: no such layout" in text  # 64-way data parallelism does not divide 32 sequences
+
+
+def test_llama3_8b_at_256k_fits_64_h100_only_with_cp_and_keel_plan_says_so() -> None:
+    cfg = load_config(REPO / "configs" / "llama3_8b.toml",
+                      ["train.seq_len=262144", "model.max_seq_len=262144", "train.global_batch=16"])
+    work = Workload.of(cfg)
+    found = search(work, 64, H100)
+    assert not any(c.fits for c in found if c.layout.cp == 1)
+    # a given layout without CP is told the change that fits: half its sharding turned into CP
+    assert suggest(work, Layout(tp=8, dp_shard=8, ac="full"), H100).endswith("dp_shard=4 cp=2")
+    a = answer(Question(cfg, 64, "h100", 1e11, spares=0, trials=50))
+    best = a["layouts"][0]
+    assert best["cp"] > 1 and best["tp"] * best["pp"] * best["cp"] * best["dp_shard"] * best["dp_replicate"] == 64
+    assert a["step"]["cp_comm"] > 0
+    assert any(line.startswith(f"best: {best['layout']}") and f"cp{best['cp']}" in line for line in lines(a))
