@@ -193,7 +193,7 @@ def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
         return None, []
     # parallel.cp read where the config has it (a config from before context parallelism has none: 1)
     values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
-                                           "dp_replicate": p.dp_replicate, "cp": getattr(p, "cp", 1),
+                                           "dp_replicate": p.dp_replicate, "cp": p.cp,
                                            "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint}
     layout = _filled(values, gpus, "the config's [parallel]")
     if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch
@@ -228,7 +228,7 @@ def run_layout(run_dir: Path) -> TrainedRun:
     per_rank = cfg.train.global_batch // kept.dp
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
-                    dp_replicate=kept.dp_replicate, cp=getattr(p, "cp", 1), micro_batch=micro,
+                    dp_replicate=kept.dp_replicate, cp=kept.cp, micro_batch=micro,
                     ac=p.activation_checkpoint)
     precision = cfg.train.compute_precision(str(start["device"]).split(":")[0])  # "cuda:0" → cuda
     return TrainedRun(cfg, Workload.of(cfg, param_dtype=precision), layout, start)
