@@ -74,6 +74,26 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+                        scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel with its log-sum-exp per query (batch, heads, queries), which the public SDPA does
+    not return; grouped-query heads and an additive mask of the inputs' dtype. A row that the mask rules out
+    entirely comes back as 0 with a log-sum-exp of 0."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                         scale=scale)
+    return out, lse
+
+
+def flash_attention_cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+                                 scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's backward from a given output and log-sum-exp (those of the whole row, when the keys
+    are one block of several): the gradients of q, k and v."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return dq, dk, dv
+
+
 def fsspec_checkpoint_io() -> tuple[type, type]:
     """DCP's reader and writer for fsspec URLs (s3://...), which torch keeps under a private module; imported
     when a remote checkpoint directory is used."""

@@ -16,6 +16,8 @@ from keel.core.torch_private import (
     checkpoint_wrapper,
     copy_all_,
     default_store,
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
     flatten_mesh,
     fsspec_checkpoint_io,
     in_backward,
@@ -92,3 +94,15 @@ def test_pinned_memory_is_registered_by_threads_and_a_users_own_settings_are_kep
     pin_by_registering(threads=4)
     assert torch._C._accelerator_getAllocatorSettings() == (
         "garbage_collection_threshold:0.9,pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
+
+
+def test_cpu_flash_attention_returns_the_log_sum_exp_and_its_backward_the_gradients() -> None:
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    out, lse = flash_attention_cpu(q, k, v, True, None, None)
+    scores = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(lse, scores.logsumexp(-1), atol=1e-6)
+    grad = torch.randn_like(out)
+    dq, dk, dv = flash_attention_cpu_backward(grad, q, k, v, out, lse, True, None, None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(grad)
+    assert all(torch.allclose(a, b.grad, atol=1e-6) for a, b in zip((dq, dk, dv), leaves, strict=True))
