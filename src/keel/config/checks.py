@@ -30,19 +30,33 @@ def check_consistency(cfg: Config) -> None:
     if cfg.guard.spike.attn_logit_threshold and not cfg.monitor.signals_interval:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
+    _check_context_parallel(cfg)
     if cfg.monitor.signals_interval and cfg.parallel.compile:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
                           f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")
-    if cfg.eval.downstream_tasks and cfg.parallel.cp > 1:
-        raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
-                          f"parallel.cp = {cfg.parallel.cp} splits over ranks by train.seq_len; evaluate its "
-                          f"checkpoints with `keel eval` instead")
     if cfg.eval.downstream_tasks and cfg.parallel.pp > 1:
         raise ConfigError(f"eval.downstream_tasks runs lm-eval on the whole model, which parallel.pp = "
                           f"{cfg.parallel.pp} splits into stages; evaluate its checkpoints with `keel eval` instead")
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.cp == 1:
+        return
+    if p.compile:
+        raise ConfigError(f"parallel.cp = {p.cp} runs keel's own context-parallel attention, which torch.compile "
+                          f"does not trace (its collectives); set parallel.compile = false or parallel.cp = 1")
+    if cfg.monitor.signals_interval:
+        raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} reads whole attention rows, "
+                          f"which parallel.cp = {p.cp} splits over ranks; set monitor.signals_interval = 0 or "
+                          f"parallel.cp = 1")
+    if cfg.eval.downstream_tasks:
+        raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
+                          f"parallel.cp = {p.cp} splits over ranks by train.seq_len; evaluate its checkpoints "
+                          f"with `keel eval` instead")
 
 
 def _check_fault_tolerance(cfg: Config) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from keel.config import ModelConfig
+from keel.model.context import ContextParallel
 from keel.model.flops import ffn_hidden_dim, head_size
 from keel.model.parallelizable import ParallelPlan
 
@@ -92,9 +93,11 @@ class Attention(nn.Module):
         # One gain per feature of a head, shared by all heads (as Qwen3 and OLMo 2 do per head).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.context: ContextParallel | None = None  # the sequence split over ranks (Llama.split_context)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: which keys each query may attend to (batch, 1, seq, seq), None for causal attention."""
+        """`mask`: which keys each query may attend to (batch, 1, seq, seq) — under context parallelism each
+        position's document id (batch, seq) instead —, None for causal attention."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -102,10 +105,13 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.context is not None:
+            out = self.context.attention(q, k, v, query_docs=None if mask is None else self.context.split(mask),
+                                         key_docs=mask, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -159,6 +165,7 @@ class Llama(nn.Module):
         # the packed documents of a sequence.
         self.document_start: int | None = None
         self.document_positions = False  # data.document_positions: RoPE positions restart at each document
+        self.context: ContextParallel | None = None  # this rank's share of each sequence (split_context)
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(head_size(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device,
@@ -218,32 +225,52 @@ class Llama(nn.Module):
         """Attend within documents from now on: `start` is the token each document begins with."""
         self.document_start, self.document_positions = start, positions
 
-    def documents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention within documents: the mask letting each token see the earlier tokens of its own document
-        (a sequence's tokens before its first document start are one more document), and the RoPE angles (each
-        document's positions from 0 with `document_positions`)."""
+    def split_context(self, context: ContextParallel) -> None:
+        """Context parallelism: from now on this rank computes its share of every sequence (`context.positions`),
+        its attention exchanging keys and values with the other ranks of the group."""
+        self.context = context
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.context = context
+
+    def documents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each token's document (a sequence's tokens before its first document start are one more document), and
+        with `document_positions` its position within its document (None: its place in the sequence)."""
         assert self.document_start is not None
-        seq = tokens.shape[1]
         starts = tokens == self.document_start
-        document = starts.cumsum(-1)
-        index = torch.arange(seq, device=tokens.device)
-        causal = index[None, :] <= index[:, None]
-        mask = (document[:, :, None] == document[:, None, :]) & causal
+        index = torch.arange(tokens.shape[1], device=tokens.device)
         if not self.document_positions:
-            return self.rope, mask[:, None]
+            return starts.cumsum(-1), None
         first = torch.where(starts, index, 0).cummax(-1).values  # where each token's document starts
-        return self.rope[index - first], mask[:, None]
+        return starts.cumsum(-1), index - first
+
+    def attention_inputs(self, tokens: torch.Tensor | None, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The RoPE angles of the positions this rank computes and what its attention masks with (Attention's
+        `mask`): causal attention, or within documents, over a sequence of `seq` tokens."""
+        document, positions = None, None
+        if self.document_start is not None:
+            assert tokens is not None, "a pipeline stage with a document mask needs the previous stage's tokens"
+            document, positions = self.documents(tokens)
+        if self.context is not None:  # this rank's positions: their angles; each position's document as the mask
+            mine = self.context.positions(seq, self.rope.device)
+            return self.rope[mine if positions is None else positions[:, mine]], document
+        rope = self.rope if positions is None else self.rope[positions]
+        if document is None:
+            return rope, None
+        index = torch.arange(seq, device=document.device)
+        causal = index[None, :] <= index[:, None]
+        return rope, ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> Any:
         """Tokens to logits; a pipeline stage maps tokens or hidden states to hidden states or logits. With a
-        document mask, a stage before the last also passes the tokens on (`tokens`), for the next stage's mask."""
+        document mask, a stage before the last also passes the tokens on (`tokens`), for the next stage's mask.
+        Under context parallelism the first stage takes the whole sequences' tokens and computes this rank's
+        share of them from there on."""
+        seq = x.shape[1] * (1 if self.context is None or self.tok_embeddings is not None else self.context.size)
         if self.tok_embeddings is not None:
-            tokens, x = x, self.embedded(self.tok_embeddings(x))
-        if self.document_start is None:
-            rope, mask = self.rope, None
-        else:
-            assert tokens is not None, "a pipeline stage with a document mask needs the previous stage's tokens"
-            rope, mask = self.documents(tokens)
+            tokens, x = x, self.tok_embeddings(x if self.context is None else self.context.split(x))
+            x = self.embedded(x)
+        rope, mask = self.attention_inputs(tokens, seq)
         for block in self.layers.values():
             x = block(x, rope, mask)
         if self.output is None or self.norm is None:

@@ -1,6 +1,6 @@
 """What a model family declares so that keel.parallel can parallelise it without naming its modules: the
-blocks it repeats and its tensor-parallel plan. A new family implements `Parallelizable`; keel.parallel
-is not edited."""
+blocks it repeats, its tensor-parallel plan, and how it computes a share of each sequence (context parallel).
+A new family implements `Parallelizable`; keel.parallel is not edited."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Protocol
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from keel.model.context import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -32,4 +34,9 @@ class Parallelizable(Protocol):
 
     def parallel_plan(self) -> ParallelPlan:
         """The tensor-parallel plan of the model as it is now (its options, the modules it holds)."""
+        ...
+
+    def split_context(self, context: ContextParallel) -> None:
+        """From now on compute this rank's share of every sequence (`context.positions`), attention through
+        `context.attention`."""
         ...

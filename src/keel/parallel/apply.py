@@ -17,6 +17,8 @@ from keel.parallel.layout import Layout
 
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
+    if layout.context is not None:
+        model.split_context(layout.context)
     if layout.tensor_parallel:
         apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)

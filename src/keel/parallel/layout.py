@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from keel.config import TrainConfig
 from keel.core.torch_private import flatten_mesh
 from keel.model.loss import Objective
+from keel.parallel.context import ContextShard
 from keel.parallel.degrees import DIMS, Degrees
 
 
@@ -78,6 +79,14 @@ class Layout:
         """The ranks that hold the same parameter shards (HSDP's replicas), None without replicas."""
         return self.mesh["dp_replicate"] if self.degrees.dp_replicate > 1 else None
 
+    @functools.cached_property
+    def context(self) -> ContextShard | None:
+        """This rank's share of every sequence under context parallelism (None without it)."""
+        if self.degrees.cp == 1:
+            return None
+        cp = self.mesh["cp"]
+        return ContextShard(cp.get_group(), cp.get_local_rank(), self.degrees.cp)
+
     # ---------------------------------------------------------------- batches and losses
     @property
     def dp(self) -> int:
@@ -97,5 +106,7 @@ class Layout:
         return self.degrees.dp * self.degrees.cp * self.degrees.tp
 
     def objective(self, train: TrainConfig) -> Objective:
-        """The training objective as this layout computes it: on vocabulary shards under tensor parallelism."""
-        return Objective.of(train, vocab_parallel=self.tensor_parallel)
+        """The training objective as this layout computes it: on vocabulary shards under tensor parallelism, over
+        this rank's positions of each sequence under context parallelism."""
+        return Objective.of(train, vocab_parallel=self.tensor_parallel,
+                            split=None if self.context is None else self.context.split)
