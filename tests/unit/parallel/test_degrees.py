@@ -31,6 +31,41 @@ def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Degrees
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (2, ["parallel.cp=2"], Degrees(1, 1, 1, cp=2)),
+    (8, ["parallel.cp=2", "parallel.tp=2"], Degrees(1, 2, 2, cp=2)),
+    (8, ["parallel.cp=2", "parallel.pp=2"], Degrees(1, 2, 1, 2, 4, cp=2)),
+])
+def test_context_parallel_degrees_resolve(world: int, overrides: list[str], expect: Degrees) -> None:
+    degrees = resolve_degrees(load_config(None, BASE + overrides), world)
+    assert degrees == expect and degrees.world_size == world
+    assert "cp2" in degrees.describe()
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (6, ["parallel.cp=4"], "pp × dp_replicate × dp_shard × cp × tp = 1 × 1 × -1 × 4 × 1 do not divide the 6"),
+    (4, ["parallel.cp=2", "train.seq_len=250"], "train.seq_len = 250 must divide by 2 × parallel.cp = 4"),
+    (8, ["parallel.cp=2", "parallel.tp=4", "train.seq_len=252"],
+     "train.seq_len / parallel.cp = 126 must divide by parallel.tp = 4"),
+])
+def test_context_parallel_layouts_are_refused_with_their_numbers(world: int, overrides: list[str],
+                                                                 expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_degrees(load_config(None, BASE + overrides), world)
+    assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("overrides", "expect"), [
+    (["parallel.compile=true"], "parallel.cp = 2 runs keel's own context-parallel attention"),
+    (["monitor.signals_interval=5"], "monitor.signals_interval = 5 reads whole attention rows"),
+    (['eval.downstream_tasks=["keel_stdlib_heldout"]'], "eval.downstream_tasks scores texts of any length"),
+])
+def test_what_context_parallelism_cannot_run_with_is_one_line(overrides: list[str], expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*BASE, "parallel.cp=2", *overrides])
+    assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
     (4, ["parallel.tp=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × -1 × 3 do not divide the 4 processes"),
     (4, ["parallel.dp_shard=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × 3 × 1 do not divide the 4 processes"),
     (8, ["parallel.dp_shard=2", "parallel.tp=2"],
