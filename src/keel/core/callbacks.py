@@ -1,10 +1,13 @@
 """The callback contract: how every feature (guards, checkpointing, health, monitoring, evaluation, fault
 injectors, users' code) attaches to the training loop.
 
-The loop calls each hook of every registered callback in registration order and never knows which
-callbacks exist. The step hooks see the step being made (`Step`); `after_backward` and `on_step_end` may
-ask for an `Action`, and the strongest asked wins. Once a callback asks for an action that ends the
-step (a rollback, a stop, an exit code), the later callbacks of that hook are not called for this step.
+The loop calls each hook of every registered callback in the order of their declared `priority` (higher
+first; equal priorities in registration order) and never knows which callbacks exist. keel's own components
+declare theirs on their classes; a configured callback has 0, which runs it after every built-in component
+of the step but the watchdog's phases and the step's end mark. The step hooks see the step being made
+(`Step`); `after_backward` and `on_step_end` may ask for an `Action`, and the strongest asked wins. Once a
+callback asks for an action that ends the step (a rollback, a stop, an exit code), the later callbacks of
+that hook are not called for this step.
 A callback registered with `every=k` gets `on_step_end` only at steps divisible by k, and at the last.
 A callback that keeps state implements `state_dict`/`load_state_dict` and is saved with the run. A
 callback with an `inspect(report) -> Action | None` method is also a guard (keel.guard.engine).
@@ -62,10 +65,13 @@ class Step:
     report: StepReport | None = None  # the step's one reduction, from `after_backward` on
     action: Action = CONTINUE  # the strongest asked so far
     save_due: bool = False  # a checkpoint of this step will be written (set before the guards' check)
+    save_waits: bool = False  # ... and written to the end before the step ends (the last step, before a pause)
     metrics: dict[str, Any] = field(default_factory=dict)  # what this step logs
 
 
 class Callback:
+    priority = 0  # hooks run in decreasing priority; a configured callback's place among keel's components
+
     def on_build(self, build: Build) -> None: ...
     def on_start(self, state: TrainState) -> None: ...
     def before_step(self, state: TrainState) -> None: ...  # before the step is made: it may change the state
@@ -75,6 +81,9 @@ class Callback:
     def on_backward(self, step: Step, replaying: bool) -> None: ...
     def after_backward(self, step: Step) -> Action | None: ...  # the report is in, the update not applied
     def on_step_end(self, step: Step) -> Action | None: ...  # the update is applied (or skipped)
+    # Once the step's hooks have run: the component that carries out the step's action (a rollback, a stop, a
+    # pause asked after the stop's turn) does it here; an exit code ends the run.
+    def carry_out(self, step: Step) -> int | None: ...
     def on_checkpoint_saved(self, state: TrainState, path: str) -> None: ...
     def on_checkpoint_failed(self, state: TrainState, step: int, error: str) -> None: ...
     # Runs on the checkpoint writer thread, after this rank wrote its files and before the commit.
@@ -85,14 +94,15 @@ class Callback:
 
 
 class Hooks:
-    """The registered callbacks, called in order."""
+    """The registered callbacks, kept in decreasing priority (stable for equal ones)."""
 
     def __init__(self) -> None:
         self.callbacks: list[Callback] = []
         self.every: dict[int, int] = {}  # id(callback) -> its on_step_end frequency
 
     def add(self, callback: Callback, every: int = 1) -> None:
-        self.callbacks.append(callback)
+        after = [i for i, cb in enumerate(self.callbacks) if cb.priority >= callback.priority]
+        self.callbacks.insert(after[-1] + 1 if after else 0, callback)
         self.every[id(callback)] = max(1, every)
 
     def notify(self, hook: str, *args: Any) -> None:
@@ -108,6 +118,14 @@ class Hooks:
             if step.action.ends_step:
                 break
         return step.action
+
+    def carry_out(self, step: Step) -> int | None:
+        """What the step's action asks once its hooks have run: the first exit code a component's `carry_out`
+        gives, else the code the action itself holds (None: the run goes on)."""
+        for callback in self.callbacks:
+            if (code := callback.carry_out(step)) is not None:
+                return code
+        return step.action.exit_code
 
     def of_type(self, kind: type) -> list[Any]:
         return [cb for cb in self.callbacks if isinstance(cb, kind)]

@@ -26,8 +26,9 @@ from typing import Any
 from keel.config import Config, TrackerQueueConfig
 from keel.core.callbacks import Callback
 from keel.core.state import TrainState
+from keel.monitor.run_monitor import RunMonitor, replica_group
 from keel.monitor.tracking.registry import Backend, enabled_trackers, make_backend
-from keel.rundir.events import read_jsonl
+from keel.rundir.events import EventLog, read_jsonl
 
 TRACKERS = "trackers.json"
 METRICS = "metrics.jsonl"
@@ -176,7 +177,7 @@ class TrackerChannel:
 class Trackers(Callback):
     """On rank 0: the enabled trackers, fed every metrics record (a sink of the RunMonitor), every event
     of this rank, and each committed checkpoint's path; closed with the monitor."""
-
+    priority = 40
     builtin = True
 
     def __init__(self, cfg: Config, run_dir: Path, emit: Callable[..., None], say: Callable[[str], None]) -> None:
@@ -243,3 +244,15 @@ def attach_report(cfg: Config, run_dir: Path, report: Path) -> list[str]:
         except Exception as e:
             problems.append(f"{name}: the report was not attached ({cause(e)})")
     return problems
+
+
+def run_trackers(cfg: Config, run_dir: Path, monitor: RunMonitor, events: EventLog, say: Callable[[str], None],
+                 rank0: bool) -> list[Trackers]:
+    """The experiment trackers of a run, fed from rank 0 (of the first replica group: one tracker run per run):
+    a sink of the monitor and a subscriber of the events; none when no tracker is enabled."""
+    if not (rank0 and enabled_trackers(cfg) and replica_group() in (None, "0")):
+        return []
+    trackers = Trackers(cfg, run_dir, events.emit, say)
+    monitor.sinks.append(trackers)
+    events.subscribe(trackers.on_event)
+    return [trackers]

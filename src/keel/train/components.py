@@ -1,9 +1,8 @@
 """The built-in features of a training run, each a component on the callback contract with one job.
 
-`Trainer.build` registers them in this order, which is the order their hooks run in: the step meter, the
-guards' inspection, pause requests, the checkpoint decision, the interval's metrics, the watchdog's
-sections, evaluation, the guards' check, the checkpoint writer, the stop; then the configured callbacks;
-then the watchdog's phases and the step's end mark (which run after the users' hooks).
+Each declares where its hooks run among the others (`priority`, higher first: keel.core.callbacks), so that
+the order is the components' own and not a list's; tests/unit/train/test_component_order.py pins the
+resulting order of a built run's components.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ class Builtin(Callback):
 
 class Metering(Builtin):
     """Every step: the data wait, the goodput ledger's step marks, the communication profile, throughput."""
+    priority = 170  # first: the step's clock and ledger marks
 
     def __init__(self, monitor: RunMonitor, meter: StepMeter, comm: CommProfiler) -> None:
         self.monitor, self.meter, self.comm = monitor, meter, comm
@@ -83,6 +83,7 @@ class Metering(Builtin):
 
 class GuardInspection(Builtin):
     """After the backward: the guards' verdict on the step report (and the learning-rate scale they set)."""
+    priority = 140  # after the signals it may read, before anything acts on the step
 
     def __init__(self, guards: Guards, monitor: RunMonitor, stepper: Stepper,
                  replayed: Callable[[Step], None]) -> None:
@@ -106,6 +107,7 @@ class GuardInspection(Builtin):
 class GuardCheck(Builtin):
     """After the update: the replica fingerprints, the instability signals of this step (`signals(step)`, empty
     when it computed none) and the in-memory snapshot, when due."""
+    priority = 70  # after evaluation, before the writer: fingerprints before a save
 
     def __init__(self, guards: Guards, monitor: RunMonitor, inspection: GuardInspection,
                  signals: Callable[[int], dict[str, float]]) -> None:
@@ -122,6 +124,7 @@ class GuardCheck(Builtin):
 class PauseRequests(Builtin):
     """A pause asked on any rank (a signal, `keel pause`), or a straggler's node to leave: every rank
     pauses at the same step, after its checkpoint."""
+    priority = 130  # before the checkpoint decision, which saves before a pause
 
     def __init__(self, requests: StopRequests, straggler: StragglerDetector, sync: StepSync) -> None:
         self.requests, self.straggler = requests, straggler
@@ -205,8 +208,11 @@ class Checkpointing:
 
 
 class CheckpointDecision(Builtin):
-    """Each step: a background save that finished everywhere is handled, and whether this step saves is
-    decided (every `checkpoint.interval` steps or seconds, at the last step, before a pause)."""
+    """Each step: a background save that finished everywhere is handled, and the step's checkpoint decided, for
+    the writer, the guards and the stop to read from the step: whether it saves (every `checkpoint.interval` steps
+    or seconds, at the last step, before a pause) and whether the save is written to the end before the step
+    ends (the last step, before a pause)."""
+    priority = 120  # before the metrics and the guards' check, which read save_due
 
     def __init__(self, ckpt: Checkpointing, sync: StepSync) -> None:
         self.ckpt = ckpt
@@ -218,13 +224,15 @@ class CheckpointDecision(Builtin):
         values, policy = step.report.values, self.ckpt.policy
         if values["checkpoint/done"] == dist.get_world_size():
             self.ckpt.after_save(self.ckpt.manager.finish())  # type: ignore[arg-type]
-        step.save_due = self.ckpt.writer() and (policy.due_by_step(step.state.step) or step.last or
-                                                step.action.kind == "pause" or
+        ending = step.last or step.action.kind == "pause"
+        step.save_due = self.ckpt.writer() and (ending or policy.due_by_step(step.state.step) or
                                                 policy.due_by_time(self.ckpt.seconds_since_save(values)))
+        step.save_waits = step.save_due and ending
 
 
 class CheckpointWriter(Builtin):
     """Writes the checkpoint the decision asked for (synchronously at the last step and before a pause)."""
+    priority = 60
 
     def __init__(self, ckpt: Checkpointing, parts: list, optimizers: list, watchdog: Watchdog) -> None:
         self.ckpt, self.parts, self.optimizers, self.watchdog = ckpt, parts, optimizers, watchdog
@@ -236,7 +244,7 @@ class CheckpointWriter(Builtin):
         self.started = self.ckpt.last_save = time.perf_counter()
 
     def on_step_end(self, step: Step) -> None:
-        seconds = self.save(step, wait=step.last or step.action.kind == "pause") if step.save_due else 0.0
+        seconds = self.save(step, wait=step.save_waits) if step.save_due else 0.0
         self.ckpt.monitor.registry.add("time/checkpoint_s", seconds)  # a step's mean share
 
     def save(self, step: Step, wait: bool) -> float:
@@ -257,6 +265,7 @@ class CheckpointWriter(Builtin):
 class IntervalMetrics(Builtin):
     """Every `monitor.interval` steps (registered with that frequency): the interval's one reduction of
     every metric, published to the sinks, the alert rules and the console."""
+    priority = 110
 
     def __init__(self, steps: int, monitor: RunMonitor, metering: Metering, loader: GlobalOrderLoader,
                  optimizers: list, pp: int, ckpt: Checkpointing, sources: list[Callable[[], dict[str, float]]],

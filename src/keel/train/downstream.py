@@ -13,18 +13,47 @@ import contextlib
 import os
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from keel.config import EvalConfig
-from keel.core.callbacks import Step
-from keel.downstream.adapter import KeelLM
+from keel.config import Config, EvalConfig
+from keel.core.callbacks import Callback, Step
+from keel.data.shards import Corpus
+from keel.data.tokenizer import open_tokenizer
+from keel.downstream.scoring import Scorer
 from keel.downstream.tasks import check_tasks, run_tasks
 from keel.health.watchdog import Watchdog
 from keel.monitor.run_monitor import RunMonitor
 from keel.train.components import Builtin
+
+if TYPE_CHECKING:
+    from keel.downstream.adapter import KeelLM
+
+
+def downstream_evaluation(cfg: Config, model: torch.nn.Module, corpus: Corpus, dtype: torch.dtype,
+                          watchdog: Watchdog, monitor: RunMonitor, say: Callable[[str], None]) -> list[Callback]:
+    """The lm-eval tasks of eval.downstream_tasks on the model being trained, on every rank (none: no component,
+    and lm-eval is not imported)."""
+    if not cfg.eval.downstream_tasks:
+        return []
+    from keel.downstream.adapter import KeelLM
+
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        training = model.training
+        model.eval()
+        with torch.no_grad(), autocast or contextlib.nullcontext():
+            out = model(tokens)
+        model.train(training)
+        return out
+
+    tokenizer = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"])
+    lm = KeelLM(Scorer(logits, tokenizer, cfg.model.max_seq_len, device, cfg.eval.downstream_batch))
+    return [DownstreamEvaluation(cfg.eval, lm, watchdog, monitor, say, device)]
 
 
 @contextlib.contextmanager
@@ -39,6 +68,7 @@ def generators_kept(device: torch.device) -> Iterator[None]:
 
 class DownstreamEvaluation(Builtin):
     """Registered with frequency eval.downstream_interval (the run's length when 0): also called at the last step."""
+    priority = 80
 
     def __init__(self, cfg: EvalConfig, lm: KeelLM, watchdog: Watchdog, monitor: RunMonitor,
                  say: Callable[[str], None], device: torch.device) -> None:

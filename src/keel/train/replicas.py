@@ -91,6 +91,7 @@ def heartbeating(lighthouse: str, within_s: float) -> set[int] | None:
 class ReplicaGroups(Builtin):
     """The quorum at each step's start, the cross-group gradient average after the backward, and the
     commit vote before the update."""
+    priority = 150  # the cross-group average before the guards read the step
 
     def __init__(self, cfg: FaultToleranceConfig, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, monitor: RunMonitor,

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from keel.monitor.mfu import measure_peak_flops
 from keel.rundir.events import host
 
 PROBES = "probes.json"
@@ -63,3 +65,13 @@ def _read(run_dir: Path) -> dict:
     except (OSError, ValueError):  # none yet, or damaged: measure again
         return {}
     return kept if isinstance(kept, dict) else {}
+
+
+def measured_peak(run_dir: Path, job: list | None, device: torch.device, dtype: torch.dtype) -> float:
+    """The matmul peak of these processes, measured once per job: a restart on the same hosts reuses it."""
+    depends = None if job is None else {"job": job, "device": str(device), "dtype": str(dtype)}
+    if (kept := reused(run_dir, "peak_flops", depends)) is not None:
+        return float(kept["value"])
+    peak = measure_peak_flops(device, dtype)
+    remember(run_dir, "peak_flops", depends, peak)
+    return peak

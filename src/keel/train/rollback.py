@@ -13,12 +13,15 @@ from torch.optim import Optimizer
 from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.manifest import checkpoint_step, committed
 from keel.core.actions import Action
+from keel.core.callbacks import Step
 from keel.core.state import TrainState
 from keel.data.loader import GlobalOrderLoader
 from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE
 from keel.guard.engine import Guards
+from keel.monitor.run_monitor import RunMonitor
 from keel.rundir.events import EventLog
 from keel.rundir.quarantine import add_to_quarantine
+from keel.train.components import Builtin, Checkpointing
 
 
 class NothingToRollBackTo(Exception):
@@ -26,7 +29,11 @@ class NothingToRollBackTo(Exception):
 
 
 @dataclasses.dataclass
-class Recovery:
+class Recovery(Builtin):
+    """Carries out a rollback, a stop or a quarantine once the step's hooks have run (after the save in flight
+    has finished), and accounts its time to the goodput ledger."""
+
+    priority = 45  # carry_out only: after the stop, which carries out a late pause
     guards: Guards
     manager: CheckpointManager
     loader: GlobalOrderLoader
@@ -38,9 +45,25 @@ class Recovery:
     say: Callable[[str], None]
     run_dir: Path
     rank0: bool
+    checkpointing: Checkpointing
+    monitor: RunMonitor
+    status: Callable[..., None]
     writer: Callable[[], bool] = lambda: True  # whether this rank's group writes (and retires) the checkpoints
 
-    def carry_out(self, action: Action) -> int | None:
+    def carry_out(self, step: Step) -> int | None:
+        action = step.action
+        if not action.carried_out:
+            return None
+        self.checkpointing.finish()
+        self.monitor.ledger.spent("productive")
+        code = self.act(action)
+        code = code if action.exit_code is None else action.exit_code  # the code the asker gave wins
+        self.monitor.ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
+        if code is not None:
+            self.status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
+        return code
+
+    def act(self, action: Action) -> int | None:
         """A rollback, stop or quarantine (skips are the loop's). Returns an exit code when the run ends."""
         state = self.state
         if action.kind == "quarantine" and action.ranks:

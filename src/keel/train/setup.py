@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,12 @@ import torch
 import torch.distributed as dist
 
 import keel
+from keel.checkpoint.identity import run_identity
+from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.resume import checkpoint_root
 from keel.config import Config
-from keel.core.callbacks import Callback
+from keel.core.callbacks import Callback, Hooks
+from keel.core.state import TrainState
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
 from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
@@ -118,12 +122,42 @@ def build_model_parts(cfg: Config, layout: Layout, param_dtype: torch.dtype) -> 
 
 
 
+def checkpoint_manager(cfg: Config, run_dir: Path, layout: Layout, events: EventLog, hooks: Hooks, corpus: Corpus,
+                       accepted: tuple[str, ...]) -> CheckpointManager:
+    return CheckpointManager(
+        cfg, run_dir, layout.describe(), events, on_write=partial(hooks.notify, "on_checkpoint_write"),
+        # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
+        tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
+        identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
+
+
+def load_initial_weights(parts: list[torch.nn.Module], init_from: str, say: Callable[[str], None]) -> None:
+    """A fresh run's weights from a Hugging Face directory (model.init_from = "hf:DIR")."""
+    from keel.checkpoint.export import load_hf_weights
+
+    for part in parts:
+        assert isinstance(part, Llama)
+        load_hf_weights(part, Path(init_from.removeprefix("hf:")))
+    say(f"initialised the weights from {init_from}")
+
+
 def validation_text(corpus: Corpus, seq_len: int, val_sequences: int) -> tuple[int, int]:
     """Target tokens of the fixed validation set and the UTF-8 bytes they stand for, so that its bits per
     byte are exact whatever the tokenizer (training's use the training split's average bytes per token)."""
     token_bytes = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"]).token_bytes()
     targets = SequenceIndex(corpus.splits["val"], seq_len).tokens(np.arange(val_sequences))[:, 1:]
     return targets.size, int(token_bytes[targets].sum())
+
+
+def run_summary(cfg: Config, state: TrainState, corpus: Corpus, train_loss: float, val_loss: float, val_bpb: float,
+                run_dir: Path, checkpoint: str | None) -> dict:
+    """What summary.json says of a finished run."""
+    return {"name": cfg.name, "step": state.step, "train_loss": train_loss, "val_loss": val_loss, "val_bpb": val_bpb,
+            "tokenizer": corpus.manifest["tokenizer"]["name"],
+            "unigram_entropy": corpus.manifest["stats"]["unigram_entropy_nats"], "tokens_seen": state.tokens_seen,
+            "train_seconds": round(state.train_seconds, 2),
+            "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9), "run_dir": str(run_dir),
+            "checkpoint": checkpoint}
 
 
 def validated_loss(sums: tuple[torch.Tensor, torch.Tensor]) -> float:

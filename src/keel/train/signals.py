@@ -66,6 +66,7 @@ def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.T
 
 class InstabilitySignals(Callback):
     """`last`: the latest readings, as metrics (`signals/...`; per layer `signals/<name>/layer_<i>`)."""
+    priority = 160
 
     def __init__(self, interval: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  n_layers: int, pp: int) -> None:

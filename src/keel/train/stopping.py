@@ -14,7 +14,7 @@ import torch.distributed as dist
 from keel.config import Config
 from keel.core.actions import Action
 from keel.core.callbacks import Step
-from keel.errors import EXIT_PAUSED, EXIT_QUARANTINE
+from keel.errors import EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.signals import StopRequests
 from keel.rundir.events import EventLog
 from keel.rundir.progress import Progress, summary_lines
@@ -34,6 +34,7 @@ class Stopping(Builtin):
     checkpoint (synchronously): exit 75 (paused: the rerun resumes there), or 76 when a node of this job
     is quarantined (a straggler, or `keel quarantine`, whose launcher then stopped its workers): the
     other nodes restart without it."""
+    priority = 50  # after the writer: a pause follows its save
 
     def __init__(self, pause: PauseRequests, ckpt: Checkpointing, writer: CheckpointWriter, hosts: list[str],
                  run_dir: Path, status: Callable[..., None]) -> None:
@@ -46,9 +47,11 @@ class Stopping(Builtin):
         code = self._stop(step.state.step, step.action.reason)
         return Action("pause", step.action.guard, step.action.reason, exit_code=code)
 
-    def late(self, step: Step) -> int:
-        """A pause asked after this component's turn (by a callback registered after it): the step's
+    def carry_out(self, step: Step) -> int | None:
+        """A pause asked after this component's turn (by a configured callback, which runs after it): the step's
         checkpoint is written to the end (or the one written in the background finished), then the stop."""
+        if step.action.kind != "pause" or step.action.exit_code is not None or step.last:
+            return None
         if self.writer.saved_step == step.state.step:
             self.ckpt.finish()
         else:
@@ -104,6 +107,22 @@ def paused_before_training(requests: StopRequests, run_dir: Path, events: EventL
     say(f"paused before training ({reason}); the newest checkpoint is {checkpoint or 'none yet'}; run the same "
         f"command to resume")
     return EXIT_PAUSED
+
+
+def finished(summary: dict, ckpt: Checkpointing, run_dir: Path) -> int:
+    """The run made its last step: its summary written, announced and printed (on rank 0); exit 0, or the code
+    of a final checkpoint that could not be written (EXIT_STORAGE when the volume refused it: no restart)."""
+    if ckpt.rank0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        ckpt.events.emit("finish", summary["step"], "finished", train_loss=summary["train_loss"],
+                         val_loss=summary["val_loss"], train_seconds=summary["train_seconds"])
+        ckpt.say.lines(summary_lines(summary))
+    if ckpt.final_saved:
+        return 0
+    ckpt.say(f"error: the final checkpoint could not be written; the newest checkpoint is {ckpt.manager.latest()}, "
+             f"run the same command again to redo the steps after it")
+    # A volume that refused the last save refuses a restart's too: not one the agent should spend.
+    return EXIT_STORAGE if ckpt.volume_refused else 1
 
 
 def already_finished(cfg: Config, run_dir: Path, step: int, events: EventLog, say: Progress, rank0: bool) -> int:

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 from functools import partial
@@ -15,16 +13,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from keel.checkpoint.identity import run_identity
 from keel.checkpoint.interval import IntervalPolicy
-from keel.checkpoint.manager import CheckpointManager
 from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
 from keel.core.callbacks import Build, Callback, Hooks, Step
 from keel.core.state import Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
-from keel.data.shards import Corpus, open_corpus
+from keel.data.shards import open_corpus
 from keel.data.tokenizer import bits_per_byte
-from keel.errors import EXIT_GUARD_STOP, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.guard.engine import Guards
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
@@ -32,33 +27,30 @@ from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
 from keel.model.llama import Llama, width_ratio
 from keel.monitor.metrics import CommProfiler, MemoryMeter, StepMeter
-from keel.monitor.mfu import measure_peak_flops, resolve_peak_flops
-from keel.monitor.run_monitor import RunMonitor, replica_group
-from keel.monitor.trackers import Trackers, enabled_trackers
+from keel.monitor.mfu import resolve_peak_flops
+from keel.monitor.run_monitor import RunMonitor
+from keel.monitor.trackers import run_trackers
 from keel.parallel.layout import Layout
 from keel.parallel.mesh import Dist
 from keel.rundir.events import RunLog, host
-from keel.rundir.progress import summary_lines
 from keel.rundir.status import write_status
+from keel.train import components, setup
 from keel.train.callbacks import load_callbacks
-from keel.train.components import (
-    CheckpointDecision,
-    Checkpointing,
-    CheckpointWriter,
-    GuardCheck,
-    GuardInspection,
-    IntervalMetrics,
-    Metering,
-    PauseRequests,
-)
+from keel.train.downstream import downstream_evaluation
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.replicas import ReplicaGroups
-from keel.train.reuse import job_key, remember, reused
+from keel.train.reuse import job_key, measured_peak
 from keel.train.rollback import Recovery
-from keel.train.setup import build_data, build_model_parts, gather_hosts, precision_dtype, preflight, validated_loss
 from keel.train.signals import InstabilitySignals
 from keel.train.step import Stepper, evaluate
-from keel.train.stopping import Stopping, already_finished, paused_before_training, rendezvous_timeout, stop_agreed
+from keel.train.stopping import (
+    Stopping,
+    already_finished,
+    finished,
+    paused_before_training,
+    rendezvous_timeout,
+    stop_agreed,
+)
 from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSections
 
 if TYPE_CHECKING:
@@ -84,17 +76,18 @@ class Trainer:
         corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
         check_vocab_size(cfg, corpus.vocab_size)
         users = load_callbacks(callbacks)
-        self.manager = self._checkpoint_manager(corpus, accepted)
+        self.manager = setup.checkpoint_manager(cfg, self.run_dir, self.layout, self.events, self.hooks, corpus,
+                                                accepted)
         if cfg.fault_tolerance.replica_groups == 1:  # replica groups mostly heal from a live peer instead
             self.manager.prefetch(resume)  # the checkpoint's checks run while the model is built
         self.job = job_key(ctx.world_size)
-        if (code := preflight(cfg, self.run_dir, ctx, users, self.events, self.say, self.job)) is not None:
+        if (code := setup.preflight(cfg, self.run_dir, ctx, users, self.events, self.say, self.job)) is not None:
             return code
         seed_everything(cfg.train.seed, ctx.rank)
         self.memory = MemoryMeter(ctx.device)  # before the model: what the runtime holds
         self._build_model()
         self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
-        self.corpus, self.data = corpus, build_data(cfg, self.layout, corpus, accepted)
+        self.corpus, self.data = corpus, setup.build_data(cfg, self.layout, corpus, accepted)
         if cfg.data.document_mask:  # each packed document starts with the corpus tokenizer's BOS
             for part in self.parts:
                 cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
@@ -103,7 +96,7 @@ class Trainer:
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
         self.guards = Guards(cfg.guard, replays, self.layout, self.optimizers, self.stepper.params,
                              [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
-        self.hosts = gather_hosts(ctx.world_size)
+        self.hosts = setup.gather_hosts(ctx.world_size)
         self._attach(users)
         self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                          config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -122,21 +115,12 @@ class Trainer:
         self.meter.restart()
         return None
 
-    def _checkpoint_manager(self, corpus: Corpus, accepted: tuple[str, ...]) -> CheckpointManager:
-        cfg = self.cfg
-        return CheckpointManager(
-            cfg, self.run_dir, self.layout.describe(), self.events,
-            on_write=partial(self.hooks.notify, "on_checkpoint_write"),
-            # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
-            tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
-            identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
-
     def _build_model(self) -> None:
         cfg, layout = self.cfg, self.layout
-        self.dtype = precision_dtype(cfg, self.ctx.device)
+        self.dtype = setup.precision_dtype(cfg, self.ctx.device)
         autocast = self.dtype if self.dtype != torch.float32 else None
         objective = layout.objective(cfg.train)
-        parts, stages = build_model_parts(cfg, layout, self.dtype)
+        parts, stages = setup.build_model_parts(cfg, layout, self.dtype)
         self.parts: list[nn.Module] = list(parts)
         self.optimizers: list[torch.optim.Optimizer] = [
             build_optimizer(part, cfg.optim, width_ratio(cfg.model)) for part in parts]
@@ -151,109 +135,67 @@ class Trainer:
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
                          partial(evaluate, self.parts[0], autocast_dtype=autocast, objective=objective))
 
-    def _measured_peak(self) -> float:
-        """The matmul peak of these processes, measured once per job: a restart on the same hosts reuses it."""
-        depends = None if self.job is None else {"job": self.job, "device": str(self.ctx.device),
-                                                 "dtype": str(self.dtype)}
-        if (kept := reused(self.run_dir, "peak_flops", depends)) is not None:
-            return float(kept["value"])
-        peak = measure_peak_flops(self.ctx.device, self.dtype)
-        remember(self.run_dir, "peak_flops", depends, peak)
-        return peak
-
     def _attach(self, users: list[Callback]) -> None:
-        """The components in the order their hooks run, and the state each saves with the run."""
-        cfg, ctx, monitor, watchdog, hooks = self.cfg, self.ctx, self.monitor, self.watchdog, self.hooks
+        """The components (each declares where its hooks run: keel.core.callbacks), and the state each saves."""
+        cfg, ctx, monitor, watchdog, hooks, c = self.cfg, self.ctx, self.monitor, self.watchdog, self.hooks, components
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        self.peak = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype, measure=self._measured_peak)
+        self.peak = resolve_peak_flops(cfg.monitor.peak_flops, ctx.device, self.dtype,
+                                       measure=partial(measured_peak, self.run_dir, self.job, ctx.device, self.dtype))
         self.say.mfu_shown = self.peak.shown
         self.meter = StepMeter(self.tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len)
                                * self.tokens_per_step, ctx.world_size, self.peak.flops)
         straggler = StragglerDetector(cfg.health.straggler, ctx.rank, ctx.world_size, self.hosts, self.events,
                                       self.say, self.run_dir, ctx.device)
         comm = CommProfiler(cfg.monitor.profile_interval, ctx.device.type)
-        self.checkpointing = ckpt = Checkpointing(cfg.checkpoint, self.manager, IntervalPolicy(cfg.checkpoint), monitor,
-                                                  self.events, self.say, self.state, self.hooks.notify, self.status,
-                                                  self.rank0)
-        metering = Metering(monitor, self.meter, comm)
+        self.checkpointing = ckpt = c.Checkpointing(cfg.checkpoint, self.manager, IntervalPolicy(cfg.checkpoint),
+                                                    monitor, self.events, self.say, self.state, hooks.notify,
+                                                    self.status, self.rank0)
+        metering = c.Metering(monitor, self.meter, comm)
         signals = InstabilitySignals(cfg.monitor.signals_interval, self.parts, self.optimizers, cfg.model.n_layers,
                                      self.layout.degrees.pp)
-        self.replicas = self._replica_groups() if cfg.fault_tolerance.replica_groups > 1 else None
-        inspection = GuardInspection(self.guards, monitor, self.stepper,
-                                     lambda step: hooks.notify("on_backward", step, True))
-        pause = PauseRequests(self.requests, straggler, self.sync)
-        self.metrics = IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
-                                       self.layout.degrees.pp, ckpt,
-                                       [lambda: comm.last, lambda: signals.last, self.guards.metrics,
-                                        lambda: straggler.last,
-                                        self.replicas.metrics if self.replicas else dict],
-                                       self.data.train_text, self.status, self.memory)
-        self.evaluation = Evaluation(lambda: validated_loss(self.evaluate(self.data.val_batches)), self.bpb, watchdog,
-                                     monitor, hooks.notify, self.say, cfg.eval.interval, cfg.eval.final)
-        writer = CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
+        self.replicas = None if cfg.fault_tolerance.replica_groups == 1 else ReplicaGroups(
+            cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader, self.layout.dp_rank,
+            self.layout.dp, monitor, self.run_dir, self.events, self.say, self.rank0,
+            cfg.guard.sdc.fingerprint_interval if cfg.guard.enabled else 0)
+        inspection = c.GuardInspection(self.guards, monitor, self.stepper,
+                                       lambda step: hooks.notify("on_backward", step, True))
+        pause = c.PauseRequests(self.requests, straggler, self.sync)
+        self.metrics = c.IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
+                                         self.layout.degrees.pp, ckpt,
+                                         [lambda: comm.last, lambda: signals.last, self.guards.metrics,
+                                          lambda: straggler.last, self.replicas.metrics if self.replicas else dict],
+                                         self.data.train_text, self.status, self.memory)
+        self.evaluation = Evaluation(lambda: setup.validated_loss(self.evaluate(self.data.val_batches)), self.bpb,
+                                     watchdog, monitor, hooks.notify, self.say, cfg.eval.interval, cfg.eval.final)
+        writer = c.CheckpointWriter(ckpt, self.parts, self.optimizers, watchdog)
         self.stopping = Stopping(pause, ckpt, writer, self.hosts, self.run_dir, self.status)
-        for component, every in [
-                (metering, 1), (signals, 1), *([(self.replicas, 1)] if self.replicas else []), (inspection, 1),
-                (pause, 1),
-                (CheckpointDecision(ckpt, self.sync), 1),
-                (self.metrics, cfg.monitor.interval), (WatchdogSections(watchdog), 1),
-                (self.evaluation, cfg.eval.interval or cfg.train.steps),
-                *[(downstream, cfg.eval.downstream_interval or cfg.train.steps) for downstream in self._downstream()],
-                (GuardCheck(self.guards, monitor, inspection, signals.of_step), 1),
-                (writer, 1), (self.stopping, 1),
-                *[(tracking, 1) for tracking in self._trackers()], *[(user, 1) for user in users],
-                (WatchdogPhases(watchdog), 1), (StepEnd(monitor, self.events.emit, self.rank0), 1)]:
-            hooks.add(component, every)
         self.recovery = Recovery(self.guards, self.manager, self.loader, self.parts, self.optimizers, self.state,
-                                 self.hosts, self.events, self.say, self.run_dir, self.rank0)
-        registered: list[tuple[str, Stateful]] = [("loader", self.loader_state), ("callbacks", hooks),
-                                                  ("guards", self.guards), ("health", watchdog)]
+                                 self.hosts, self.events, self.say, self.run_dir, self.rank0, ckpt, monitor,
+                                 self.status)
+        for component in [metering, signals, *([self.replicas] if self.replicas else []), inspection, pause,
+                          c.CheckpointDecision(ckpt, self.sync), WatchdogSections(watchdog),
+                          c.GuardCheck(self.guards, monitor, inspection, signals.of_step), writer, self.stopping,
+                          self.recovery, *run_trackers(cfg, self.run_dir, monitor, self.events, self.say, self.rank0),
+                          *users, WatchdogPhases(watchdog), StepEnd(monitor, self.events.emit, self.rank0)]:
+            hooks.add(component)
+        hooks.add(self.metrics, cfg.monitor.interval)
+        hooks.add(self.evaluation, cfg.eval.interval or cfg.train.steps)
+        for downstream in downstream_evaluation(cfg, self.parts[0], self.corpus, self.dtype, watchdog, monitor,
+                                                self.say):
+            hooks.add(downstream, cfg.eval.downstream_interval or cfg.train.steps)
+        self._register_state()
+
+    def _register_state(self) -> None:
+        registered: list[tuple[str, Stateful]] = [("loader", self.loader_state), ("callbacks", self.hooks),
+                                                  ("guards", self.guards), ("health", self.watchdog)]
         if self.replicas is not None:
             registered.append(("replicas", self.replicas))
-            ckpt.writer = self.recovery.writer = self.replicas.is_writer
+            self.checkpointing.writer = self.recovery.writer = self.replicas.is_writer
             self.replicas.joined_by_peer = lambda: self.guards.resnapshot(self.state)
             self.replicas.verified_now = lambda: self.guards.keep_verified(self.state)
             self.replicas.before_heal = self.manager.fence  # a save in flight has copied what a heal replaces
         for name, stateful in registered:
             self.state.register(name, stateful)
-
-    def _downstream(self) -> list[Callback]:
-        """The lm-eval tasks on the model being trained (eval.downstream_tasks), on every rank."""
-        if not self.cfg.eval.downstream_tasks:
-            return []
-        from keel.data.tokenizer import open_tokenizer
-        from keel.downstream.adapter import KeelLM  # lm-eval: imported only where it is used
-        from keel.downstream.scoring import Scorer
-        from keel.train.downstream import DownstreamEvaluation
-
-        model, device = self.parts[0], self.ctx.device
-        autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else None
-
-        def logits(tokens: torch.Tensor) -> torch.Tensor:
-            training = model.training
-            model.eval()
-            with torch.no_grad(), autocast or contextlib.nullcontext():
-                out = model(tokens)
-            model.train(training)
-            return out
-
-        tokenizer = open_tokenizer(self.corpus.dir, self.corpus.manifest["tokenizer"])
-        lm = KeelLM(Scorer(logits, tokenizer, self.cfg.model.max_seq_len, device, self.cfg.eval.downstream_batch))
-        return [DownstreamEvaluation(self.cfg.eval, lm, self.watchdog, self.monitor, self.say, device)]
-
-    def _trackers(self) -> list[Trackers]:
-        """The experiment trackers, fed from rank 0 (of the first replica group: one tracker run per run)."""
-        if not (self.rank0 and enabled_trackers(self.cfg) and replica_group() in (None, "0")):
-            return []
-        trackers = Trackers(self.cfg, self.run_dir, self.events.emit, self.say)
-        self.monitor.sinks.append(trackers)
-        self.events.subscribe(trackers.on_event)
-        return [trackers]
-
-    def _replica_groups(self) -> ReplicaGroups:
-        return ReplicaGroups(self.cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader,
-                             self.layout.dp_rank, self.layout.dp, self.monitor, self.run_dir, self.events, self.say,
-                             self.rank0, self.cfg.guard.sdc.fingerprint_interval if self.cfg.guard.enabled else 0)
 
     def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
         """The newest checkpoint of the run that verifies, unless told otherwise (or the state was received
@@ -265,12 +207,7 @@ class Trainer:
         ledger.charge("checkpoint_restore")
         load_s = time.perf_counter() - loading
         if restored is None and restore and cfg.model.init_from:
-            from keel.checkpoint.export import load_hf_weights
-
-            for part in self.parts:
-                assert isinstance(part, Llama)
-                load_hf_weights(part, Path(cfg.model.init_from.removeprefix("hf:")))
-            self.say(f"initialised the weights from {cfg.model.init_from}")
+            setup.load_initial_weights(self.parts, cfg.model.init_from, self.say)
         if restored is not None:
             saved, resume_from = restored
             state.load(saved.record)
@@ -334,52 +271,18 @@ class Trainer:
                 state.step += 1
                 state.tokens_seen += self.tokens_per_step
                 hooks.ask("on_step_end", step)
-            if (code := self._act(step)) is not None:
+            if (code := hooks.carry_out(step)) is not None:
                 return code
         return self._finish()
 
-    def _act(self, step: Step) -> int | None:
-        """What the step's strongest action asks once its hooks have run: nothing more, a rollback (once the
-        save in flight has finished), a pause its components have not carried out yet, or the end of the
-        run with an exit code."""
-        action = step.action
-        if action.kind == "pause" and action.exit_code is None and not step.last:
-            return self.stopping.late(step)
-        if not action.carried_out:
-            return action.exit_code
-        self.checkpointing.finish()
-        self.monitor.ledger.spent("productive")
-        code = self.recovery.carry_out(action)
-        code = code if action.exit_code is None else action.exit_code  # the code the asker gave wins
-        self.monitor.ledger.charge("checkpoint_restore" if action.rolls_back else "guard_checks")
-        if code is not None:
-            self.status("stopped" if code in (EXIT_GUARD_STOP, EXIT_QUARANTINE) else "failed", reason=action.reason)
-        return code
-
     def _finish(self) -> int:
-        cfg, state, say = self.cfg, self.state, self.say
-        self.hooks.notify("on_end", state)
+        self.hooks.notify("on_end", self.state)
         val_loss = self.evaluation.val_loss
-        summary = {"name": cfg.name, "step": state.step, "train_loss": self.metrics.train_loss, "val_loss": val_loss,
-                   "val_bpb": self.bpb(val_loss), "tokenizer": self.corpus.manifest["tokenizer"]["name"],
-                   "unigram_entropy": self.corpus.manifest["stats"]["unigram_entropy_nats"],
-                   "tokens_seen": state.tokens_seen, "train_seconds": round(state.train_seconds, 2),
-                   "tokens_per_s": state.tokens_seen / max(state.train_seconds, 1e-9),
-                   "run_dir": str(self.run_dir), "checkpoint": self.manager.latest()}
+        summary = setup.run_summary(self.cfg, self.state, self.corpus, self.metrics.train_loss, val_loss,
+                                    self.bpb(val_loss), self.run_dir, self.manager.latest())
         self.requests.consume()  # a pause asked for at the last step has nothing left to pause
-        saved = self.checkpointing.final_saved
-        self.status("finished" if saved else "failed")
-        if self.rank0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            self.events.emit("finish", state.step, "finished", train_loss=summary["train_loss"], val_loss=val_loss,
-                             train_seconds=summary["train_seconds"])
-            say.lines(summary_lines(summary))
-        if not saved:
-            say(f"error: the final checkpoint could not be written; the newest checkpoint is {self.manager.latest()}, "
-                f"run the same command again to redo the steps after it")
-            # A volume that refused the last save refuses a restart's too: not one the agent should spend.
-            return EXIT_STORAGE if self.checkpointing.volume_refused else 1
-        return 0
+        self.status("finished" if self.checkpointing.final_saved else "failed")
+        return finished(summary, self.checkpointing, self.run_dir)
 
     def close(self) -> None:
         """A save still in flight after an error is abandoned: its .tmp is cleaned at the next start."""

@@ -13,6 +13,7 @@ from keel.train.components import Builtin
 
 class WatchdogSections(Builtin):
     """Each step is a watchdog section: a rank that does not finish it in time is a hang."""
+    priority = 100
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
@@ -27,6 +28,7 @@ class WatchdogSections(Builtin):
 class WatchdogPhases(Builtin):
     """Where in the step each rank is, for the hang report: registered after the configured callbacks,
     so that a fault they deliver lands in the phase it was meant for."""
+    priority = -10  # after the configured callbacks (priority 0)
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
@@ -45,6 +47,7 @@ class WatchdogPhases(Builtin):
 class Evaluation(Builtin):
     """Every `eval.interval` steps (registered with that frequency) and, with `eval.final`, at the last:
     the validation loss and bits per byte."""
+    priority = 90
 
     def __init__(self, evaluate: Callable[[], float], bpb: Callable[[float], float], watchdog: Watchdog,
                  monitor: RunMonitor, notify: Callable[..., None], say: Callable[[str], None], interval: int,
@@ -70,6 +73,7 @@ class Evaluation(Builtin):
 
 class StepEnd(Builtin):
     """The step's time is the run's productive time; the first step of a start ends its recovery."""
+    priority = -20  # last: the step's end mark
 
     def __init__(self, monitor: RunMonitor, emit: Callable[..., None], rank0: bool) -> None:
         self.monitor, self.emit, self.rank0 = monitor, emit, rank0

@@ -162,7 +162,7 @@ def test_checkpoint_writer_writes_only_the_saves_decided(build: Build) -> None:
     writer.on_step_end(made(trainer, 1))
     assert trainer.manager.pending is None and trainer.manager.latest() is None
     due = made(trainer, 2, last=True)
-    due.save_due = True
+    due.save_due = due.save_waits = True  # as the decision sets them for the last step
     writer.on_step_end(due)  # the last step's save is waited for
     assert trainer.manager.latest().endswith("step-000002") and trainer.checkpointing.final_saved
     assert trainer.state.train_seconds > 0 and trainer.watchdog.section_name == "idle"
