@@ -47,6 +47,12 @@ def step_overhead() -> str:
     return markdown(_results("step_overhead"))
 
 
+def context_parallel() -> str:
+    from bench.context_parallel import markdown
+
+    return markdown(_results("context_parallel"))
+
+
 def parallel_layouts() -> str:
     r = _results("parallel_layouts")
     first = r["rows"][0]["layout"].upper()
@@ -286,8 +292,8 @@ def config_reference() -> str:
 
 
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
-    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, checkpoint, detection_matrix,
-                                          guard_overhead, recovery, nonstop_recovery,
+    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, checkpoint,
+                                          detection_matrix, guard_overhead, recovery, nonstop_recovery,
                                           telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
