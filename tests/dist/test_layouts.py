@@ -55,7 +55,7 @@ LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.
 LEVER_LAYOUTS = {"dp2": LAYOUTS["dp2"], "tp2": LAYOUTS["tp2"], "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"])}
 # Attention within documents: the mask over TP's head shards, and on pipeline stages that see no tokens (the
 # interleaved zero-bubble schedule runs two stages per rank, its backward split in two).
-DOCUMENT_LAYOUTS = ("dp2", "tp2", "pp2_1f1b", "pp2_interleaved_zb")
+DOCUMENT_LAYOUTS = ("tp2", "pp2_1f1b", "pp2_interleaved_zb")  # data parallel: tests/dist/test_context_parallel.py
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).
 CONCURRENT = 2
