@@ -38,9 +38,17 @@ class ContextShard:
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
+        # Asked for by the embedding, the targets, the mask and every layer's backward: made once per length.
+        self._positions: dict[tuple[int, str], torch.Tensor] = {}
 
     def positions(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
         """This rank's positions of a sequence of `seq_len` tokens, ascending."""
+        key = (seq_len, str(device))
+        if key not in self._positions:
+            self._positions[key] = self._place(seq_len, device)
+        return self._positions[key]
+
+    def _place(self, seq_len: int, device: torch.device | None) -> torch.Tensor:
         if seq_len % (2 * self.size):
             raise ConfigError(f"train.seq_len = {seq_len} must divide by 2 × parallel.cp = {2 * self.size} (each "
                               f"sequence is cut into 2 × cp chunks, two per context-parallel rank)")
