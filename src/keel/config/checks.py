@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from keel.config.schema import Config, DataConfig, ModelConfig, TrainConfig
+from keel.config.schema import Config, DataConfig, ModelConfig, SourceConfig, TrainConfig
 from keel.errors import ConfigError
 
 
@@ -107,12 +107,19 @@ def _check_peak_flops(peak: str) -> None:
                           f"such as 989e12")
 
 
+def _check_source(name: str, source: SourceConfig) -> None:
+    if not name.isidentifier():
+        raise ConfigError(f"data.sources.{name}: a source name is letters, digits and underscores, such as web")
+    if not source.paths:
+        raise ConfigError(f"data.sources.{name}.paths is empty: give files, directories, globs or 'stdlib'")
+    if 0 < source.max_chars < source.min_chars:
+        raise ConfigError(f"data.sources.{name}: min_chars = {source.min_chars} exceeds max_chars = "
+                          f"{source.max_chars}; give min_chars <= max_chars (or max_chars = 0, unbounded)")
+
+
 def _check_mixture(data: DataConfig) -> None:
     for name, source in data.sources.items():
-        if not name.isidentifier():
-            raise ConfigError(f"data.sources.{name}: a source name is letters, digits and underscores, such as web")
-        if not source.paths:
-            raise ConfigError(f"data.sources.{name}.paths is empty: give files, directories, globs or 'stdlib'")
+        _check_source(name, source)
     phases = [("data.sources", {n: s.weight for n, s in data.sources.items()})]
     phases += [(f"data.schedule[{i}]", p.weights) for i, p in enumerate(data.schedule)]
     for where, weights in phases:

@@ -75,6 +75,11 @@ class SourceConfig:
                               "(the running interpreter's standard library sources)")
     weight: float = option(1.0, "share of every global batch drawn from this source (weights are normalised)",
                            ge=0)
+    min_chars: int = option(0, "this source keeps only its documents of at least this many characters (as "
+                            "read: a source of long documents for a context-extension phase); 0: no bound",
+                            ge=0)
+    max_chars: int = option(0, "this source keeps only its documents of at most this many characters (as read); "
+                            "0: no bound", ge=0)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -90,11 +91,14 @@ def unigram_entropy(counts: np.ndarray) -> float:
 
 def _settings(data: DataConfig) -> dict:
     """Everything that decides the output, and nothing that does not (the number of workers)."""
-    return {"format_version": FORMAT_VERSION,
-            "sources": {name: s.paths for name, s in data.sources.items()},
-            "tokenizer": data.tokenizer, "val_fraction": data.val_fraction, "text_field": data.text_field,
-            "shard_tokens": data.shard_tokens, "clean": dataclasses.asdict(data.clean),
-            "dedup": dataclasses.asdict(data.dedup), "decontam": dataclasses.asdict(data.decontam)}
+    settings = {"format_version": FORMAT_VERSION,
+                "sources": {name: s.paths for name, s in data.sources.items()},
+                "tokenizer": data.tokenizer, "val_fraction": data.val_fraction, "text_field": data.text_field,
+                "shard_tokens": data.shard_tokens, "clean": dataclasses.asdict(data.clean),
+                "dedup": dataclasses.asdict(data.dedup), "decontam": dataclasses.asdict(data.decontam)}
+    # Only where a source is bounded, so that a corpus prepared before the bounds existed keeps its fingerprint.
+    lengths = {name: [s.min_chars, s.max_chars] for name, s in data.sources.items() if s.min_chars or s.max_chars}
+    return settings | ({"lengths": lengths} if lengths else {})
 
 
 def _content_fingerprint(settings: dict, inputs: list[InputFile], evals: list[InputFile],
@@ -166,8 +170,11 @@ def tasks_of(inputs: list[InputFile]) -> list[_Task]:
 class _Unused:
     """What a task's inputs held that could not be used as it was: malformed lines and rows (`path:line N: reason`),
     counted per file, the damaged files, skipped whole, and the documents kept with U+FFFD in place of what was not
-    valid Unicode."""
+    valid Unicode; and the documents outside the source's length range, which are another source's (sources that
+    split files by length)."""
 
+    lengths: tuple[float, float] = (0, math.inf)
+    outside: int = 0
     malformed: list[str] = dataclasses.field(default_factory=list)
     malformed_files: list[list] = dataclasses.field(default_factory=list)  # [path, count] per file with any
     skipped: list[dict] = dataclasses.field(default_factory=list)  # source, path, reason
@@ -179,12 +186,18 @@ class _Unused:
             self.skipped.append({"source": f.source, "path": str(f.path), "reason": reason})
             return
         before = len(self.malformed)
-        yield from read_documents(f, text_field, self.malformed, self.undecodable)
+        low, high = self.lengths
+        for text in read_documents(f, text_field, self.malformed, self.undecodable):
+            if low <= len(text) <= high:
+                yield text
+            else:
+                self.outside += 1
         if len(self.malformed) > before:
             self.malformed_files.append([str(f.path), len(self.malformed) - before])
 
     def record(self) -> dict:
-        return {"malformed": len(self.malformed), "malformed_shown": self.malformed[:MALFORMED_SHOWN],
+        return {"outside_length": self.outside,
+                "malformed": len(self.malformed), "malformed_shown": self.malformed[:MALFORMED_SHOWN],
                 "malformed_files": self.malformed_files, "skipped": self.skipped,
                 "undecodable": len(self.undecodable), "undecodable_shown": self.undecodable[:MALFORMED_SHOWN]}
 
@@ -194,8 +207,9 @@ def _scan_task(task: _Task, work: Path, data: DataConfig) -> None:
     marker = work / f"{task.index:06d}.scan"
     if marker.is_file():
         return
+    source = data.sources[task.source]
     cleaner = Cleaner(data.clean)
-    unused = _Unused()
+    unused = _Unused(lengths=(source.min_chars, source.max_chars or math.inf))
     hasher = MinHasher(data.dedup.num_perm, data.dedup.seed, data.dedup.shingle, data.dedup.ngram)
     part = f".{os.getpid()}.tmp"
     paths = {kind: work / f"{task.index:06d}.{kind}" for kind in ("text", "meta", "sig", "grams")}
@@ -601,7 +615,8 @@ def prepare(data: DataConfig, out: str | Path, force: bool = False, progress: bo
     out = Path(out)
     parse_tokenizer_spec(data.tokenizer)
     cache = out.parent / f".{out.name}.sources"  # URLs and Hugging Face datasets, fetched (keel.data.remote)
-    inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()}, cache, data.text_field)
+    inputs = resolve_inputs({name: s.paths for name, s in data.sources.items()}, cache, data.text_field,
+                            {name: (s.min_chars, s.max_chars) for name, s in data.sources.items()})
     evals = resolve_inputs({"eval": data.decontam.eval_files}, cache, data.text_field) \
         if data.decontam.eval_files else []
     _check_readable(inputs, evals)
@@ -781,6 +796,8 @@ def _stats(inputs: list[InputFile], scans: list[dict], dedup: dict, encodes: lis
         sources[name][f"{split}_tokens"] = v["tokens"]
     return {
         "documents_in": sum(s["documents"] for s in scans),
+        # Documents a source left to another by their length (data.sources.NAME.min_chars and max_chars).
+        "outside_source_length": sum(s.get("outside_length", 0) for s in scans),
         "documents_out": split_docs["train"] + split_docs["val"],
         "documents": split_docs,
         "tokens": split_tokens,

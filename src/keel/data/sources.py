@@ -155,28 +155,37 @@ def _real_path(path: Path, directories: dict[str, str]) -> str:
     return os.path.join(directories[parent], path.name)
 
 
-def resolve_inputs(sources: dict[str, list[str]], cache: Path | None = None, text_field: str = "text"
-                   ) -> list[InputFile]:
+def _disjoint(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two (min_chars, max_chars) document-length ranges (0: unbounded above) share no length."""
+    return 0 < a[1] < b[0] or 0 < b[1] < a[0]
+
+
+def resolve_inputs(sources: dict[str, list[str]], cache: Path | None = None, text_field: str = "text",
+                   lengths: dict[str, tuple[int, int]] | None = None) -> list[InputFile]:
     """Every input file of every source, sources in the given order and files sorted within each path
-    entry. A file reached twice within one source is read once; a file in two sources is an error. URLs
-    and Hugging Face datasets are fetched into `cache`, their JSON made of `text_field`."""
+    entry. A file reached twice within one source is read once; a file in two sources is an error unless
+    their document-length ranges (`lengths`, by source) are disjoint, so that each document goes to one.
+    URLs and Hugging Face datasets are fetched into `cache`, their JSON made of `text_field`."""
     inputs: list[InputFile] = []
-    owner: dict[str, str] = {}
+    owners: dict[str, list[str]] = {}
     directories: dict[str, str] = {}
+    span = lengths or {}
     for source, entries in sources.items():
         count = 0
         for entry in entries:
             for path in _expand(source, entry, cache, text_field):
                 key = _real_path(path, directories)
-                if key in owner:
-                    if owner[key] == source:
-                        continue
-                    raise DataError(f"file {str(path)!r} is in source {owner[key]!r} and in source {source!r}; "
-                                    f"a file may belong to one source only (it would be counted twice)")
+                if source in owners.get(key, ()):
+                    continue
+                for other in owners.get(key, ()):
+                    if not _disjoint(span.get(source, (0, 0)), span.get(other, (0, 0))):
+                        raise DataError(f"file {str(path)!r} is in source {other!r} and in source {source!r}; "
+                                        f"a file may belong to one source only (it would be counted twice), or "
+                                        f"to sources of disjoint min_chars..max_chars")
                 if not os.access(path, os.R_OK):
                     raise DataError(f"source {source!r}: file {str(path)!r} is not readable (permission denied); "
                                     f"fix its permissions or remove it from the source")
-                owner[key] = source
+                owners.setdefault(key, []).append(source)
                 inputs.append(InputFile(source, path, file_kind(path) or "text"))
                 count += path.stat().st_size > 0
         if not count:

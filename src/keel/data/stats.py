@@ -65,7 +65,9 @@ def _undecodable(stats: dict) -> str:
 def format_stats(stats: dict) -> str:
     lsh, docs, contamination = stats["lsh"], stats["documents"], stats.get("contamination")
     lines = [
-        f"documents in      {stats['documents_in']:,} ({stats['source_bytes'] / 1e6:,.1f} MB)",
+        f"documents in      {stats['documents_in']:,} ({stats['source_bytes'] / 1e6:,.1f} MB)" + (
+            f", and {stats['outside_source_length']:,} left by a source to another by length"
+            if stats.get("outside_source_length") else ""),
         *_malformed(stats),
         *_skipped(stats.get("skipped_files", [])),
         _undecodable(stats),

@@ -57,6 +57,11 @@ def test_every_config_file_loads_and_matches_its_toml(path: Path) -> None:
     resolve_degrees(cfg, p.pp * p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp)
     # Every value written in the file is the value the config holds (nothing dropped or renamed).
     def holds(node: object, value: object, where: str) -> None:
+        if isinstance(value, list) and value and isinstance(value[0], dict):  # an array of tables
+            assert isinstance(node, list) and len(node) == len(value), where
+            for i, (item, table) in enumerate(zip(node, value, strict=True)):
+                holds(item, table, f"{where}[{i}]")
+            return
         if not isinstance(value, dict) or isinstance(node, dict) and not node:
             assert node == value, where
             return

@@ -336,6 +336,32 @@ def test_named_sources_get_their_own_shards(tmp_path):
         assert docs and all(d.startswith(f"{name} ".encode()) for d in docs)
 
 
+def test_a_source_bounded_by_length_keeps_only_its_documents_and_counts_the_rest(tmp_path):
+    """Two sources over the same files split them by length (a context-extension mixture's short and long
+    documents): each document lands in exactly one, and what a source leaves out is counted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lengths = [40, 90, 150, 400, 999, 1000, 1001, 3000]
+    for i, n in enumerate(lengths):
+        (src / f"{i}.txt").write_text((f"document {i} " * 400)[:n])
+    bounded = {"short": SourceConfig(paths=[str(src)], max_chars=1000),
+               "long": SourceConfig(paths=[str(src)], min_chars=1001)}
+    data = passthrough([src])
+    data.sources = bounded
+    out = tmp_path / "out"
+    manifest = prepare(data, out)
+    found = {name: [len(d) for split in ("train", "val") if any(
+        f["source"] == name and f["split"] == split for f in manifest["files"])
+        for d in split_documents(split_tokens(out, manifest, split, name))] for name in bounded}
+    assert sorted(found["short"]) == [n for n in lengths if n <= 1000]
+    assert sorted(found["long"]) == [n for n in lengths if n > 1000]
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["outside_source_length"] == len(lengths)  # each file, left to the other source
+    assert stats["documents_in"] == len(lengths) and stats["source_bytes"] == sum(lengths)
+    unbounded = prepare(passthrough([src]), tmp_path / "plain")
+    assert unbounded["prepare_fingerprint"] != manifest["prepare_fingerprint"]
+
+
 def test_output_is_byte_identical_with_one_or_two_workers(tmp_path):
     rng = np.random.default_rng(3)
     src = tmp_path / "src"

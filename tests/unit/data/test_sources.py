@@ -95,6 +95,11 @@ def test_file_in_two_sources(tree: Path) -> None:
         resolve_inputs({"a": [str(tree / "corpus")], "b": [str(tree / "corpus/sub/c.py")]})
     with pytest.raises(DataError, match="is in source 'std' and in source 'mine'"):
         resolve_inputs({"std": ["stdlib"], "mine": [os.__file__]})
+    two = {"short": [str(tree / "corpus")], "long": [str(tree / "corpus")]}
+    with pytest.raises(DataError, match="is in source 'short' and in source 'long'.*disjoint"):
+        resolve_inputs(two, lengths={"short": (0, 1000), "long": (1000, 0)})  # 1,000 characters: both
+    split = resolve_inputs(two, lengths={"short": (0, 999), "long": (1000, 0)})
+    assert [f.path for f in split if f.source == "short"] == [f.path for f in split if f.source == "long"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file whatever its permissions")
