@@ -160,7 +160,7 @@ def test_a_stop_signal_while_the_job_starts_is_a_pause(reference_run: Path, smal
                                                        moment, sig: signal.Signals) -> None:
     """SIGTERM or SIGUSR1 to the launcher before any step: exit 75, every checkpoint file as it was."""
     run_dir = tmp_path / "A"
-    shutil.copytree(reference_run, run_dir)
+    shutil.copytree(reference_run, run_dir, symlinks=True)
     before = tree_digest(run_dir / "checkpoints")
     cmd = ["train", "--nproc", "2", "--run-dir", str(run_dir), *SMALL_RUN, f"data.dir={small_corpus}",
            "checkpoint.interval=10", "checkpoint.keep_last=10", "train.steps=60"]

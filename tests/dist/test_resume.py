@@ -70,7 +70,7 @@ def test_sigkill_after_checkpoint_resumes_bitwise(reference_run: Path, small_cor
 
 def test_rerun_of_finished_run_says_so(reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "A-copy"
-    shutil.copytree(reference_run, run_dir)
+    shutil.copytree(reference_run, run_dir, symlinks=True)
     before = state_sha256(final_checkpoint(run_dir))
     result = run_keel(train_cmd(small_corpus, run_dir, 2), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -90,7 +90,7 @@ def snapshot(run_dir: Path) -> dict[str, tuple]:
 def test_finished_run_refuses_a_changed_learning_rate_and_writes_nothing(reference_run: Path, small_corpus: Path,
                                                                           tmp_path: Path) -> None:
     run_dir = tmp_path / "A-copy"
-    shutil.copytree(reference_run, run_dir)
+    shutil.copytree(reference_run, run_dir, symlinks=True)
     before = snapshot(run_dir)
     refused = run_keel(train_cmd(small_corpus, run_dir, 2, "optim.lr=1e-2"), cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr
@@ -142,7 +142,7 @@ def test_one_and_two_processes_take_the_same_first_step(reference_run: Path, sma
 def test_resume_never_refuses_to_overwrite_checkpoints(reference_run: Path, small_corpus: Path,
                                                        tmp_path: Path) -> None:
     run_dir = tmp_path / "A-copy"
-    shutil.copytree(reference_run, run_dir)
+    shutil.copytree(reference_run, run_dir, symlinks=True)
     before = state_sha256(final_checkpoint(run_dir))
     result = run_keel(train_cmd(small_corpus, run_dir, 2, "--resume", "never"), cwd=tmp_path)
     assert result.returncode == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from keel.config import CleanConfig, DataConfig, DecontamConfig, DedupConfig, SourceConfig
+from keel.data.prepare import prepare
 from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, keel_env, run_keel
 
@@ -30,7 +33,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 def finished_copy(reference_run: Path, tmp_path: Path) -> Path:
     """The 40-step reference run, to be resumed past its end with train.steps=44."""
     run_dir = tmp_path / "A"
-    shutil.copytree(reference_run, run_dir)
+    shutil.copytree(reference_run, run_dir, symlinks=True)
     return run_dir
 
 
@@ -90,3 +93,29 @@ def test_plain_torchrun_workers_refuse_an_identity_change(finished_copy: Path, s
     assert refusals and all("model.n_layers 2 → 1" in line for line in refusals), result.stderr
     assert "/keel/" not in result.stderr, "no traceback from keel (torchrun prints its own for a failed worker)"
     assert tree_digest(finished_copy / "checkpoints") == before
+
+
+
+def test_guards_judge_an_accepted_change_by_the_steps_after_it_and_never_roll_back_behind_it(
+        finished_copy: Path, small_corpus: Path, tmp_path: Path) -> None:
+    """A change of what the run computes accepted at step 40 (another corpus, of four characters the first one
+    hardly holds, in random order): the loss after it is no spike against the losses before it, and a real spike later (a
+    poisoned batch) rolls back no further than the change, though guard.rollback_steps reaches back to step 21."""
+    rng = random.Random(0)
+    (tmp_path / "noise").mkdir()
+    for i in range(40):
+        (tmp_path / "noise" / f"{i}.txt").write_text("".join(rng.choices("~^|`", k=4000)))
+    noise = tmp_path / "noise_corpus"
+    prepare(DataConfig(sources={"main": SourceConfig(paths=[str(tmp_path / "noise")])}, val_fraction=0.1,
+                       clean=CleanConfig(enabled=False), dedup=DedupConfig(exact=False, near=False),
+                       decontam=DecontamConfig(enabled=False)), noise)
+    spike = ["guard.spike.warmup=4", "guard.spike.window=20", "guard.rollback_steps=60", "guard.snapshot_interval=0"]
+    result = run_keel([*resume_cmd(finished_copy, small_corpus, "train.steps=90", *spike,
+                                   'drill.inject=["poison_batch:batch=80"]'), f"data.dir={noise}",
+                       "data.allow_corpus_change=true"], cwd=finished_copy.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = {r["step"]: r["train/loss"] for r in read_jsonl(finished_copy / "metrics.jsonl") if "train/loss" in r}
+    assert losses[41] > 1.3 * losses[40], "the change raises the loss: what the guards must not take for a spike"
+    guard = [e for e in read_jsonl(finished_copy / "events.jsonl") if e["kind"] == "guard"]
+    rollbacks = [e for e in guard if e["action"] == "rolled_back"]
+    assert [(e["step"], e["detail"]["to_step"]) for e in rollbacks] == [(80, 40)], (guard, losses)

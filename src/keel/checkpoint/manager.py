@@ -417,15 +417,24 @@ class CheckpointManager:
                 elif self.storage.remove_unless_read(name):
                     retired.append(name)
             if retired:
-                newest = next((n for n in checkpoints(self.storage)[::-1] if not self._verify(n)), None)
-                if newest:
-                    self.storage.set_latest(newest)
-                else:
-                    self.storage.remove(LATEST)
+                self._move_latest(next((n for n in checkpoints(self.storage)[::-1] if not self._verify(n)), None),
+                                  now)
                 events.emit("checkpoint", now, "retired", names=retired,
                             reason=f"newer than step {step}, the state the run went back to")
         dist.barrier()
         return retired
+
+    def _move_latest(self, name: str | None, step: int) -> None:
+        """Point `latest` at checkpoint `name` (None: remove it). `latest` is a convenience, since resuming
+        needs only the checkpoint, so a failure is a warning."""
+        try:
+            if name is None:
+                self.storage.remove(LATEST)
+            else:
+                self.storage.set_latest(name)
+        except OSError as e:
+            self.events.emit("checkpoint", step, "warning", path=self.storage.path(name or LATEST),
+                             error=f"latest could not be moved to it: {_first_line(e)}")
 
     def _clean_leftovers(self) -> None:
         """Remove what interrupted saves left, where their writers are proven gone (keel.checkpoint.owner):
@@ -505,11 +514,7 @@ class CheckpointManager:
                                      reason=why)
                     self._set_aside(bad, why, checkpoint_step(bad))
             if failed and self.rank == 0:
-                try:
-                    self.storage.set_latest(name)
-                except OSError as e:  # `latest` is a convenience: resuming needs only the checkpoint
-                    self.events.emit("checkpoint", checkpoint_step(name), "warning", path=self.storage.path(name),
-                                     error=f"latest could not be moved to it: {_first_line(e)}")
+                self._move_latest(name, checkpoint_step(name))
             return state, self.storage.path(name)
         if failed:
             raise CheckpointError(f"no checkpoint in {self.storage} can be resumed, nothing was changed: "
@@ -563,6 +568,12 @@ class CheckpointManager:
                 seed_everything(self.cfg.train.seed, self.rank, train_state.step)
         self._record_changes(manifest, accepted, train_state.step, path)
         return train_state
+
+    @property
+    def defined_since(self) -> int:
+        """The step of the newest accepted change of what defines the run (0: none): the states before it were
+        trained under another definition, so rollbacks do not go behind it and the guards judge only after it."""
+        return max((change["step"] for change in self.identity_history), default=0)
 
     def _record_changes(self, manifest: dict, accepted: dict, step: int, path: str) -> None:
         """What this resume changes: accepted identity changes join the run's history (written into every

@@ -50,6 +50,11 @@ class Recovery(Builtin):
     status: Callable[..., None]
     writer: Callable[[], bool] = lambda: True  # whether this rank's group writes (and retires) the checkpoints
 
+    def on_checkpoint_loaded(self, state: TrainState, path: str) -> None:
+        """A resume that changed what defines the run on purpose (`--accept-change`): the guards judge the steps
+        after the change only, and no rollback goes behind it."""
+        self.guards.judge_from(self.manager.defined_since, state.step)
+
     def carry_out(self, step: Step) -> int | None:
         action = step.action
         if not action.carried_out:
@@ -98,6 +103,7 @@ class Recovery(Builtin):
         target = max(0, action.to_step or 0)
         if action.verified_only and guards.sdc is not None:
             target = min(target, guards.sdc.last_verified)
+        target = max(target, self.manager.defined_since)  # the states before a change belong to another run
         batch_now = loader.cursor // loader.global_batch - 1  # the batch of the step being undone
         snapshot = guards.ring.newest(target) if guards.ring is not None else None
         # The newest state at or before the target wins: a checkpoint newer than every snapshot in reach
