@@ -40,6 +40,7 @@ class ContextShard:
         self.group, self.rank, self.size = group, rank, size
         # Asked for by the embedding, the targets, the mask and every layer's backward: made once per length.
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
+        self._reach: tuple[tuple, list[bool]] | None = None  # _reaches_back's answer for the documents last seen
 
     def positions(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
         """This rank's positions of a sequence of `seq_len` tokens, ascending."""
@@ -98,9 +99,20 @@ class ContextShard:
         same = query_docs[:, :, None] == key_docs[:, None, :end]
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=same.device).tril()
         blocks: list[Block] = []
-        if start and bool(same[:, :, :start].any()):
+        if start and self._reaches_back(key_docs, chunk)[g]:
             blocks.append((0, start, False, same[:, :, :start]))
         return [*blocks, (start, end, False, same[:, :, start:] & causal)]
+
+    def _reaches_back(self, key_docs: torch.Tensor, chunk: int) -> list[bool]:
+        """Per chunk of the sequence: whether a query of it shares a document with a key before it. Document
+        numbers never fall along a sequence, so that is whether a document runs across the chunk's start. Asked
+        by every layer, forward and backward, of the same documents: read from the device once per batch."""
+        key = (key_docs.data_ptr(), key_docs.shape, key_docs._version, chunk)
+        if self._reach is None or self._reach[0] != key:
+            starts = torch.arange(chunk, key_docs.shape[1], chunk, device=key_docs.device)
+            across = (key_docs[:, starts - 1] == key_docs[:, starts]).any(0)
+            self._reach = key, [False, *across.tolist()]
+        return self._reach[1]
 
 
 class _ContextAttention(torch.autograd.Function):

@@ -58,3 +58,27 @@ def test_one_rank_attends_as_sdpa(documents: bool) -> None:
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     for got, expected in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v)), strict=True):
         assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_a_block_of_earlier_keys_is_kept_exactly_when_a_document_runs_into_the_chunk() -> None:
+    """The block plan reads once per batch whether a document crosses each chunk start; it keeps the same blocks
+    as asking every query whether any earlier key is of its document: documents that begin exactly at chunk
+    starts, inside chunks, one over the whole sequence, each alone and all in one batch."""
+    size, seq = 4, 32
+    chunk = seq // (2 * size)
+    starts = torch.zeros(3, seq, dtype=torch.bool)
+    starts[0, [0, 4, 8, 16, 24]] = True  # every document begins at a chunk start: no block reaches back
+    starts[1, [0, 6, 13]] = True  # documents run across some chunk starts
+    starts[2, 0] = True  # one document over the whole sequence
+    kept = []
+    for docs in (*starts.cumsum(-1)[:, None], starts.cumsum(-1)):
+        for rank in range(size):
+            shard = ContextShard(None, rank, size)
+            mine = docs[:, shard.positions(seq)]
+            for j, g in enumerate(shard.chunks()):
+                queries, start = mine[:, j * chunk:(j + 1) * chunk], g * chunk
+                plan = [(first, last) for first, last, _, _ in shard.blocks(chunk, g, queries, docs)]
+                reaches = start > 0 and bool((queries[:, :, None] == docs[:, None, :start]).any())
+                assert plan == [*([(0, start)] if reaches else []), (start, start + chunk)], (docs, rank, g)
+                kept.append(reaches)
+    assert any(kept) and not all(kept)
