@@ -37,24 +37,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def ensure_corpus(cfg: Config, verbose: bool) -> Corpus:
-    """Prepare a corpus of the built-in sources when it is missing; any other corpus must exist, and
+    """Prepare the built-in corpus at its default place when it is missing; any other corpus must exist, and
     the model's vocabulary must hold its tokenizer's."""
     from keel.data.prepare import BUILTIN_STDLIB, describe, prepare
     from keel.data.shards import FORMAT_VERSION, MANIFEST, open_corpus
     from keel.paths import check_writable_dir
 
-    default_dir = cfg.data.dir == Config().data.dir
-    builtin = all(s.paths == [BUILTIN_STDLIB] for s in cfg.data.sources.values())
+    defaults = Config().data
+    builtin = cfg.data.dir == defaults.dir and [s.paths for s in cfg.data.sources.values()] == [[BUILTIN_STDLIB]]
     manifest_path = Path(cfg.data.dir) / MANIFEST
-    # A corpus of the built-in sources is prepared where it is missing; at the default place it is also rebuilt
-    # where a keel that wrote another format prepared it (anywhere else that is the user's to replace).
-    if builtin and (not manifest_path.exists() or default_dir and json.loads(manifest_path.read_text()).get(
-            "format_version") != FORMAT_VERSION):
+    # The built-in corpus is (re)built when missing or prepared by a keel that wrote another format.
+    if builtin and (not manifest_path.exists() or json.loads(manifest_path.read_text()).get("format_version")
+                    != FORMAT_VERSION):
         check_writable_dir(cfg.data.dir, "data.dir (the built-in corpus, prepared there)")
         if verbose:
             print(f"preparing the built-in corpus (Python standard library sources) into {cfg.data.dir} ...",
                   flush=True)
-        manifest = prepare(cfg.data, cfg.data.dir, force=default_dir, progress=verbose)
+        manifest = prepare(cfg.data, cfg.data.dir, force=True, progress=verbose)
         if verbose:
             print(describe(manifest), flush=True)
     corpus = open_corpus(cfg.data.dir, cfg.data.verify_checksums)
