@@ -22,6 +22,7 @@ from keel.config.schema import (
     MixturePhase,
     MlflowConfig,
     ModelConfig,
+    MoEConfig,
     MonitorConfig,
     NumericsConfig,
     OptimConfig,
@@ -40,7 +41,7 @@ from keel.config.schema import (
 __all__ = [
     "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
     "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "FaultToleranceConfig", "GuardConfig",
-    "HealthConfig", "MixturePhase", "MlflowConfig", "ModelConfig", "MonitorConfig", "NumericsConfig",
+    "HealthConfig", "MixturePhase", "MlflowConfig", "ModelConfig", "MoEConfig", "MonitorConfig", "NumericsConfig",
     "OptimConfig", "ParallelConfig",
     "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrackerQueueConfig", "TrainConfig",
     "WandbConfig", "WatchdogConfig", "option",

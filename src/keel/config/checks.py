@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 
-from keel.config.schema import Config, DataConfig, ModelConfig, SourceConfig, TrainConfig
+from keel.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, SourceConfig, TrainConfig
 from keel.errors import ConfigError
 
 
 def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
+    _check_moe(cfg.model, cfg.parallel)
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")
@@ -93,6 +94,25 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
                           "model.tie_embeddings = false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    moe = m.moe
+    if not moe.experts:
+        return
+    if moe.top_k > moe.experts:
+        raise ConfigError(f"model.moe.top_k = {moe.top_k} exceeds model.moe.experts = {moe.experts}: a token "
+                          f"chooses at most every expert; set top_k between 1 and {moe.experts}")
+    if moe.dense_layers >= m.n_layers:
+        raise ConfigError(f"model.moe.dense_layers = {moe.dense_layers} leaves no mixture-of-experts block among "
+                          f"model.n_layers = {m.n_layers}; set dense_layers below {m.n_layers} or model.moe.experts "
+                          f"= 0")
+    if m.init_from:
+        raise ConfigError(f"model.init_from = {m.init_from!r} imports a dense Hugging Face model, which has no "
+                          f"experts; set model.moe.experts = 0 or start from random weights")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp = {p.tp}: tensor parallelism of mixture-of-experts blocks is not "
+                          f"implemented; set parallel.tp = 1 or model.moe.experts = 0")
 
 
 def _check_peak_flops(peak: str) -> None:

@@ -25,6 +25,39 @@ def option(default: Any, help: str, *, ge: float | None = None, gt: float | None
 
 
 @dataclass
+class MoEConfig:
+    experts: int = option(0, "routed experts of each mixture-of-experts block (0: every block has the dense "
+                          "feed-forward and nothing below applies)", ge=0)
+    top_k: int = option(2, "routed experts each token goes through (at most experts)", ge=1)
+    shared_experts: int = option(0, "experts every token goes through besides its routed ones (DeepSeek's shared "
+                                 "experts), each of hidden size expert_dim", ge=0)
+    expert_dim: int = option(0, "the SwiGLU hidden size of each expert; 0: the dense feed-forward's size (ffn_dim, "
+                             "or the rule of ffn_dim_multiplier and multiple_of)", ge=0)
+    dense_layers: int = option(0, "the first this many blocks keep the dense feed-forward (DeepSeek-V3: 3); the "
+                               "rest are mixture-of-experts blocks", ge=0)
+    score: str = option("softmax", "how router logits become expert scores: softmax over the experts (the chosen "
+                        "top_k weigh their outputs by their scores, see normalize_top_k) or sigmoid per expert "
+                        "(DeepSeek-V3; the chosen scores are normalised to sum to 1)", choices=("softmax", "sigmoid"))
+    normalize_top_k: bool = option(False, "score = softmax: normalise the chosen top_k scores to sum to 1 "
+                                   "(Qwen3-MoE, Mixtral) instead of keeping their softmax values")
+    bias_update_rate: float = option(0.0, "auxiliary-loss-free balancing (DeepSeek-V3: 0.001): a per-expert bias, "
+                                     "added to the scores to choose experts only, moves by this much after each "
+                                     "optimizer step, up for experts that took fewer tokens than the mean and down "
+                                     "for those that took more; 0: off", ge=0)
+    aux_loss_coeff: float = option(0.0, "coefficient of DeepSeek-V3's sequence-wise balance loss (the sum over "
+                                   "experts of each one's share of the sequence's choices times its mean score, "
+                                   "times experts / top_k) added to the training objective; 0: off", ge=0)
+    z_loss_coeff: float = option(0.0, "coefficient of the router z-loss (ST-MoE: the mean over tokens of "
+                                 "logsumexp(router logits)^2, against growing router logits; ST-MoE: 1e-3); 0: off",
+                                 ge=0)
+    capacity_factor: float = option(0.0, "0: dropless, every chosen expert computes its tokens; > 0: an expert takes "
+                                    "at most ceil(capacity_factor x tokens x top_k / experts) of a micro-batch's "
+                                    "tokens, the later ones in the batch are dropped for it (counted)", ge=0)
+    score_scale: float = option(1.0, "multiplier of the routed experts' weighted output (DeepSeek's "
+                                "routed_scaling_factor: 2.5 in V3)", gt=0)
+
+
+@dataclass
 class ModelConfig:
     dim: int = option(256, "model width", ge=1)
     n_layers: int = option(4, "number of transformer blocks", ge=1)
@@ -64,6 +97,12 @@ class ModelConfig:
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
                             "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors), whose "
                             "config.json sets the other model.* fields")
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        # A checkpoint manifest holds the model as a JSON tree: its [model.moe] table comes back as a dict.
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
 
 
 @dataclass
