@@ -35,8 +35,10 @@ def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device
     """The full initial value of one parameter."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
-    # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
-    std = INIT_STD / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+    # Output projections of each residual branch (the experts' w2 among them) are scaled down with depth (GPT-2 /
+    # Llama practice). A router's gate is drawn as the other matrices are, INIT_STD, not scaled under μP.
+    residual_out = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+    std = INIT_STD / math.sqrt(2 * cfg.n_layers) if residual_out else INIT_STD
     if name.endswith(HIDDEN_MATRICES):
         std *= math.sqrt(width_ratio(cfg))  # μP: a hidden matrix's std goes as 1/sqrt(fan-in)
     gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
@@ -46,8 +48,11 @@ def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device
 
 @torch.no_grad()
 def init_weights(model: Llama, seed: int) -> None:
-    """Fill every parameter (plain or DTensor shard) from its name-seeded full value."""
+    """Fill every parameter (plain or DTensor shard) from its name-seeded full value; the experts' balancing
+    biases start at 0."""
     model.reset_buffers()
+    for moe in model.moe_layers().values():
+        moe.expert_bias.zero_()
     for name, param in model.named_parameters():
         name = canonical_name(name)
         device = param.device if not isinstance(param, DTensor) else param.to_local().device

@@ -20,9 +20,13 @@ from torch.distributed.tensor.parallel import (
 from keel.config import ModelConfig
 from keel.model.context import ContextParallel
 from keel.model.flops import ffn_hidden_dim, head_size
+from keel.model.moe import MoE, SwiGLU, is_moe_layer
 from keel.model.parallelizable import ParallelPlan
 
-HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
+# The attention and SwiGLU projections, the routed experts' 3-D weights among them (a router's output size is the
+# number of experts, not a width: it is not one).
+HIDDEN_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
+                   "experts.w1", "experts.w2", "experts.w3")
 
 
 def width_ratio(cfg: ModelConfig) -> float:
@@ -115,29 +119,31 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
+class FeedForward(SwiGLU):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        hidden = ffn_hidden_dim(cfg)
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        super().__init__(cfg.dim, ffn_hidden_dim(cfg))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention and a feed-forward, each a residual branch after an RMSNorm. Block `layer` of a model with
+    experts (model.moe) from moe.dense_layers on has a mixture of experts (`moe`) in place of the dense
+    feed-forward (`feed_forward`); the other one is None."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = None if is_moe_layer(cfg, layer) else FeedForward(cfg)
+        self.moe = MoE(cfg) if is_moe_layer(cfg, layer) else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.ffn_norm(x)
+        if self.moe is not None:
+            return x + self.moe(h)
+        assert self.feed_forward is not None
+        return x + self.feed_forward(h)
 
 
 class Llama(nn.Module):
@@ -153,7 +159,7 @@ class Llama(nn.Module):
         embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings: nn.Embedding | None = embeddings
         self.embedding_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.embedding_norm == "rmsnorm" else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.output: nn.Linear | None = output
@@ -166,6 +172,24 @@ class Llama(nn.Module):
         self.document_start: int | None = None
         self.document_positions = False  # data.document_positions: RoPE positions restart at each document
         self.context: ContextParallel | None = None  # this rank's share of each sequence (split_context)
+        self._aux_scale = 1.0
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """The mixture-of-experts of each block that has one, by the block's key in `layers`."""
+        return {key: module for key, block in self.layers.items() for module in block.modules()
+                if isinstance(module, MoE)}
+
+    @property
+    def aux_scale(self) -> float:
+        """What the mixture-of-experts' auxiliary losses (summed over sequences) are scaled by in the gradient:
+        1 / the sequences the training loss averages over makes them per-sequence means, as the loss is."""
+        return self._aux_scale
+
+    @aux_scale.setter
+    def aux_scale(self, scale: float) -> None:
+        self._aux_scale = scale
+        for moe in self.moe_layers().values():
+            moe.aux_scale = scale
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(head_size(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device,
@@ -175,6 +199,8 @@ class Llama(nn.Module):
         """After materialising a meta-device model: recompute non-persistent buffers and tie the output
         projection to the embedding again (`to_empty` gives each module a new parameter)."""
         self.rope = self._rope(next(self.parameters()).device)
+        for moe in self.moe_layers().values():
+            moe.reset_counts()
         embeddings, output = self.tok_embeddings, self.output  # both are there when tied: never pipelined
         if (self.cfg.tie_embeddings and embeddings is not None and output is not None
                 and output.weight is not embeddings.weight):
@@ -186,7 +212,11 @@ class Llama(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         """Megatron-style TP with sequence parallel: projections column-/row-wise over heads and the SwiGLU
         hidden size; norms and residuals sharded over the sequence between them; the output projection
-        sharded over the vocabulary, its logits left as a DTensor for the parallel loss."""
+        sharded over the vocabulary, its logits left as a DTensor for the parallel loss. Mixture-of-experts blocks
+        have none yet (the config refuses parallel.tp > 1 with experts)."""
+        if self.moe_layers():
+            raise NotImplementedError("tensor parallelism of mixture-of-experts blocks is not implemented; set "
+                                      "parallel.tp = 1 or model.moe.experts = 0")
         top: dict[str, ParallelStyle] = {}
         if self.tok_embeddings is not None:
             top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
