@@ -30,7 +30,9 @@ class ScaledAdamW(torch.optim.AdamW):
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, hidden_lr_scale: float = 1.0) -> ScaledAdamW:
     """AdamW with weight decay on matrices only (not on norms' gains); the hidden matrices (attention and
-    SwiGLU projections) learn at `hidden_lr_scale` times the rate of the rest. AdamW shrinks a parameter by
+    SwiGLU projections, the experts' 3-D weights among them) learn at `hidden_lr_scale` times the rate of the
+    rest. A router's gate learns and decays as the embedding and output do; buffers such as the experts'
+    balancing bias are not parameters and never reach the optimizer. AdamW shrinks a parameter by
     lr·weight_decay per step; independent weight decay divides the coefficient by the group's peak learning
     rate, so that the shrink is weight_decay·lr/peak whatever the peak."""
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
