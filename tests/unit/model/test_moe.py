@@ -296,6 +296,20 @@ def test_experts_are_name_seeded_with_the_residual_output_scaled_by_depth() -> N
     assert not moe.expert_bias.any()
 
 
+def test_a_model_materialised_from_the_meta_device_starts_with_zero_bias_and_counts() -> None:
+    cfg = moe_cfg(capacity_factor=1.0)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    expected = Llama(cfg)
+    init_weights(expected, 0)
+    for moe in model.moe_layers().values():
+        assert not moe.expert_bias.any() and not moe.tokens_per_expert.any() and not moe.dropped_tokens
+    x = tokens()
+    assert torch.equal(model(x), expected(x))
+
+
 def test_parameter_counts_hold_every_expert_and_the_active_ones_top_k() -> None:
     cfg = moe_cfg(dense_layers=1, shared_experts=1, experts=8, top_k=3)
     model = Llama(cfg)
