@@ -99,6 +99,9 @@ def check_hf_expressible(cfg: ModelConfig) -> None:
     if cfg.embedding_norm != "none":
         raise CheckpointError(f"model.embedding_norm = {cfg.embedding_norm!r} has no Hugging Face Llama or Qwen3 "
                               f"counterpart; only a model with model.embedding_norm = 'none' is exchanged")
+    if cfg.moe.experts:
+        raise CheckpointError(f"a mixture-of-experts model (model.moe.experts = {cfg.moe.experts}) has no Hugging "
+                              f"Face export yet; only dense models (model.moe.experts = 0) are exchanged")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

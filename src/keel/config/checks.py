@@ -113,6 +113,14 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     if p.tp > 1:
         raise ConfigError(f"parallel.tp = {p.tp}: tensor parallelism of mixture-of-experts blocks is not "
                           f"implemented; set parallel.tp = 1 or model.moe.experts = 0")
+    # The model computes these, but a training run does not yet sum the expert loads over its ranks nor scale
+    # the auxiliary losses to the batch: accepted, they would train something other than they say.
+    balancing = {"bias_update_rate": moe.bias_update_rate, "aux_loss_coeff": moe.aux_loss_coeff,
+                 "z_loss_coeff": moe.z_loss_coeff}
+    for name, value in balancing.items():
+        if value:
+            raise ConfigError(f"model.moe.{name} = {value}: load balancing is not applied by a training run yet; "
+                              f"set model.moe.{name} = 0 (dropless routing, unbalanced)")
 
 
 def _check_peak_flops(peak: str) -> None:

@@ -33,7 +33,7 @@ from keel.checkpoint.export import (
     read_hf_config,
 )
 from keel.checkpoint.hf_tokenizer import TOKENIZER_FILES, checkpoint_tokenizer, write_hf_tokenizer
-from keel.config import ModelConfig
+from keel.config import ModelConfig, MoEConfig
 from keel.errors import CheckpointError
 from keel.model.init import init_weights
 from keel.model.llama import Llama, ffn_hidden_dim
@@ -253,6 +253,15 @@ def test_an_embedding_scale_or_norm_is_refused_before_anything_is_written(tmp_pa
     _, out, _ = export(tmp_path / "plain", TINY)
     with pytest.raises(CheckpointError, match="model.embedding_norm"):
         load_hf_weights(build(cfg), out)
+
+
+def test_a_mixture_of_experts_model_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TINY, moe=MoEConfig(experts=4, top_k=2))
+    save_checkpoint(build(cfg), tmp_path / "ckpt")
+    with pytest.raises(CheckpointError) as e:
+        export_hf(tmp_path / "ckpt", cfg, tmp_path / "hf")
+    assert len(str(e.value).splitlines()) == 1 and "model.moe.experts = 4" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 # ---------------------------------------------------------------- configs
