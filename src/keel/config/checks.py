@@ -12,7 +12,7 @@ from keel.errors import ConfigError
 def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
-    _check_moe(cfg.model, cfg.parallel)
+    _check_moe(cfg.model, cfg.parallel, cfg.fault_tolerance.replica_groups)
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")
@@ -96,7 +96,7 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
     moe = m.moe
     if not moe.experts:
         return
@@ -113,13 +113,16 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     if p.tp > 1:
         raise ConfigError(f"parallel.tp = {p.tp}: tensor parallelism of mixture-of-experts blocks is not "
                           f"implemented; set parallel.tp = 1 or model.moe.experts = 0")
-    # The model computes these, but a training run does not yet sum the expert loads over its ranks nor scale
-    # the auxiliary losses to the batch: accepted, they would train something other than they say.
-    balancing = {"bias_update_rate": moe.bias_update_rate, "aux_loss_coeff": moe.aux_loss_coeff,
-                 "z_loss_coeff": moe.z_loss_coeff}
+    if moe.bias_update_rate and replica_groups > 1:
+        raise ConfigError(f"model.moe.bias_update_rate with fault_tolerance.replica_groups = {replica_groups}: the "
+                          f"expert loads are summed within a replica group, so the groups' biases would part; set "
+                          f"model.moe.bias_update_rate = 0 or fault_tolerance.replica_groups = 1")
+    # The model computes these, but a training run does not yet scale the auxiliary losses to the batch: accepted,
+    # they would train something other than they say.
+    balancing = {"aux_loss_coeff": moe.aux_loss_coeff, "z_loss_coeff": moe.z_loss_coeff}
     for name, value in balancing.items():
         if value:
-            raise ConfigError(f"model.moe.{name} = {value}: load balancing is not applied by a training run yet; "
+            raise ConfigError(f"model.moe.{name} = {value}: auxiliary losses are not applied by a training run yet; "
                               f"set model.moe.{name} = 0 (dropless routing, unbalanced)")
 
 

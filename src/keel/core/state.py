@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 
 class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class NamedState(Protocol):
+    """A component that keeps a part of the host train state of its own, under `state_name`."""
+
+    state_name: str
+
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 

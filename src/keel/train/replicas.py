@@ -92,6 +92,7 @@ class ReplicaGroups(Builtin):
     """The quorum at each step's start, the cross-group gradient average after the backward, and the
     commit vote before the update."""
     priority = 150  # the cross-group average before the guards read the step
+    state_name = "replicas"  # its part of the host train state
 
     def __init__(self, cfg: FaultToleranceConfig, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  state: TrainState, loader: GlobalOrderLoader, dp_rank: int, dp_size: int, monitor: RunMonitor,

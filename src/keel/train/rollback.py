@@ -114,9 +114,9 @@ class Recovery(Builtin):
             source = f"the in-memory snapshot of step {snapshot.step}"
         else:
             record, source = self._from_disk(target)
-        # The data cursor and the guards' histories go back with the state (a spike is judged against the
-        # steps before it); what counts rollbacks, suspects, restarts and time does not.
-        state.load(record, only=("loader",))
+        # The data cursor, the experts' selection biases and the guards' histories go back with the state (a spike
+        # is judged against the steps before it); what counts rollbacks, suspects, restarts and time does not.
+        state.load(record, only=("loader", "experts"))
         if guards.ring is not None:  # after a checkpoint's state, the snapshots of the steps abandoned go too
             guards.ring.forget_after(state.step)
         guards.rolled_back(record.get("guards", {}), state.step)

@@ -8,10 +8,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import keel
 from keel.checkpoint.identity import run_identity
@@ -99,6 +101,13 @@ def gather_hosts(world_size: int) -> list[str]:
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.train.compute_precision(device.type) == "bf16" else torch.float32
+
+
+def mask_documents(cfg: Config, parts: list[nn.Module], corpus: Corpus) -> None:
+    """With data.document_mask, every part attends within documents, each starting with the corpus's BOS."""
+    if cfg.data.document_mask:
+        for part in parts:
+            cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
 
 
 def build_model_parts(cfg: Config, layout: Layout, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:

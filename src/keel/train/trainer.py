@@ -8,7 +8,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch import nn
 from keel.checkpoint.interval import IntervalPolicy
 from keel.config import CallbackSpec, Config, check_vocab_size, to_toml
 from keel.core.callbacks import Build, Callback, Hooks, Step
-from keel.core.state import Stateful, TrainState, seed_everything
+from keel.core.state import NamedState, Stateful, TrainState, seed_everything
 from keel.core.sync import StepSync
 from keel.data.shards import open_corpus
 from keel.data.tokenizer import bits_per_byte
@@ -25,7 +25,7 @@ from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
 from keel.model.flops import flops_per_token, param_count
-from keel.model.llama import Llama, width_ratio
+from keel.model.llama import width_ratio
 from keel.monitor.metrics import CommProfiler, MemoryMeter, StepMeter
 from keel.monitor.mfu import resolve_peak_flops
 from keel.monitor.run_monitor import RunMonitor
@@ -37,6 +37,7 @@ from keel.rundir.status import write_status
 from keel.train import components, setup
 from keel.train.callbacks import load_callbacks
 from keel.train.downstream import downstream_evaluation
+from keel.train.experts import expert_balance
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.replicas import ReplicaGroups
 from keel.train.reuse import job_key, measured_peak
@@ -88,9 +89,7 @@ class Trainer:
         self._build_model()
         self.manager.reserve(self.parts, self.optimizers)  # the first save's buffers, beside the rest of the start
         self.corpus, self.data = corpus, setup.build_data(cfg, self.layout, corpus, accepted)
-        if cfg.data.document_mask:  # each packed document starts with the corpus tokenizer's BOS
-            for part in self.parts:
-                cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
+        setup.mask_documents(cfg, self.parts, corpus)
         self.loader, self.loader_state = self.data.loader, self.data.loader_state
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
@@ -176,7 +175,8 @@ class Trainer:
                           c.CheckpointDecision(ckpt, self.sync), WatchdogSections(watchdog),
                           c.GuardCheck(self.guards, monitor, inspection, signals.of_step), writer, self.stopping,
                           self.recovery, *run_trackers(cfg, self.run_dir, monitor, self.events, self.say, self.rank0),
-                          *users, WatchdogPhases(watchdog), StepEnd(monitor, self.events.emit, self.rank0)]:
+                          *expert_balance(cfg.model, self.parts, ctx.device), *users, WatchdogPhases(watchdog),
+                          StepEnd(monitor, self.events.emit, self.rank0)]:
             hooks.add(component)
         hooks.add(self.metrics, cfg.monitor.interval)
         hooks.add(self.evaluation, cfg.eval.interval or cfg.train.steps)
@@ -188,8 +188,8 @@ class Trainer:
     def _register_state(self) -> None:
         registered: list[tuple[str, Stateful]] = [("loader", self.loader_state), ("callbacks", self.hooks),
                                                   ("guards", self.guards), ("health", self.watchdog)]
+        registered += [(cb.state_name, cb) for cb in self.hooks.callbacks if isinstance(cb, NamedState)]
         if self.replicas is not None:
-            registered.append(("replicas", self.replicas))
             self.checkpointing.writer = self.recovery.writer = self.replicas.is_writer
             self.replicas.joined_by_peer = lambda: self.guards.resnapshot(self.state)
             self.replicas.verified_now = lambda: self.guards.keep_verified(self.state)
