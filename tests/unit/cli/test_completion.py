@@ -45,7 +45,7 @@ def test_bash_completes_commands_flags_values_and_paths(tmp_path: Path, capsys: 
         ("keel", "tr"): ["train"],
         ("keel", "train", "--max"): ["--max-restarts"],
         ("keel", "train", "--n"): ["--nnodes", "--nproc"],
-        ("keel", "train", "--config", "ti"): ["tiny"],
+        ("keel", "train", "--config", "ti"): ["tiny", "tiny_moe"],
         ("keel", "train", "--config", "=", "sm"): ["small"],  # --config=sm, as bash splits it
         ("keel", "train", "train.st"): ["train.steps="],
         ("keel", "train", "--nproc", "2", "optim.l"): ["optim.lr="],
