@@ -51,15 +51,12 @@ class Guards:
         self.lr_scale, self.lr_scale_until = 1.0, 0
         self.rollback_steps: list[int] = []  # steps where data rollbacks happened, for escalation
         self.snapshot_s = 0.0
-        self.defined_since = 0  # the step of the newest accepted change of the run's definition
 
-    def judge_from(self, defined_since: int, step: int) -> None:
-        """The run's definition last changed at step `defined_since` (a resume that accepted a change); at that
-        step, the histories the guards judge by were gathered under the old one and start afresh."""
-        self.defined_since = defined_since
-        if step <= defined_since:
-            for guard in self.builtin.values():
-                guard.load_state_dict({})
+    def forget_histories(self) -> None:
+        """The histories the guards judge by start afresh (they were gathered under another definition of the
+        run: a resume that accepted a change)."""
+        for guard in self.builtin.values():
+            guard.load_state_dict({})
 
     @property
     def reporting(self) -> bool:
@@ -143,11 +140,9 @@ class Guards:
     # ------------------------------------------------------------ snapshots, events, metrics, state
 
     def rolled_back(self, saved: dict, step: int) -> None:
-        """The run went back to `step`, whose guard state was `saved`: the histories go back with it, unless
-        they were gathered under an earlier definition of the run (`defined_since`), which start afresh."""
-        histories = saved.get("guards", {}) if step > self.defined_since else {}
+        """The run went back to `step`, whose guard state was `saved`: the histories go back with it."""
         for name, guard in self.builtin.items():
-            guard.load_state_dict(histories.get(name, {}))
+            guard.load_state_dict(saved.get("guards", {}).get(name, {}))
         if self.sdc is not None:
             self.sdc.rolled_back(step)
 

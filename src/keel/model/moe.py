@@ -188,6 +188,13 @@ def z_loss(routing: Routing, sequences: int) -> torch.Tensor:
     return routing.logits.logsumexp(-1).square().view(sequences, -1).mean(1).sum()
 
 
+def bias_step(loads: torch.Tensor, rate: float) -> torch.Tensor:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): how each expert's selection bias moves after a step whose
+    choices per expert were `loads` (last dimension: the experts), up by `rate` below the mean load, down above."""
+    loads = loads.double()  # exact counts beyond float32's 2**24
+    return (rate * torch.sign(loads.mean(-1, keepdim=True) - loads)).float()
+
+
 # ---------------------------------------------------------------- the layer
 
 class MoE(nn.Module):
@@ -226,8 +233,7 @@ class MoE(nn.Module):
         """Auxiliary-loss-free balancing (DeepSeek-V3): raise the bias of each expert chosen fewer times than the
         mean of `counts` by `rate`, lower the others' (counts: the choices per expert, summed over the data-parallel
         ranks by the caller), and start counting again."""
-        counts = counts.to(self.expert_bias.device, torch.float32)
-        self.expert_bias += rate * torch.sign(counts.mean() - counts)
+        self.expert_bias += bias_step(counts.to(self.expert_bias.device), rate)
         self.tokens_per_expert.zero_()
 
     @torch.no_grad()

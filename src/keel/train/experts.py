@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from keel.config import ModelConfig
+from keel.config import Config
 from keel.core.callbacks import Step
 from keel.model.init import canonical_name
-from keel.model.moe import MoE
+from keel.model.moe import MoE, bias_step
 from keel.train.components import Builtin
 
 
@@ -36,21 +36,23 @@ def expert_layers(parts: list[nn.Module]) -> dict[int, MoE]:
     return dict(sorted(found.items()))
 
 
-def expert_balance(model: ModelConfig, parts: list[nn.Module], device: torch.device) -> list[ExpertBalance]:
+def expert_balance(cfg: Config, parts: list[nn.Module], device: torch.device) -> list[ExpertBalance]:
     """The component of a mixture-of-experts model, on every rank (each takes part in the sum); none for a dense
     one."""
-    return [ExpertBalance(parts, model, device)] if model.moe.experts else []
+    return [ExpertBalance(parts, cfg, device)] if cfg.model.moe.experts else []
 
 
 class ExpertBalance(Builtin):
     priority = 150  # after the update (Metering's clock first), before a checkpoint stages the biases
     state_name = "experts"  # its part of the host train state
 
-    def __init__(self, parts: list[nn.Module], model: ModelConfig, device: torch.device) -> None:
-        self.layers, self.rate, self.device = expert_layers(parts), model.moe.bias_update_rate, device
+    def __init__(self, parts: list[nn.Module], cfg: Config, device: torch.device) -> None:
+        moe = cfg.model.moe
+        self.layers, self.rate, self.log_every = expert_layers(parts), moe.bias_update_rate, cfg.monitor.interval
+        self.expert_rows = list(range(moe.dense_layers, cfg.model.n_layers))
         # Every layer's biases on every rank (a pipeline stage holds some layers): the host train state holds them
-        # all, as the summed loads that move them are known everywhere.
-        self.biases = torch.zeros(model.n_layers, model.moe.experts, dtype=torch.float32)
+        # all, as the summed loads that move them are known everywhere. They stay on the device between steps.
+        self.biases = torch.zeros(cfg.model.n_layers, moe.experts, dtype=torch.float32, device=device)
         self.counted: list[torch.Tensor] = []  # the counts of the step's own forwards, for a replay to restore
 
     def on_step_start(self, step: Step) -> None:
@@ -67,21 +69,20 @@ class ExpertBalance(Builtin):
     def on_step_end(self, step: Step) -> None:
         if not step.updated:
             return
-        table = torch.zeros(self.biases.shape, dtype=torch.int64, device=self.device)
+        table = torch.zeros(self.biases.shape, dtype=torch.int64, device=self.biases.device)
         for layer, moe in self.layers.items():
             table[layer] = moe.tokens_per_expert
             moe.reset_counts()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table)
-        loads = table.cpu().double()
-        used = loads.sum(-1) > 0  # the expert layers
-        if self.rate:  # DeepSeek-V3's rule: up for the experts below the mean load, down for those above
-            self.biases[used] += self.rate * torch.sign(loads.mean(-1, keepdim=True) - loads)[used].float()
+        loads = table[self.expert_rows].double()
+        if self.rate:
+            self.biases[self.expert_rows] += bias_step(loads, self.rate)
             self._place()
-        imbalance = (loads.max(-1).values / loads.mean(-1).clamp_min(1e-12))[used].tolist()
-        layers = used.nonzero().flatten().tolist()
-        step.metrics.update({f"moe/imbalance/layer_{i}": v for i, v in zip(layers, imbalance, strict=True)})
-        if imbalance:
+        if step.number % self.log_every == 0 or step.last:  # the steps whose metrics are logged: read them there
+            imbalance = (loads.max(-1).values / loads.mean(-1).clamp_min(1e-12)).tolist()
+            step.metrics.update({f"moe/imbalance/layer_{i}": v for i, v in zip(self.expert_rows, imbalance,
+                                                                                strict=True)})
             step.metrics["moe/imbalance_max"] = max(imbalance)
 
     def _place(self) -> None:
@@ -94,5 +95,5 @@ class ExpertBalance(Builtin):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "biases" in state:
-            self.biases = torch.tensor(state["biases"], dtype=torch.float32)
+            self.biases = torch.tensor(state["biases"], dtype=torch.float32, device=self.biases.device)
             self._place()

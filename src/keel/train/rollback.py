@@ -53,7 +53,8 @@ class Recovery(Builtin):
     def on_checkpoint_loaded(self, state: TrainState, path: str) -> None:
         """A resume that changed what defines the run on purpose (`--accept-change`): the guards judge the steps
         after the change only, and no rollback goes behind it."""
-        self.guards.judge_from(self.manager.defined_since, state.step)
+        if state.step <= self.manager.defined_since:
+            self.guards.forget_histories()
 
     def carry_out(self, step: Step) -> int | None:
         action = step.action
@@ -119,7 +120,8 @@ class Recovery(Builtin):
         state.load(record, only=("loader", "experts"))
         if guards.ring is not None:  # after a checkpoint's state, the snapshots of the steps abandoned go too
             guards.ring.forget_after(state.step)
-        guards.rolled_back(record.get("guards", {}), state.step)
+        # A state of the step of a change holds histories gathered before it: they start afresh.
+        guards.rolled_back(record.get("guards", {}) if state.step > self.manager.defined_since else {}, state.step)
         state.train_seconds, state.interruptions = train_seconds, interruptions
         retired = self.manager.retire_after(state.step, self.events, now, remove=self.writer())
         skipped: list[int] = []

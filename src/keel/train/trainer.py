@@ -175,7 +175,7 @@ class Trainer:
                           c.CheckpointDecision(ckpt, self.sync), WatchdogSections(watchdog),
                           c.GuardCheck(self.guards, monitor, inspection, signals.of_step), writer, self.stopping,
                           self.recovery, *run_trackers(cfg, self.run_dir, monitor, self.events, self.say, self.rank0),
-                          *expert_balance(cfg.model, self.parts, ctx.device), *users, WatchdogPhases(watchdog),
+                          *expert_balance(cfg, self.parts, ctx.device), *users, WatchdogPhases(watchdog),
                           StepEnd(monitor, self.events.emit, self.rank0)]:
             hooks.add(component)
         hooks.add(self.metrics, cfg.monitor.interval)
