@@ -99,7 +99,13 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
 def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
     moe = m.moe
     if not moe.experts:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} splits routed experts, but the model has none "
+                              f"(model.moe.experts = 0); set parallel.ep = 1 or give the model experts")
         return
+    if moe.experts % p.ep:
+        raise ConfigError(f"model.moe.experts = {moe.experts} must divide by parallel.ep = {p.ep}: each "
+                          f"expert-parallel rank holds the same number of experts")
     if moe.top_k > moe.experts:
         raise ConfigError(f"model.moe.top_k = {moe.top_k} exceeds model.moe.experts = {moe.experts}: a token "
                           f"chooses at most every expert; set top_k between 1 and {moe.experts}")

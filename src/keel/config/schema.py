@@ -268,6 +268,9 @@ class ParallelConfig:
     cp: int = option(1, "context-parallel degree: each sequence split over this many ranks (two chunks each, "
                      "placed head-tail), attention exchanging keys and values between them", ge=1)
     tp: int = option(1, "tensor-parallel degree (with sequence parallel); keep it within a node", ge=1)
+    ep: int = option(1, "expert-parallel degree: a mixture-of-experts model's routed experts split over this many "
+                     "ranks, borrowed from dp_shard × cp (it divides their product); tokens reach their experts "
+                     "by all-to-all, and the experts are FSDP-sharded over the data-parallel ranks left over", ge=1)
     pp: int = option(1, "pipeline-parallel degree: the blocks split into consecutive stages", ge=1)
     pp_schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or interleaved_zb "
                               "(zero bubble); the interleaved ones need pp_stages_per_rank >= 2",

@@ -74,6 +74,12 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A one-dimensional mesh regrouped into several dimensions of the same ranks (expert parallelism splits the
+    parameter-sharding ranks into expert groups and the ranks left over); DeviceMesh's unflattening is private."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's CPU flash kernel with its log-sum-exp per query (batch, heads, queries), which the public SDPA does

@@ -24,6 +24,7 @@ class Degrees:
     pp: int = 1
     pp_microbatches: int = 0  # pipeline micro-batches per step and data-parallel rank
     cp: int = 1
+    ep: int = 1  # experts split over ep ranks of dp_shard × cp: not a dimension of its own in the product
 
     @property
     def dp(self) -> int:
@@ -40,7 +41,8 @@ class Degrees:
 
     def describe(self) -> str:
         parts = [f"{dim}{self.of(dim)}" for dim in DIMS if self.of(dim) > 1]
-        return " × ".join(parts) if parts else "single process"
+        layout = " × ".join(parts) if parts else "single process"
+        return layout + (f", experts over ep{self.ep}" if self.ep > 1 else "")
 
 
 def _product(cfg: Config, dp_shard: int | str) -> tuple[str, str]:
@@ -64,11 +66,15 @@ def resolve_degrees(cfg: Config, world_size: int) -> Degrees:
     dp = p.dp_replicate * dp_shard
     per_rank = t.global_batch // dp if t.global_batch % dp == 0 else 0
     microbatches = p.pp_microbatches or (per_rank // t.micro_batch if p.pp > 1 else 0)
-    degrees = Degrees(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches, p.cp)
+    degrees = Degrees(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches, p.cp, p.ep)
     if degrees.world_size != world_size:
         dims, values = _product(cfg, dp_shard)
         raise ConfigError(f"parallel degrees {dims} = {values} = {degrees.world_size}, but there are {world_size} "
                           f"processes; the product must equal them")
+    if (dp_shard * p.cp) % p.ep:
+        lender = f"dp_shard × cp = {dp_shard} × {p.cp}" if p.cp > 1 else f"dp_shard = {dp_shard}"
+        raise ConfigError(f"parallel.ep = {p.ep} must divide {lender}: the expert-parallel ranks are borrowed "
+                          f"from the ranks that shard the parameters")
     if p.pp > 1:
         _check_pipeline(cfg, degrees, per_rank)
     _check_shards(cfg)

@@ -6,7 +6,9 @@ its one reduction, the guards and the checkpoints ask this object.
 The mesh's dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Ranks of one tensor- or
 context-parallel group hold the same sequences (the global batch is split over dp_replicate × dp_shard); the
 context-parallel ranks hold different parts of them and are data-parallel for the parameters, so FSDP shards
-parameters over dp_shard × cp (as torchtitan does) and averages their gradients over both.
+parameters over dp_shard × cp (as torchtitan does) and averages their gradients over both. Expert parallelism
+borrows its ranks from the same dp_shard × cp: each ep consecutive ones split a mixture-of-experts model's routed
+experts, and the ranks left over shard each expert group with FSDP (`experts`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from keel.config import TrainConfig
-from keel.core.torch_private import flatten_mesh
+from keel.core.torch_private import flatten_mesh, unflatten_mesh
 from keel.model.loss import Objective
 from keel.parallel.context import ContextShard
 from keel.parallel.degrees import DIMS, Degrees
@@ -73,6 +75,30 @@ class Layout:
             return self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
         flat = flatten_mesh(self.mesh["dp_shard", "cp"], "dp_shard_cp")
         return self.mesh["dp_replicate", "dp_shard_cp"] if self.degrees.dp_replicate > 1 else flat
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether a mixture-of-experts model's routed experts are split over expert-parallel groups."""
+        return self.degrees.ep > 1
+
+    @functools.cached_property
+    def experts(self) -> DeviceMesh:
+        """The data-parallel ranks (dp_replicate × dp_shard × cp, in mesh order) regrouped as (edp_replicate,
+        efsdp, ep): every ep consecutive ranks of dp_shard × cp split the experts between them, and the ranks that
+        hold the same experts (efsdp, with edp_replicate's replicas for HSDP) shard them as FSDP does."""
+        d = self.degrees
+        flat = flatten_mesh(self.mesh["dp_replicate", "dp_shard", "cp"], "dp_all")
+        return unflatten_mesh(flat, (d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep),
+                              ("edp_replicate", "efsdp", "ep"))
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """Where the experts' shards are sharded further (and replicated across HSDP's replicas)."""
+        return self.experts["edp_replicate", "efsdp"] if self.degrees.dp_replicate > 1 else self.experts["efsdp"]
 
     @property
     def replicas(self) -> DeviceMesh | None:

@@ -26,6 +26,7 @@ from keel.core.torch_private import (
     process_groups,
     set_group_timeout,
     set_local_tensor,
+    unflatten_mesh,
 )
 from keel.parallel.mesh import destroy_distributed, init_distributed
 from tests.conftest import REPO
@@ -77,6 +78,8 @@ def _check_group_apis() -> None:
     two = dist.device_mesh.init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
     flat = flatten_mesh(two["a", "b"], "a_b")
     assert flat.mesh_dim_names == ("a_b",) and flat.size() == 1
+    split = unflatten_mesh(flat, (1, 1), ("c", "d"))
+    assert split.mesh_dim_names == ("c", "d") and split["d"].size() == 1
 
 
 def test_fsspec_reader_and_writer_import() -> None:

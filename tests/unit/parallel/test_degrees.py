@@ -3,6 +3,8 @@ with a one-line message naming the constraint and the numbers."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from keel.config import load_config
@@ -123,3 +125,43 @@ def test_resolve_degrees() -> None:
     with pytest.raises(ConfigError) as info:
         resolve_degrees(cfg, 3)
     assert "eval.sequences = 64 must divide by the data-parallel degree = 3" in str(info.value)
+
+
+MOE = ["model.moe.experts=8", "model.moe.top_k=2"]
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (4, ["parallel.ep=2"], Degrees(1, 4, 1, ep=2)),
+    (4, ["parallel.ep=4"], Degrees(1, 4, 1, ep=4)),
+    (4, ["parallel.cp=2", "parallel.ep=4"], Degrees(1, 2, 1, cp=2, ep=4)),  # borrowed from dp_shard × cp
+    (8, ["parallel.dp_replicate=2", "parallel.ep=2"], Degrees(2, 4, 1, ep=2)),
+])
+def test_expert_parallel_degrees_borrow_their_ranks(world: int, overrides: list[str], expect: Degrees) -> None:
+    degrees = resolve_degrees(load_config(None, BASE + MOE + overrides), world)
+    assert degrees == expect and degrees.world_size == world
+
+
+@pytest.mark.parametrize(("world", "overrides", "expect"), [
+    (4, [*MOE, "parallel.ep=8"], "parallel.ep = 8 must divide dp_shard = 4"),
+    (4, [*MOE, "parallel.ep=4", "parallel.dp_replicate=2"], "parallel.ep = 4 must divide dp_shard = 2"),
+    (4, [*MOE, "parallel.ep=4", "parallel.cp=2", "parallel.dp_replicate=2"],
+     "parallel.ep = 4 must divide dp_shard × cp = 1 × 2"),
+])
+def test_expert_parallel_degrees_that_do_not_divide_their_lenders_are_refused(world: int, overrides: list[str],
+                                                                              expect: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        resolve_degrees(load_config(None, BASE + overrides), world)
+
+
+@pytest.mark.parametrize(("overrides", "expect"), [
+    (["parallel.ep=2"], "parallel.ep = 2 splits routed experts, but the model has none"),
+    (["model.moe.experts=6", "model.moe.top_k=2", "parallel.ep=4"],
+     "model.moe.experts = 6 must divide by parallel.ep = 4"),
+])
+def test_an_expert_parallel_degree_the_model_cannot_take_is_refused(overrides: list[str], expect: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        load_config(None, BASE + overrides)
+
+
+def test_expert_parallelism_is_named_in_the_layout() -> None:
+    assert Degrees(1, 4, 1, ep=2).describe() == "dp_shard4, experts over ep2"
