@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.checkpoint.inspect import state_sha256
 from keel.rundir.events import read_jsonl
 from tests.dist.test_layouts import CONCURRENT, STEPS, assert_same_training, losses, train
 
@@ -18,7 +19,11 @@ pytestmark = pytest.mark.dist
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01"]
 RUNS = {"one": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
-        "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"])}
+        "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]), "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1"]),
+        "ep2_fsdp4": (4, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]),
+        "ep2_cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1", "parallel.ep=2"]),
+        "ep2_hsdp": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
+        "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +44,21 @@ def biases(run_dir: Path) -> list[list[float]]:
     return state["experts"]["biases"]
 
 
-@pytest.mark.parametrize("name", ["dp2", "cp2"])
+@pytest.mark.parametrize("name", ["dp2", "cp2", "ep2", "ep2_fsdp4", "ep4", "ep2_cp2", "ep2_hsdp"])
 def test_an_expert_model_trains_like_one_process(name: str, runs: dict[str, Path]) -> None:
     assert_same_training(runs[name], runs["one"], range(1, STEPS + 1))
     assert biases(runs[name]) == biases(runs["one"])
 
 
-def test_a_pipelined_expert_model_trains_like_one_process_up_to_near_ties(runs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("name", ["pp2", "ep2_pp2"])
+def test_a_pipelined_expert_model_trains_like_one_process_up_to_near_ties(name: str, runs: dict[str, Path]) -> None:
     """The pipeline rounds otherwise (by 1e-7) than one process; a token almost equally drawn to two experts may
     then choose the other, which moves the losses by 1e-5 to 2e-4 over ten steps and a bias by a step or two."""
-    got, want = losses(runs["pp2"]), losses(runs["one"])
+    got, want = losses(runs[name]), losses(runs["one"])
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in got), (got, want)
     assert got[1] == pytest.approx(want[1], rel=1e-6)  # before any update: the same routing
-    apart = [abs(a - b) for x, y in zip(biases(runs["pp2"]), biases(runs["one"]), strict=True)
+    apart = [abs(a - b) for x, y in zip(biases(runs[name]), biases(runs["one"]), strict=True)
              for a, b in zip(x, y, strict=True)]
     assert max(apart) <= 2 * 0.01 + 1e-6
 
@@ -64,3 +70,37 @@ def test_the_selection_biases_move_towards_balance_and_the_loads_are_logged(runs
     assert all(abs(b) <= STEPS * 0.01 + 1e-6 for layer in moved for b in layer)
     logged = [r for r in read_jsonl(runs["one"] / "metrics.jsonl") if "moe/imbalance_max" in r]
     assert logged and all(r["moe/imbalance_max"] >= 1.0 for r in logged)
+
+
+def test_every_replayed_expert_parallel_step_is_bitwise_equal_to_its_original(runs: dict[str, Path]) -> None:
+    """ep = 2 with the SDC replay after every step: the all-to-all exchanges of a recomputation route and sum
+    exactly as the first computation did, so no replay ever differs."""
+    state = json.loads((runs["ep2"] / "checkpoints" / f"step-{STEPS:06d}" / "train_state.json").read_text())
+    assert state["guards"]["counts"]["sdc_replays"] == STEPS
+    assert [e for e in read_jsonl(runs["ep2"] / "events.jsonl") if e["kind"] == "guard"] == []
+
+
+def test_an_expert_parallel_run_resumes_bitwise_after_a_sigkill(runs: dict[str, Path], small_corpus: Path,
+                                                               tmp_path: Path) -> None:
+    """ep = 2: rank 1 SIGKILLed in the middle of step 8, once; the agent restarts the workers from step 5 and the
+    run ends bitwise equal to the uninterrupted one."""
+    killed = tmp_path / "killed"
+    train(small_corpus, killed, 2, *MOE, *RUNS["ep2"][1], 'drill.inject=["kill:step=8,rank=1"]',
+          "checkpoint.async_save=false", "--max-restarts", "1")
+    assert [e["step"] for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"] == [5]
+    final = f"checkpoints/step-{STEPS:06d}"
+    assert state_sha256(killed / final) == state_sha256(runs["ep2"] / final)
+
+
+@pytest.mark.parametrize(("saved", "nproc", "overrides"), [("ep4", 2, ["parallel.ep=2"]), ("ep2", 1, [])],
+                         ids=["ep4_to_ep2", "ep2_to_one"])
+def test_an_expert_parallel_checkpoint_resumes_on_fewer_expert_ranks(saved: str, nproc: int, overrides: list[str],
+                                                                    runs: dict[str, Path], small_corpus: Path,
+                                                                    tmp_path: Path) -> None:
+    """The experts are saved sharded along the expert dimension; resumed at step 5 over fewer expert-parallel
+    ranks (and another FSDP degree), the run goes on as the uninterrupted one-process run."""
+    resumed = tmp_path / "resumed"
+    train(small_corpus, resumed, nproc, *MOE, *overrides, "--resume",
+          str(runs[saved] / "checkpoints" / "step-000005"))
+    assert_same_training(resumed, runs["one"], range(6, STEPS + 1))
+    assert biases(resumed) == biases(runs["one"])

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 from keel.config import ModelConfig
 from keel.model.context import ContextParallel
 from keel.model.flops import ffn_hidden_dim, head_size
-from keel.model.moe import MoE, SwiGLU, is_moe_layer
+from keel.model.moe import ExpertDispatch, MoE, SwiGLU, is_moe_layer
 from keel.model.parallelizable import ParallelPlan
 
 # The attention and SwiGLU projections, the routed experts' 3-D weights among them (a router's output size is the
@@ -262,6 +262,17 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.context = context
+
+    def split_experts(self, dispatch: ExpertDispatch) -> list[nn.Module]:
+        """Expert parallelism: each mixture-of-experts layer sends its tokens' rows through `dispatch` to the ranks
+        that hold their experts. Returns the modules that hold the routed experts' weights (experts first) for the
+        caller to split over the expert-parallel ranks."""
+        experts: list[nn.Module] = []
+        for moe in self.moe_layers().values():
+            moe.dispatcher = dispatch
+            moe.experts.grad_scale = 1.0 / dispatch.size
+            experts.append(moe.experts)
+        return experts
 
     def documents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each token's document (a sequence's tokens before its first document start are one more document), and

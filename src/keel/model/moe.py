@@ -12,13 +12,14 @@ the backward pass (`AuxLoss`) so that the model still returns only its logits.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig, ffn_hidden_dim
+from keel.core.dtensor import local
 from keel.core.torch_private import in_backward
 
 # Rows of each group of a grouped GEMM on CUDA are padded to a multiple of this, so that every group starts
@@ -89,8 +90,24 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     return looped_swiglu(x, counts, w1, w2, w3)
 
 
+class ScaleGrad(torch.autograd.Function):
+    """The identity, whose gradient is scaled by `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class Experts(nn.Module):
-    """The routed experts' weights as 3-D parameters, experts first (expert parallelism shards dimension 0)."""
+    """The routed experts' weights as 3-D parameters, experts first: expert parallelism shards dimension 0, and
+    this rank computes with its own experts' rows (`local`). Under expert parallelism a rank's experts take tokens
+    from every rank of its group, so their gradient holds `grad_scale`⁻¹ = ep ranks' shares where data
+    parallelism averages one rank's: it is scaled back as it leaves the weights."""
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -99,9 +116,30 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=0.02)  # keel.model.init replaces it by the name-seeded value
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return expert_swiglu(x, counts, self.w1, self.w2, self.w3)
+        w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        return expert_swiglu(x, counts, w1, w2, w3)
+
+
+class ExpertDispatch(Protocol):
+    """How the tokens reach experts held by other ranks (expert parallelism, `keel.parallel.experts`): `size`
+    ranks, each holding experts / size of them."""
+
+    size: int
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Send each of this rank's rows (sorted by expert; counts[e] of them for expert e, over all experts) to
+        the rank that holds its expert. Returns the rows received, sorted by this rank's experts, how many each
+        of them has, and what `combine` needs to send the results back."""
+        ...
+
+    def combine(self, out: torch.Tensor, exchange: Any) -> torch.Tensor:
+        """The experts' outputs of the received rows back on the ranks that sent them, in the order sent."""
+        ...
 
 
 class PermuteRows(torch.autograd.Function):
@@ -121,6 +159,13 @@ class PermuteRows(torch.autograd.Function):
 def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     out: torch.Tensor = PermuteRows.apply(x, order, inverse)
     return out
+
+
+def sort_by(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stable order that sorts `keys` and its inverse permutation (for `permute_rows`)."""
+    order = keys.argsort(stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return order, inverse
 
 
 # ---------------------------------------------------------------- routing
@@ -223,6 +268,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
         self.aux_scale = 1.0
         self.aux_losses: dict[str, torch.Tensor] = {}
+        self.dispatcher: ExpertDispatch | None = None  # set under expert parallelism
 
     def capacity(self, tokens: int) -> int:
         """The most (token, expert) slots one expert takes from a forward of `tokens` tokens."""
@@ -264,18 +310,24 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
         if self.capacity_factor:
             ids, counts = self.drop_over_capacity(ids, counts, n, counting)
-        order = ids.argsort(stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
+        order, inverse = sort_by(ids)
         slots = flat.unsqueeze(1).expand(n, k, flat.shape[1]).reshape(n * k, flat.shape[1])
         sorted_x = permute_rows(slots, order, inverse)
         if self.capacity_factor:  # the dropped slots sort last: they give zeros
             kept = int(counts.sum())
-            out = self.experts(sorted_x[:kept], counts)
+            out = self.run_experts(sorted_x[:kept], counts)
             out = torch.cat([out, out.new_zeros(n * k - kept, out.shape[1])])
         else:
-            out = self.experts(sorted_x, counts)
+            out = self.run_experts(sorted_x, counts)
         out = permute_rows(out, inverse, order).view(n, k, -1)
         return (out.float() * routing.weights.unsqueeze(-1)).sum(1)
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs of rows sorted by expert: here, or on the ranks that hold them."""
+        if self.dispatcher is None:
+            return self.experts(x, counts)
+        rows, local_counts, exchange = self.dispatcher.dispatch(x, counts)
+        return self.dispatcher.combine(self.experts(rows, local_counts), exchange)
 
     def drop_over_capacity(self, ids: torch.Tensor, counts: torch.Tensor, tokens: int,
                            counting: bool) -> tuple[torch.Tensor, torch.Tensor]:

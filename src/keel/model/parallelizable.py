@@ -1,5 +1,6 @@
 """What a model family declares so that keel.parallel can parallelise it without naming its modules: the
-blocks it repeats, its tensor-parallel plan, and how it computes a share of each sequence (context parallel).
+blocks it repeats, its tensor-parallel plan, how it computes a share of each sequence (context parallel) and
+where its routed experts are (expert parallel).
 A new family implements `Parallelizable`; keel.parallel is not edited."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from keel.model.context import ContextParallel
+from keel.model.moe import ExpertDispatch
 
 
 @dataclass(frozen=True)
@@ -39,4 +41,10 @@ class Parallelizable(Protocol):
     def split_context(self, context: ContextParallel) -> None:
         """From now on compute this rank's share of every sequence (`context.positions`), attention through
         `context.attention`."""
+        ...
+
+    def split_experts(self, dispatch: ExpertDispatch) -> list[nn.Module]:
+        """From now on send the routed experts' rows through `dispatch`, each rank computing its experts' share;
+        returns the modules whose parameters (experts first) the caller splits over the expert-parallel ranks
+        (none for a dense model)."""
         ...

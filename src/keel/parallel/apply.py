@@ -1,6 +1,6 @@
-"""Parallelise the model for its layout: tensor + sequence parallel, activation checkpointing,
-per-block compile, then FSDP2 (HSDP across replicas). A one-process run wraps nothing. Any model that
-declares its blocks and tensor-parallel plan (`keel.model.parallelizable`) is parallelised alike."""
+"""Parallelise the model for its layout: context parallel, expert parallel, tensor + sequence parallel, activation
+checkpointing, per-block compile, then FSDP2 (HSDP across replicas). A one-process run wraps nothing. Any model
+that declares its blocks, tensor-parallel plan and experts (`keel.model.parallelizable`) is parallelised alike."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 from keel.config import ParallelConfig
 from keel.core.torch_private import checkpoint_wrapper
 from keel.model.parallelizable import Parallelizable
+from keel.parallel.experts import ExpertShard, shard_experts
 from keel.parallel.layout import Layout
 
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
     if layout.context is not None:
         model.split_context(layout.context)
+    experts: list[nn.Module] = []
+    if layout.expert_parallel:
+        experts = model.split_experts(ExpertShard(layout.ep))
+        shard_experts(experts, layout.ep)
     if layout.tensor_parallel:
         apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)
@@ -27,7 +32,10 @@ def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, para
             block.compile()  # in place: parameter names stay the same
     if layout.shards_parameters:
         reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
-        apply_fsdp(model, layout.fsdp, param_dtype, reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for module in experts:  # split over ep already: FSDP shards them over the ranks left over
+            fully_shard(module, mesh=layout.expert_fsdp, mp_policy=policy)
+        apply_fsdp(model, layout.fsdp, policy)
 
 
 def module_of(model: Parallelizable) -> nn.Module:
@@ -56,10 +64,9 @@ def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -
             blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: Parallelizable, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def apply_fsdp(model: Parallelizable, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
     """Shard parameters, gradients and optimizer state over `mesh` (a 2-D mesh gives HSDP); gather
-    parameters in `param_dtype`, reduce gradients in `reduce_dtype`."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    parameters and reduce gradients in the policy's dtypes."""
     for block in model.blocks().values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(module_of(model), mesh=mesh, mp_policy=policy)

@@ -16,12 +16,23 @@ from keel.core.torch_private import norms as grad_norms
 from keel.model.loss import TORCH_CROSS_ENTROPY, Objective
 
 
+def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters that have gradients, grouped by their gradients' device mesh (plain tensors as one group):
+    DTensor's fused operations take tensors of one mesh, and experts split over expert parallelism have their own."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients (across shards, ranks and pipeline stages)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # sharded gradients: the local norm is a partial sum
+    """Global L2 norm of all gradients (across shards, ranks and pipeline stages): the norm of each mesh's
+    gradients made whole over its mesh, then of those."""
+    parts = [plain(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type=2.0,
+                                                 foreach=True))
+             for group in by_mesh(params)]
+    total = parts[0] if len(parts) == 1 else torch.nn.utils.get_total_norm(parts, norm_type=2.0)
     if pp_group is not None:  # each stage holds its own parameters: add the squares over stages
         total = total**2
         dist.all_reduce(total, group=pp_group)
@@ -98,7 +109,8 @@ class Stepper:
     def clip(self, total_norm: torch.Tensor) -> None:
         """Scale the gradients down to a global norm of `optim.grad_clip` (0: no clipping)."""
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total_norm, foreach=True)
+            for group in by_mesh(self.params):
+                torch.nn.utils.clip_grads_with_norm_(group, self.grad_clip, total_norm, foreach=True)
 
     def drop(self) -> None:
         """Skip the update: the gradients are cleared, parameters and optimizer state stay as they are."""
