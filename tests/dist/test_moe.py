@@ -18,12 +18,14 @@ from tests.dist.test_layouts import CONCURRENT, STEPS, assert_same_training, los
 pytestmark = pytest.mark.dist
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01"]
+AUX = ["model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001"]
 RUNS = {"one": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
         "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]), "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1"]),
         "ep2_fsdp4": (4, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]),
         "ep2_cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1", "parallel.ep=2"]),
         "ep2_hsdp": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
-        "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"])}
+        "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+        "aux_one": (1, AUX), "aux_ep2": (2, [*AUX, "parallel.ep=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,13 @@ def biases(run_dir: Path) -> list[list[float]]:
 def test_an_expert_model_trains_like_one_process(name: str, runs: dict[str, Path]) -> None:
     assert_same_training(runs[name], runs["one"], range(1, STEPS + 1))
     assert biases(runs[name]) == biases(runs["one"])
+
+
+def test_auxiliary_losses_train_alike_on_one_process_and_split_over_ranks(runs: dict[str, Path]) -> None:
+    """Each rank averages the balance and z-losses over its own sequences and the ranks' gradients are averaged:
+    the one-process run's mean over all sequences."""
+    assert_same_training(runs["aux_ep2"], runs["aux_one"], range(1, STEPS + 1))
+    assert losses(runs["aux_one"]) != losses(runs["one"])
 
 
 @pytest.mark.parametrize("name", ["pp2", "ep2_pp2"])

@@ -123,13 +123,10 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
         raise ConfigError(f"model.moe.bias_update_rate with fault_tolerance.replica_groups = {replica_groups}: the "
                           f"expert loads are summed within a replica group, so the groups' biases would part; set "
                           f"model.moe.bias_update_rate = 0 or fault_tolerance.replica_groups = 1")
-    # The model computes these, but a training run does not yet scale the auxiliary losses to the batch: accepted,
-    # they would train something other than they say.
-    balancing = {"aux_loss_coeff": moe.aux_loss_coeff, "z_loss_coeff": moe.z_loss_coeff}
-    for name, value in balancing.items():
-        if value:
-            raise ConfigError(f"model.moe.{name} = {value}: auxiliary losses are not applied by a training run yet; "
-                              f"set model.moe.{name} = 0 (dropless routing, unbalanced)")
+    if moe.aux_loss_coeff and p.cp > 1:
+        raise ConfigError(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff} with parallel.cp = {p.cp}: the "
+                          f"sequence-wise balance loss needs each whole sequence's routing, and a context-parallel "
+                          f"rank holds a share of it; use the bias update (model.moe.bias_update_rate) or cp = 1")
 
 
 def _check_peak_flops(peak: str) -> None:

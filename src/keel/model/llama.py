@@ -172,24 +172,11 @@ class Llama(nn.Module):
         self.document_start: int | None = None
         self.document_positions = False  # data.document_positions: RoPE positions restart at each document
         self.context: ContextParallel | None = None  # this rank's share of each sequence (split_context)
-        self._aux_scale = 1.0
 
     def moe_layers(self) -> dict[str, MoE]:
         """The mixture-of-experts of each block that has one, by the block's key in `layers`."""
         return {key: module for key, block in self.layers.items() for module in block.modules()
                 if isinstance(module, MoE)}
-
-    @property
-    def aux_scale(self) -> float:
-        """What the mixture-of-experts' auxiliary losses (summed over sequences) are scaled by in the gradient:
-        1 / the sequences the training loss averages over makes them per-sequence means, as the loss is."""
-        return self._aux_scale
-
-    @aux_scale.setter
-    def aux_scale(self, scale: float) -> None:
-        self._aux_scale = scale
-        for moe in self.moe_layers().values():
-            moe.aux_scale = scale
 
     def _rope(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(head_size(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device,

@@ -240,6 +240,15 @@ def bias_step(loads: torch.Tensor, rate: float) -> torch.Tensor:
     return (rate * torch.sign(loads.mean(-1, keepdim=True) - loads)).float()
 
 
+def scale_auxiliary_losses(model: nn.Module, sequences: int) -> None:
+    """Before a training step of `sequences` sequences on this rank: each mixture-of-experts layer's auxiliary
+    losses (sums over a forward's sequences) enter the gradient divided by them, as per-sequence means over the
+    step, the way the training loss averages its tokens (data parallelism then averages over the ranks)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.aux_scale = 1.0 / sequences
+
+
 # ---------------------------------------------------------------- the layer
 
 class MoE(nn.Module):
@@ -248,7 +257,7 @@ class MoE(nn.Module):
     expert) choices made by training forwards since the last `update_bias`; `dropped_tokens`, the choices that
     a full expert dropped (capacity_factor > 0) since the last `reset_counts`; `aux_losses`, the last training
     forward's balance and z-losses per sequence (detached). `aux_scale` multiplies the auxiliary losses'
-    gradient (the trainer sets it to 1 / the sequences the loss is averaged over)."""
+    gradient (`scale_auxiliary_losses`)."""
 
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from keel.core.dtensor import local, plain
 from keel.core.torch_private import norms as grad_norms
 from keel.model.loss import TORCH_CROSS_ENTROPY, Objective
+from keel.model.moe import scale_auxiliary_losses
 
 
 def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -81,8 +82,14 @@ class Stepper:
         self.objective = objective
         self.params = [p for part in parts for p in part.parameters()]
         self.pp_group = pipeline.pp_group if pipeline is not None else None
+        self.sequences = 0  # of the last step on this rank: what the auxiliary losses are averaged over
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        sequences = sum(len(inputs) for inputs, _ in micro_batches)
+        if sequences != self.sequences:  # survivors of a lost replica group take more
+            self.sequences = sequences
+            for part in self.parts:
+                scale_auxiliary_losses(part, sequences)
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,

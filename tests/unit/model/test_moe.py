@@ -17,7 +17,7 @@ from keel.errors import ConfigError
 from keel.model.flops import active_param_count, flops_per_token, matmul_param_count, param_count
 from keel.model.init import INIT_STD, init_weights
 from keel.model.llama import Block, Llama, rope_tables
-from keel.model.moe import MoE, Routing, balance_loss, grouped_swiglu, looped_swiglu, z_loss
+from keel.model.moe import MoE, Routing, balance_loss, grouped_swiglu, looped_swiglu, scale_auxiliary_losses, z_loss
 from keel.train.optim import build_optimizer
 from tests.unit.model.test_model import TINY, tokens
 
@@ -276,8 +276,8 @@ def test_blocks_from_dense_layers_on_have_experts_and_only_those() -> None:
     assert "layers.1.moe.expert_bias" in state and "layers.1.moe.tokens_per_expert" not in state
     with pytest.raises(NotImplementedError, match="parallel.tp = 1"):
         model.parallel_plan()
-    model.aux_scale = 0.125
-    assert model.aux_scale == 0.125 and all(m.aux_scale == 0.125 for m in model.moe_layers().values())
+    scale_auxiliary_losses(model, 8)
+    assert all(m.aux_scale == 0.125 for m in model.moe_layers().values())
 
 
 def test_experts_are_name_seeded_with_the_residual_output_scaled_by_depth() -> None:
@@ -374,9 +374,8 @@ def test_the_moe_section_loads_and_comes_back_from_a_checkpoints_model_record() 
     (["model.moe.expert=4"], "did you mean 'experts'"),
     (["model.moe.experts=4", "model.moe.bias_update_rate=0.001", "fault_tolerance.replica_groups=2"],
      "model.moe.bias_update_rate with fault_tolerance.replica_groups = 2: the expert loads are summed within"),
-    (["model.moe.experts=4", "model.moe.aux_loss_coeff=0.01"],
-     "model.moe.aux_loss_coeff = 0.01: auxiliary losses are not applied by a training run yet"),
-    (["model.moe.experts=4", "model.moe.z_loss_coeff=0.001"], "model.moe.z_loss_coeff = 0.001: auxiliary losses"),
+    (["model.moe.experts=4", "model.moe.aux_loss_coeff=0.01", "parallel.cp=2"],
+     "model.moe.aux_loss_coeff = 0.01 with parallel.cp = 2: the sequence-wise balance loss needs"),
 ])
 def test_invalid_moe_settings_are_refused_with_what_is_valid(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
