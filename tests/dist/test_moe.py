@@ -25,6 +25,8 @@ RUNS = {"one": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "parallel.d
         "ep2_cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1", "parallel.ep=2"]),
         "ep2_hsdp": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
         "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+        "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
+        "tp2_ep2": (4, ["parallel.tp=2", "parallel.ep=2"]),
         "aux_one": (1, AUX), "aux_ep2": (2, [*AUX, "parallel.ep=2"])}
 
 
@@ -46,7 +48,7 @@ def biases(run_dir: Path) -> list[list[float]]:
     return state["experts"]["biases"]
 
 
-@pytest.mark.parametrize("name", ["dp2", "cp2", "ep2", "ep2_fsdp4", "ep4", "ep2_cp2", "ep2_hsdp"])
+@pytest.mark.parametrize("name", ["dp2", "cp2", "ep2", "ep2_fsdp4", "ep4", "ep2_cp2", "ep2_hsdp", "tp2", "tp2_ep2"])
 def test_an_expert_model_trains_like_one_process(name: str, runs: dict[str, Path]) -> None:
     assert_same_training(runs[name], runs["one"], range(1, STEPS + 1))
     assert biases(runs[name]) == biases(runs["one"])

@@ -116,9 +116,6 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
     if m.init_from:
         raise ConfigError(f"model.init_from = {m.init_from!r} imports a dense Hugging Face model, which has no "
                           f"experts; set model.moe.experts = 0 or start from random weights")
-    if p.tp > 1:
-        raise ConfigError(f"parallel.tp = {p.tp}: tensor parallelism of mixture-of-experts blocks is not "
-                          f"implemented; set parallel.tp = 1 or model.moe.experts = 0")
     if moe.bias_update_rate and replica_groups > 1:
         raise ConfigError(f"model.moe.bias_update_rate with fault_tolerance.replica_groups = {replica_groups}: the "
                           f"expert loads are summed within a replica group, so the groups' biases would part; set "

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -199,11 +200,11 @@ class Llama(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         """Megatron-style TP with sequence parallel: projections column-/row-wise over heads and the SwiGLU
         hidden size; norms and residuals sharded over the sequence between them; the output projection
-        sharded over the vocabulary, its logits left as a DTensor for the parallel loss. Mixture-of-experts blocks
-        have none yet (the config refuses parallel.tp > 1 with experts)."""
-        if self.moe_layers():
-            raise NotImplementedError("tensor parallelism of mixture-of-experts blocks is not implemented; set "
-                                      "parallel.tp = 1 or model.moe.experts = 0")
+        sharded over the vocabulary, its logits left as a DTensor for the parallel loss. A mixture of experts
+        takes the whole sequences of its tensor-parallel group (gathered) and computes them alike on every rank of
+        it, its parameters replicated: its output leaves sharded over the sequence, and the gradient that comes
+        back is gathered, so every rank's parameters get the same whole gradient (expert parallelism, not tensor
+        parallelism, splits the experts)."""
         top: dict[str, ParallelStyle] = {}
         if self.tok_embeddings is not None:
             top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -216,6 +217,16 @@ class Llama(nn.Module):
         # QK-norm sees this rank's heads (dimension 2 of batch, sequence, head, feature); its gains are replicated.
         qk_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
         per_head = {"attention.q_norm": qk_norm, "attention.k_norm": qk_norm} if self.cfg.qk_norm else {}
+        dense: dict[str, ParallelStyle] = {
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        experts: dict[str, ParallelStyle] = {
+            "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(Shard(1),), use_local_output=True)}
         return ParallelPlan(top, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -226,11 +237,7 @@ class Llama(nn.Module):
             **per_head,
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        }, {key: experts if block.moe is not None else dense for key, block in self.layers.items()})
 
     def embedded(self, x: torch.Tensor) -> torch.Tensor:
         """The token embeddings as the first block sees them (`model.embedding_norm`)."""

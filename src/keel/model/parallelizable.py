@@ -5,7 +5,7 @@ A new family implements `Parallelizable`; keel.parallel is not edited."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import nn
@@ -18,11 +18,14 @@ from keel.model.moe import ExpertDispatch
 @dataclass(frozen=True)
 class ParallelPlan:
     """A tensor-parallel plan in `parallelize_module`'s terms (submodule path → style). `top`: the modules
-    outside the blocks, by their path in the model; `block`: what every block applies, by path in the block.
-    A plan names only modules the model holds (a pipeline stage holds some of them)."""
+    outside the blocks, by their path in the model; `block`: what every block applies, by path in the block;
+    `by_block`: what some blocks apply besides, by the block's key in `blocks()` (blocks of different kinds, such
+    as dense and mixture-of-experts ones). A plan names only modules the model holds (a pipeline stage holds
+    some of them)."""
 
     top: dict[str, ParallelStyle]
     block: dict[str, ParallelStyle]
+    by_block: dict[str, dict[str, ParallelStyle]] = field(default_factory=dict)
 
 
 class Parallelizable(Protocol):

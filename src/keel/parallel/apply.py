@@ -48,8 +48,8 @@ def apply_tensor_parallel(model: Parallelizable, tp_mesh: DeviceMesh) -> None:
     """The model's own plan (`parallel_plan`): its top-level modules, then every block."""
     plan = model.parallel_plan()
     parallelize_module(module_of(model), tp_mesh, plan.top)
-    for block in model.blocks().values():
-        parallelize_module(block, tp_mesh, plan.block)
+    for key, block in model.blocks().items():
+        parallelize_module(block, tp_mesh, {**plan.block, **plan.by_block.get(key, {})})
 
 
 def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -> None:

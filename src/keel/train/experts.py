@@ -4,8 +4,9 @@ as metrics.
 
 Each rank counts the tokens its own forwards send to each expert (keel.model.moe). The counts of one layer live on
 the pipeline stage that holds it, so every stage fills its layers' rows of one (layers, experts) table and one
-all-reduce over all ranks sums them: the ranks of the batch split and of the sequence split hold different tokens
-(tensor parallelism of expert blocks, whose ranks would count the same ones, is refused by the config). The update
+all-reduce over all ranks sums them: the ranks of the batch split and of the sequence split hold different tokens,
+and the ranks of a tensor-parallel group the same ones (each computes its group's whole sequences), counted once.
+The update
 follows only an applied step, from the counts of that step alone: a skipped or undone step's are dropped, and a
 replay's recomputation does not count again. The biases are also kept in the host train state, so that a rollback
 to an in-memory snapshot takes them back with the weights.
@@ -50,6 +51,7 @@ class ExpertBalance(Builtin):
         moe = cfg.model.moe
         self.layers, self.rate, self.log_every = expert_layers(parts), moe.bias_update_rate, cfg.monitor.interval
         self.expert_rows = list(range(moe.dense_layers, cfg.model.n_layers))
+        self.tp = cfg.parallel.tp
         # Every layer's biases on every rank (a pipeline stage holds some layers): the host train state holds them
         # all, as the summed loads that move them are known everywhere. They stay on the device between steps.
         self.biases = torch.zeros(cfg.model.n_layers, moe.experts, dtype=torch.float32, device=device)
@@ -75,7 +77,7 @@ class ExpertBalance(Builtin):
             moe.reset_counts()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table)
-        loads = table[self.expert_rows].double()
+        loads = table[self.expert_rows].double() / self.tp  # exact: each count is tp equal parts
         if self.rate:
             self.biases[self.expert_rows] += bias_step(loads, self.rate)
             self._place()

@@ -26,6 +26,15 @@ class ScaledAdamW(torch.optim.AdamW):
     def __init__(self, groups: list[dict], lr_scales: list[float], **kwargs: Any) -> None:
         super().__init__(groups, **kwargs)
         self.lr_scales = lr_scales
+        # DTensor's fused (foreach) kernels take DTensors only: tensor parallelism leaves a mixture of experts'
+        # parameters plain where no FSDP wraps them, and a group that mixes the two steps tensor by tensor. Set
+        # at every step: loading a state dict brings back the saved groups' settings.
+        self.fused = [len({isinstance(p, DTensor) for p in group["params"]}) == 1 for group in self.param_groups]
+
+    def step(self, closure: Any = None) -> Any:
+        for group, fused in zip(self.param_groups, self.fused, strict=True):
+            group["foreach"] = group["foreach"] and fused
+        return super().step(closure)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, hidden_lr_scale: float = 1.0) -> ScaledAdamW:
@@ -72,9 +81,10 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def copies_held(p: torch.Tensor, pp: int) -> int:
     """How many ranks hold each element of `p`, so that a sum over all ranks counts every element once:
     the sizes of the mesh dimensions it is replicated over, times the ranks outside its mesh that are
-    not other pipeline stages (`pp` of them hold different parameters). A plain tensor: one rank's."""
+    not other pipeline stages (`pp` of them hold different parameters). A plain tensor is every rank's of its
+    stage (the parameters of a mixture of experts under tensor parallelism without FSDP)."""
     if not isinstance(p, DTensor):
-        return 1
+        return max(1, dist.get_world_size() // pp) if dist.is_initialized() else 1
     mesh = p.device_mesh
     replicated = math.prod(mesh.size(i) for i, placement in enumerate(p.placements) if placement.is_replicate())
     return replicated * max(1, dist.get_world_size() // (mesh.size() * pp))

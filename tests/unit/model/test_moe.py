@@ -274,8 +274,8 @@ def test_blocks_from_dense_layers_on_have_experts_and_only_those() -> None:
             "layers.1.moe.experts.w3", "layers.1.moe.shared.w1.weight"} <= names
     state = model.state_dict()
     assert "layers.1.moe.expert_bias" in state and "layers.1.moe.tokens_per_expert" not in state
-    with pytest.raises(NotImplementedError, match="parallel.tp = 1"):
-        model.parallel_plan()
+    plan = model.parallel_plan()
+    assert "moe" in plan.by_block["1"] and "feed_forward.w1" in plan.by_block["0"]
     scale_auxiliary_losses(model, 8)
     assert all(m.aux_scale == 0.125 for m in model.moe_layers().values())
 
@@ -367,7 +367,6 @@ def test_the_moe_section_loads_and_comes_back_from_a_checkpoints_model_record() 
 @pytest.mark.parametrize("overrides,message", [
     (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k = 5 exceeds model.moe.experts = 4"),
     (["model.moe.experts=4", "model.n_layers=2", "model.moe.dense_layers=2"], "leaves no mixture-of-experts"),
-    (["model.moe.experts=4", "parallel.tp=2"], "parallel.tp = 2: tensor parallelism of mixture-of-experts"),
     (["model.moe.score=relu"], "expected one of softmax, sigmoid"),
     (["model.moe.capacity_factor=-1"], "model.moe.capacity_factor = -1.0 is out of range"),
     (["model.moe.top_k=0"], "model.moe.top_k = 0 is out of range"),

@@ -17,8 +17,8 @@ def assert_plan_names_only_held_modules(model: Llama) -> None:
     plan = model.parallel_plan()
     for path in plan.top:
         model.get_submodule(path)  # raises AttributeError for a module the model does not hold
-    for block in model.blocks().values():
-        for path in plan.block:
+    for key, block in model.blocks().items():
+        for path in [*plan.block, *plan.by_block.get(key, {})]:
             block.get_submodule(path)
 
 
