@@ -19,8 +19,8 @@ pytestmark = pytest.mark.dist
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01"]
 AUX = ["model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001"]
-RUNS = {"one": (1, []), "dp2": (2, []), "pp2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
-        "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]), "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1"]),
+RUNS = {"one": (1, []), "dp2": (2, ["monitor.profile_interval=5"]), "pp2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
+        "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]), "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1", "monitor.profile_interval=5"]),
         "ep2_fsdp4": (4, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]),
         "ep2_cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1", "parallel.ep=2"]),
         "ep2_hsdp": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
@@ -89,6 +89,15 @@ def test_every_replayed_expert_parallel_step_is_bitwise_equal_to_its_original(ru
     state = json.loads((runs["ep2"] / "checkpoints" / f"step-{STEPS:06d}" / "train_state.json").read_text())
     assert state["guards"]["counts"]["sdc_replays"] == STEPS
     assert [e for e in read_jsonl(runs["ep2"] / "events.jsonl") if e["kind"] == "guard"] == []
+
+
+def test_the_all_to_all_exchanges_share_of_a_profiled_step_is_measured(runs: dict[str, Path]) -> None:
+    profiled = [r for r in read_jsonl(runs["ep2"] / "metrics.jsonl") if "time/all_to_all_s" in r]
+    assert {5, 10} <= {r["step"] for r in profiled}  # measured there, carried by the records after them
+    assert all(0 < r["time/all_to_all_s"] <= r["time/comm_s"] for r in profiled)
+    assert all(0 < r["time/all_to_all_share"] < 1 for r in profiled)
+    unsplit = [r for r in read_jsonl(runs["dp2"] / "metrics.jsonl") if "time/all_to_all_s" in r]
+    assert unsplit and all(r["time/all_to_all_s"] == 0 < r["time/comm_s"] for r in unsplit)
 
 
 def test_an_expert_parallel_run_resumes_bitwise_after_a_sigkill(runs: dict[str, Path], small_corpus: Path,

@@ -117,7 +117,8 @@ class CommProfiler:
     """Every `interval` steps (0: never) one step runs under the PyTorch profiler; the wall time during
     which collectives were in flight (gloo or NCCL, pipeline send/recv included) and during which a
     stage waited to receive from a neighbour (the exposed bubble plus the transfer) become
-    `time/comm_s` and `time/pp_wait_s`, and their shares of that step. A profiled step costs many
+    `time/comm_s` and `time/pp_wait_s`, and their shares of that step; the all-to-all exchanges of expert
+    parallelism's dispatch and combine, among the collectives, `time/all_to_all_s`. A profiled step costs many
     times an unprofiled one, so no other feature depends on it."""
 
     def __init__(self, interval: int, device_type: str) -> None:
@@ -137,6 +138,7 @@ class CommProfiler:
         step_s = time.perf_counter() - start
         comm: list[tuple[float, float]] = []
         wait: list[tuple[float, float]] = []
+        exchange: list[tuple[float, float]] = []
         for event in prof.events():
             name = event.name.lower()
             if name.startswith("gloo:") or (self.device_type == "cuda" and "nccl" in name):
@@ -144,9 +146,12 @@ class CommProfiler:
                 comm.append(span)
                 if "recv" in name:
                     wait.append(span)
-        comm_s, wait_s = _covered(comm), _covered(wait)
+                if "all_to_all" in name or "alltoall" in name:
+                    exchange.append(span)
+        comm_s, wait_s, exchange_s = _covered(comm), _covered(wait), _covered(exchange)
         self.last = {"time/comm_s": comm_s, "time/comm_share": comm_s / step_s, "time/pp_wait_s": wait_s,
-                     "time/pp_wait_share": wait_s / step_s}
+                     "time/pp_wait_share": wait_s / step_s, "time/all_to_all_s": exchange_s,
+                     "time/all_to_all_share": exchange_s / step_s}
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
