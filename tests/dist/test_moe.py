@@ -27,6 +27,7 @@ RUNS = {"one": (1, []), "dp2": (2, ["monitor.profile_interval=5"]), "pp2": (2, [
         "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"]),
         "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
         "tp2_ep2": (4, ["parallel.tp=2", "parallel.ep=2"]),
+        "groups2": (1, ["--replica-groups", "2", "checkpoint.interval=100"]),
         "aux_one": (1, AUX), "aux_ep2": (2, [*AUX, "parallel.ep=2"])}
 
 
@@ -59,6 +60,18 @@ def test_auxiliary_losses_train_alike_on_one_process_and_split_over_ranks(runs: 
     the one-process run's mean over all sequences."""
     assert_same_training(runs["aux_ep2"], runs["aux_one"], range(1, STEPS + 1))
     assert losses(runs["aux_one"]) != losses(runs["one"])
+
+
+def test_replica_groups_sum_the_expert_loads_and_move_their_biases_as_one_job(runs: dict[str, Path]) -> None:
+    """Two replica groups of one process each are dp2 with the gradient average made by torchft: each group's
+    loads are summed with the other's, so both groups route as the ranks of one job do, and the biases come
+    out the same."""
+    want = losses(runs["dp2"])
+    for group in (0, 1):
+        got = losses(runs["groups2"] / "groups" / str(group))
+        assert sorted(got) == list(range(1, STEPS + 1))
+        assert all(math.isclose(got[s], want[s], rel_tol=1e-5) for s in got), (group, got, want)
+    assert biases(runs["groups2"]) == biases(runs["dp2"])
 
 
 @pytest.mark.parametrize("name", ["pp2", "ep2_pp2"])

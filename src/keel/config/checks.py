@@ -12,7 +12,7 @@ from keel.errors import ConfigError
 def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
-    _check_moe(cfg.model, cfg.parallel, cfg.fault_tolerance.replica_groups)
+    _check_moe(cfg.model, cfg.parallel)
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")
@@ -96,7 +96,7 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
+def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
     moe = m.moe
     if not moe.experts:
         if p.ep > 1:
@@ -116,10 +116,6 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, replica_groups: int) -> None:
     if m.init_from:
         raise ConfigError(f"model.init_from = {m.init_from!r} imports a dense Hugging Face model, which has no "
                           f"experts; set model.moe.experts = 0 or start from random weights")
-    if moe.bias_update_rate and replica_groups > 1:
-        raise ConfigError(f"model.moe.bias_update_rate with fault_tolerance.replica_groups = {replica_groups}: the "
-                          f"expert loads are summed within a replica group, so the groups' biases would part; set "
-                          f"model.moe.bias_update_rate = 0 or fault_tolerance.replica_groups = 1")
     if moe.aux_loss_coeff and p.cp > 1:
         raise ConfigError(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff} with parallel.cp = {p.cp}: the "
                           f"sequence-wise balance loss needs each whole sequence's routing, and a context-parallel "

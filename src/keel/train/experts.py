@@ -6,9 +6,10 @@ Each rank counts the tokens its own forwards send to each expert (keel.model.moe
 the pipeline stage that holds it, so every stage fills its layers' rows of one (layers, experts) table and one
 all-reduce over all ranks sums them: the ranks of the batch split and of the sequence split hold different tokens,
 and the ranks of a tensor-parallel group the same ones (each computes its group's whole sequences), counted once.
-The update
-follows only an applied step, from the counts of that step alone: a skipped or undone step's are dropped, and a
-replay's recomputation does not count again. The biases are also kept in the host train state, so that a rollback
+With replica groups, each rank's counts are first summed with the same rank's of every live group, with the
+gradients (`Step.tallies`), so that every group moves its biases alike. The update follows only an applied step,
+from the counts of that step alone: a skipped or undone step's are dropped, and a replay's recomputation does not
+count again. The biases are also kept in the host train state, so that a rollback
 to an in-memory snapshot takes them back with the weights.
 """
 
@@ -44,7 +45,9 @@ def expert_balance(cfg: Config, parts: list[nn.Module], device: torch.device) ->
 
 
 class ExpertBalance(Builtin):
-    priority = 150  # after the update (Metering's clock first), before a checkpoint stages the biases
+    # After the replica groups' sum of the loads, which a replay's restore must keep; after the update (Metering's
+    # clock first), before a checkpoint stages the biases.
+    priority = 145
     state_name = "experts"  # its part of the host train state
 
     def __init__(self, parts: list[nn.Module], cfg: Config, device: torch.device) -> None:
@@ -60,6 +63,7 @@ class ExpertBalance(Builtin):
     def on_step_start(self, step: Step) -> None:
         for moe in self.layers.values():  # what a step that ended early counted is not carried into this one
             moe.reset_counts()
+        step.tallies.extend(moe.tokens_per_expert for moe in self.layers.values())  # summed across replica groups
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         if not replaying:

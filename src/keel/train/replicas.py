@@ -293,7 +293,8 @@ class ReplicaGroups(Builtin):
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         """Average this rank's gradient shards and loss with the same rank of every live group: one flat
-        buffer, one all-reduce (a group lost inside it makes the step uncommitted, not a crash)."""
+        buffer, one all-reduce (a group lost inside it makes the step uncommitted, not a crash); sum the step's
+        tallies alike."""
         if replaying:
             return
         assert step.loss is not None
@@ -305,6 +306,13 @@ class ReplicaGroups(Builtin):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         step.loss = flat[-1].clone()
+        if step.tallies:  # exact sums, in their own integer buffer
+            table = torch.cat([t.reshape(-1) for t in step.tallies])
+            self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for t in step.tallies:
+                t.copy_(table[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def after_backward(self, step: Step) -> Action | None:
         ledger = self.monitor.ledger

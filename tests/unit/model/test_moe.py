@@ -371,8 +371,6 @@ def test_the_moe_section_loads_and_comes_back_from_a_checkpoints_model_record() 
     (["model.moe.capacity_factor=-1"], "model.moe.capacity_factor = -1.0 is out of range"),
     (["model.moe.top_k=0"], "model.moe.top_k = 0 is out of range"),
     (["model.moe.expert=4"], "did you mean 'experts'"),
-    (["model.moe.experts=4", "model.moe.bias_update_rate=0.001", "fault_tolerance.replica_groups=2"],
-     "model.moe.bias_update_rate with fault_tolerance.replica_groups = 2: the expert loads are summed within"),
     (["model.moe.experts=4", "model.moe.aux_loss_coeff=0.01", "parallel.cp=2"],
      "model.moe.aux_loss_coeff = 0.01 with parallel.cp = 2: the sequence-wise balance loss needs"),
 ])
