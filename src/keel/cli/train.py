@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from keel.cli.config import add_config_args, config_from_args
 from keel.cli.data import ensure_corpus
 from keel.cli.pathargs import PathArg, resume, writes_dir
 from keel.config import Config
-from keel.errors import EXIT_PAUSED, KeelError
+from keel.errors import EXIT_PAUSED, ConfigError, KeelError
 from keel.parallel.degrees import resolve_degrees
 
 if TYPE_CHECKING:
@@ -184,8 +185,21 @@ def check_device(cfg: Config, worker: bool, nproc: int, in_groups: bool) -> None
     from keel.parallel.mesh import pick_device
 
     device = pick_device(cfg.train.device)
+    check_float8(cfg, device)
     if not worker and GROUP_ENV not in os.environ:
         warn_oversubscribed(device, nproc, cfg.fault_tolerance.replica_groups if in_groups else 1)
+
+
+def check_float8(cfg: Config, device: torch.device) -> None:
+    """train.precision = fp8 needs torchao, and on a GPU torch.compile, which fuses the float8 casts into the
+    GEMMs' neighbours (eager, they cost more than the float8 GEMMs save)."""
+    if cfg.train.precision != "fp8":
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("train.precision = fp8 needs torchao: pip install 'keel-pretrain[fp8]'")
+    if device.type == "cuda" and not cfg.parallel.compile:
+        raise ConfigError("train.precision = fp8 on a GPU needs parallel.compile = true (eager float8 casts cost "
+                          "more than the float8 GEMMs save)")
 
 
 def visible_cores() -> int:

@@ -13,6 +13,9 @@ def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
     _check_moe(cfg.model, cfg.parallel)
+    if cfg.train.precision == "fp8" and cfg.parallel.tp > 1:
+        raise ConfigError(f"train.precision = fp8 with parallel.tp = {cfg.parallel.tp}: float8 tensor-parallel "
+                          f"plans are not applied yet; use parallel.tp = 1 or train.precision = bf16")
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")

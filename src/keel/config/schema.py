@@ -210,8 +210,12 @@ class TrainConfig:
     micro_batch: int = option(16, "sequences per forward/backward on one rank", ge=1)
     seed: int = option(0, "seed for initialisation and data order", ge=0, le=SEED_MAX)
     device: str = option("auto", "where to train (auto: CUDA when present)", choices=("auto", "cpu", "cuda"))
-    precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA)",
-                            choices=("auto", "fp32", "bf16"))
+    precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA; fp8: bf16 with the blocks' "
+                            "linear layers in float8 through torchao, emulated on a CPU: numerics only)",
+                            choices=("auto", "fp32", "bf16", "fp8"))
+    float8_recipe: str = option("rowwise", "train.precision = fp8: torchao's scaling recipe, rowwise (a scale per "
+                                "row) or tensorwise (one per tensor; with FSDP the all-gather is in float8)",
+                                choices=("rowwise", "tensorwise"))
     deterministic: bool = option(True, "deterministic kernels (bitwise-reproducible runs)")
     z_loss: float = option(0.0, "z-loss coefficient: the training objective adds z_loss * mean((log Z)^2), Z the "
                            "softmax's normaliser, against output-logit divergence (PaLM: 1e-4); the loss reported "
@@ -222,8 +226,10 @@ class TrainConfig:
                                 "logit; the same loss up to rounding)", choices=("torch", "fused"))
 
     def compute_precision(self, device_type: str) -> str:
-        """bf16 or fp32: what `precision` means on a device of this type (the trainer and the planner)."""
-        return "bf16" if self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda") else "fp32"
+        """bf16 or fp32: what `precision` means on a device of this type (the trainer and the planner); fp8
+        computes in bf16 around its float8 matrix multiplications."""
+        wide = self.precision in ("bf16", "fp8") or (self.precision == "auto" and device_type == "cuda")
+        return "bf16" if wide else "fp32"
 
 
 @dataclass

@@ -27,6 +27,7 @@ from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
 from keel.errors import DataError, KeelError
 from keel.health.preflight import run_preflight, verdict
+from keel.model.float8 import convert_to_float8
 from keel.model.flops import param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
@@ -123,6 +124,9 @@ def build_model_parts(cfg: Config, layout: Layout, param_dtype: torch.dtype) -> 
         n_stages = layout.degrees.pp * cfg.parallel.pp_stages_per_rank
         parts = [stage_module(model, stage, n_stages) for stage in stages]
     for part in parts:
+        if cfg.train.precision == "fp8":
+            convert_to_float8(part, cfg.train.float8_recipe, emulate=layout.mesh.device_type != "cuda",
+                              fsdp=layout.shards_parameters)
         parallelize(part, layout, cfg.parallel, param_dtype)
         part.to_empty(device=layout.mesh.device_type)
         init_weights(part, cfg.train.seed)

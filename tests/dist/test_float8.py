@@ -1,0 +1,54 @@
+"""train.precision = fp8 (torchao's float8, emulated on a CPU) in real `keel train` runs: a SIGKILLed run resumes
+bitwise, and a checkpoint moves between fp8 and bf16 runs (it holds the high-precision weights)."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from keel.checkpoint.inspect import state_sha256
+from keel.rundir.events import read_jsonl
+from tests.dist.test_layouts import STEPS, losses, train
+
+pytest.importorskip("torchao")
+pytestmark = pytest.mark.dist
+
+PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"]}
+
+
+@pytest.fixture(scope="module")
+def runs(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("float8")
+
+    def run(name: str) -> Path:
+        train(small_corpus, root / name, 1, *PRECISIONS[name])
+        return root / name
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(PRECISIONS, pool.map(run, PRECISIONS), strict=True))
+
+
+def test_a_float8_run_trains_close_to_bf16_and_resumes_bitwise_after_a_sigkill(runs: dict[str, Path],
+                                                                              small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
+    fp8, bf16 = losses(runs["fp8"]), losses(runs["bf16"])
+    assert all(math.isclose(fp8[s], bf16[s], rel_tol=0.01) for s in bf16) and fp8 != bf16
+    killed = tmp_path / "killed"
+    train(small_corpus, killed, 1, *PRECISIONS["fp8"], 'drill.inject=["kill:step=8,rank=0"]',
+          "checkpoint.async_save=false", "--max-restarts", "1")
+    assert [e["step"] for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"] == [5]
+    final = f"checkpoints/step-{STEPS:06d}"
+    assert state_sha256(killed / final) == state_sha256(runs["fp8"] / final)
+
+
+@pytest.mark.parametrize(("saved", "into"), [("bf16", "fp8"), ("fp8", "bf16")])
+def test_a_checkpoint_moves_between_float8_and_bf16_runs(saved: str, into: str, runs: dict[str, Path],
+                                                         small_corpus: Path, tmp_path: Path) -> None:
+    resumed = tmp_path / "resumed"
+    train(small_corpus, resumed, 1, *PRECISIONS[into], "--resume", str(runs[saved] / "checkpoints" / "step-000005"))
+    got, continued = losses(resumed), losses(runs[saved])
+    assert sorted(got) == list(range(6, STEPS + 1))
+    assert all(math.isclose(got[s], continued[s], rel_tol=0.01) for s in got)
