@@ -240,6 +240,13 @@ def bias_step(loads: torch.Tensor, rate: float) -> torch.Tensor:
     return (rate * torch.sign(loads.mean(-1, keepdim=True) - loads)).float()
 
 
+def score_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """The entropy (nats) of each token's scores normalised over the experts, summed over the tokens: how
+    sharply the router picks (ln(experts) when it cannot tell the experts apart)."""
+    p = scores.detach() / scores.detach().sum(-1, keepdim=True)
+    return -torch.special.xlogy(p, p).sum()
+
+
 def scale_auxiliary_losses(model: nn.Module, sequences: int) -> None:
     """Before a training step of `sequences` sequences on this rank: each mixture-of-experts layer's auxiliary
     losses (sums over a forward's sequences) enter the gradient divided by them, as per-sequence means over the
@@ -255,13 +262,15 @@ class MoE(nn.Module):
     """Router, routed experts and shared experts in place of a block's feed-forward. Its state besides the
     parameters: `expert_bias`, the balancing bias (saved with the model); `tokens_per_expert`, the (token,
     expert) choices made by training forwards since the last `update_bias`; `dropped_tokens`, the choices that
-    a full expert dropped (capacity_factor > 0) since the last `reset_counts`; `aux_losses`, the last training
-    forward's balance and z-losses per sequence (detached). `aux_scale` multiplies the auxiliary losses'
-    gradient (`scale_auxiliary_losses`)."""
+    a full expert dropped (capacity_factor > 0) since the last `reset_counts`; `router_entropy`, the entropy of
+    the router's normalised scores summed over the tokens of training forwards since then (`score_entropy`);
+    `aux_losses`, the last training forward's balance and z-losses per sequence (detached). `aux_scale`
+    multiplies the auxiliary losses' gradient (`scale_auxiliary_losses`)."""
 
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
     dropped_tokens: torch.Tensor
+    router_entropy: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -275,6 +284,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.experts))
         self.register_buffer("tokens_per_expert", torch.zeros(moe.experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("router_entropy", torch.zeros((), dtype=torch.float64), persistent=False)
         self.aux_scale = 1.0
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.dispatcher: ExpertDispatch | None = None  # set under expert parallelism
@@ -295,6 +305,7 @@ class MoE(nn.Module):
     def reset_counts(self) -> None:
         self.tokens_per_expert.zero_()
         self.dropped_tokens.zero_()
+        self.router_entropy.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -317,6 +328,7 @@ class MoE(nn.Module):
         counts = torch.bincount(ids, minlength=self.experts_n)
         if counting:
             self.tokens_per_expert += counts
+            self.router_entropy += score_entropy(routing.scores)
         if self.capacity_factor:
             ids, counts = self.drop_over_capacity(ids, counts, n, counting)
         order, inverse = sort_by(ids)

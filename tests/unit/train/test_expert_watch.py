@@ -1,0 +1,149 @@
+"""Watching a mixture-of-experts router in real training runs in this process (tiny_moe's routing on the small
+test model): the metrics of each logged interval."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.config import CallbackSpec
+from keel.core.callbacks import Build, Callback, Step
+from keel.model.moe import MoE
+from keel.rundir.events import read_jsonl
+from keel.train.experts import ExpertBalance
+from keel.train.trainer import Trainer
+from keel.train.worker import ENDED
+from tests.conftest import REPO
+from tests.unit.train.test_trainer import SYNCHRONISING, CountsHostSyncs
+
+HERE = "tests.unit.train.test_expert_watch"
+TINY_MOE = tomllib.loads((REPO / "configs" / "tiny_moe.toml").read_text())["model"]["moe"]
+# tiny_moe's routing (8 experts, 2 chosen by sigmoid scores, its balancing rate) in three blocks of the small test
+# model, the first dense: expert layers 1 and 2, each expert a quarter of the small model's feed-forward.
+SHRUNK = [*(f"model.moe.{key}={value!r}".replace("'", '"') for key, value in TINY_MOE.items()), "model.n_layers=3",
+          "model.moe.expert_dim=64"]
+LAYERS, EXPERTS, TOP_K = (1, 2), TINY_MOE["experts"], TINY_MOE["top_k"]
+TOKENS = 8 * 64  # a step's tokens: SMALL_RUN's global batch × sequence length
+# At a small learning rate the router stays near its start, which spreads the tokens over every expert.
+CALM = ["optim.lr=1e-4"]
+
+
+class Biases(Callback):
+    """What the expert layers' selection biases were (all layers in one vector) at each step hook: (hook, step
+    number, state.step, biases)."""
+
+    def __init__(self) -> None:
+        self.layers: list[MoE] = []
+        self.seen: list[tuple[str, int, int, torch.Tensor]] = []
+
+    def on_build(self, build: Build) -> None:
+        self.layers = [m for part in build.parts for m in part.modules() if isinstance(m, MoE)]
+
+    def _see(self, hook: str, step: Step) -> None:
+        self.seen.append((hook, step.number, step.state.step, torch.cat([m.expert_bias for m in self.layers]).clone()))
+
+    def on_step_start(self, step: Step) -> None:
+        self._see("on_step_start", step)
+
+    def on_step_end(self, step: Step) -> None:
+        self._see("on_step_end", step)
+
+    def at(self, hook: str, number: int) -> list[torch.Tensor]:
+        return [biases for h, n, _, biases in self.seen if h == hook and n == number]
+
+
+def spec(name: str, **args: object) -> CallbackSpec:
+    return CallbackSpec(path=f"{HERE}:{name}", args=args)
+
+
+@pytest.fixture
+def fit(build: Callable[..., Trainer]) -> Callable[..., tuple[int, Trainer]]:
+    """Builds the shrunk tiny_moe with `callbacks` and `overrides` and fits it: (exit code, trainer)."""
+    def run(callbacks: list[CallbackSpec], *overrides: str) -> tuple[int, Trainer]:
+        trainer = build(callbacks, *SHRUNK, *overrides)
+        code = trainer.fit()
+        trainer.monitor.close(ENDED.get(code, "failed"))
+        return code, trainer
+
+    return run
+
+
+def set_aside(trainer: Trainer, where: Path) -> Path:
+    """Move a finished run's directory out of the way of the next run the test builds."""
+    shutil.move(trainer.run_dir, where)
+    return where
+
+
+def events(run: Trainer | Path, kind: str) -> list[dict]:
+    run_dir = run.run_dir if isinstance(run, Trainer) else run
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+def moe_metrics(run: Trainer | Path) -> dict[int, dict]:
+    """The expert metrics of each logged step."""
+    run_dir = run.run_dir if isinstance(run, Trainer) else run
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("moe/")}
+            for r in read_jsonl(run_dir / "metrics.jsonl") if "moe/imbalance_max" in r}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_each_logged_interval_holds_every_expert_layers_loads_entropy_and_bias_spread(fit) -> None:
+    code, trainer = fit([spec("Biases")], "monitor.interval=2")
+    (balance,) = trainer.hooks.of_type(ExpertBalance)
+    (biases,) = trainer.hooks.of_type(Biases)
+    logged = moe_metrics(trainer)
+    assert code == 0 and sorted(logged) == [2, 4, 6]
+    for step, record in logged.items():
+        for layer in LAYERS:
+            shares = record[f"moe/load/layer_{layer}"]
+            assert len(shares) == EXPERTS and math.isclose(sum(shares), 1.0, abs_tol=1e-5)
+            # The interval's two steps: every token of each chose top_k experts, counted once.
+            counts = [share * 2 * TOKENS * TOP_K for share in shares]
+            assert all(abs(c - round(c)) < 0.01 for c in counts), counts
+            assert record[f"moe/imbalance/layer_{layer}"] == pytest.approx(max(shares) * EXPERTS, abs=1e-4)
+            assert record[f"moe/min_load/layer_{layer}"] == pytest.approx(min(shares) * EXPERTS, abs=1e-4)
+            assert 0 < record[f"moe/entropy/layer_{layer}"] <= math.log(EXPERTS)
+            assert f"moe/dropped_tokens/layer_{layer}" not in record, "dropless: nothing to count"
+            # The biases moved by the step that ends the interval, as the model holds them then.
+            [held] = biases.at("on_step_end", step)
+            layer_biases = held[(layer - 1) * EXPERTS:layer * EXPERTS]
+            assert record[f"moe/bias_spread/layer_{layer}"] == pytest.approx(
+                float(layer_biases.max() - layer_biases.min()), abs=1e-7)
+        assert record["moe/imbalance_max"] == max(record[f"moe/imbalance/layer_{i}"] for i in LAYERS)
+    assert logged[6]["moe/bias_spread/layer_1"] > 0, "tiny_moe's balancing moved the biases"
+    assert torch.equal(balance.biases[1:], torch.stack([m.expert_bias for m in biases.layers]))
+
+
+def test_a_capacity_counts_the_dropped_tokens_of_each_interval_over_every_rank(fit) -> None:
+    code, trainer = fit([], "model.moe.capacity_factor=1.0", "train.steps=3")
+    logged = moe_metrics(trainer)
+    assert code == 0 and sorted(logged) == [1, 2, 3]
+    for record in logged.values():
+        for layer in LAYERS:
+            shares, dropped = record[f"moe/load/layer_{layer}"], record[f"moe/dropped_tokens/layer_{layer}"]
+            # Each forward of a micro-batch (4 sequences of 64 tokens) keeps at most ceil(4 · 64 · 2 / 8) = 64 slots
+            # per expert: two micro-batches a step.
+            over = sum(max(0.0, share * TOKENS * TOP_K - 2 * 64) for share in shares)
+            assert dropped == float(round(dropped)) and over <= dropped + 0.01, (dropped, over)
+
+
+def test_a_steady_state_expert_step_reads_one_value_on_the_host(fit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts, their all-reduce and the biases' update stay on the device between logged steps."""
+    for name in SYNCHRONISING:  # put back after the test whatever the counter wraps
+        monkeypatch.setattr(torch.Tensor, name, getattr(torch.Tensor, name))
+    count = CallbackSpec(path=f"{CountsHostSyncs.__module__}:CountsHostSyncs", args={"first": 2, "steps": 3})
+    code, trainer = fit([count], "monitor.interval=100", "checkpoint.interval=100", "monitor.profile_interval=0")
+    (counter,) = trainer.hooks.of_type(CountsHostSyncs)
+    assert code == 0 and counter.calls["tolist in StepSync.reduce"] == 3
+    # On a CPU the experts' compute loops over the experts, reading its group sizes (a GPU's grouped GEMM does not):
+    # the counting, its sums over the ranks and the biases' update read nothing.
+    watch = ("ExpertBalance.", "counters", "score_entropy", "bias_step", "MoE.routed", "MoE.forward")
+    assert not [call for call in counter.calls if call.split(" in ")[1].startswith(watch)], counter.calls
