@@ -43,6 +43,9 @@ class TensorBoardSink:
 
 
 _PER_LAYER = re.compile(r"(.+)/layer_(\d+)")
+# Per-layer lists of metrics.jsonl, and the label that numbers their elements: `moe/load/layer_3 = [shares]` →
+# keel_moe_load{layer="3", expert="0"}, ... (keel.train.experts)
+INDEXED = {"moe/load": "expert"}
 
 
 def prometheus_name(key: str) -> str:
@@ -83,6 +86,9 @@ class PrometheusExporter:
     def publish(self, record: dict[str, Any]) -> None:
         """A metrics.jsonl record: every numeric value under its Prometheus name."""
         for key, value in record.items():
+            if isinstance(value, list):
+                self._publish_list(key, value)
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             if key.startswith("goodput/") and key.endswith("_s"):
@@ -95,6 +101,15 @@ class PrometheusExporter:
             else:
                 name = prometheus_name(key)
                 self.set(name, value, kind="counter" if name.endswith("_total") else "gauge")
+
+    def _publish_list(self, key: str, values: list) -> None:
+        layered = _PER_LAYER.fullmatch(key)
+        label = INDEXED.get(layered.group(1)) if layered else None
+        if layered is None or label is None:
+            return
+        for i, value in enumerate(values):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.set(prometheus_name(layered.group(1)), value, (("layer", layered.group(2)), (label, str(i))))
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

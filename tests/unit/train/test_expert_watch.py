@@ -1,5 +1,5 @@
 """Watching a mixture-of-experts router in real training runs in this process (tiny_moe's routing on the small
-test model): the metrics of each logged interval."""
+test model): the metrics of each logged interval and their Prometheus series."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
+from keel.core.net import free_port
 from keel.model.moe import MoE
 from keel.rundir.events import read_jsonl
 from keel.train.experts import ExpertBalance
@@ -147,3 +148,36 @@ def test_a_steady_state_expert_step_reads_one_value_on_the_host(fit, monkeypatch
     # the counting, its sums over the ranks and the biases' update read nothing.
     watch = ("ExpertBalance.", "counters", "score_entropy", "bias_step", "MoE.routed", "MoE.forward")
     assert not [call for call in counter.calls if call.split(" in ")[1].startswith(watch)], counter.calls
+
+
+def test_the_expert_metrics_reach_prometheus_with_layer_and_expert_labels(fit, tmp_path) -> None:
+    code, trainer = fit([], "train.steps=3", f"monitor.prometheus_port={free_port()}")
+    assert code == 0 and trainer.monitor.exporter is not None
+    port = trainer.monitor.exporter.port
+    from tests.unit.monitor.test_monitor import scrape
+
+    families = scrape(port)
+    loads = {(s[1]["layer"], s[1]["expert"]): s[2] for s in families["keel_moe_load"]}
+    assert sorted(loads) == [(str(layer), str(e)) for layer in LAYERS for e in range(EXPERTS)]
+    last = moe_metrics(trainer)[3]
+    assert all(loads[(str(layer), str(e))] == last[f"moe/load/layer_{layer}"][e] for layer, e in
+               [(layer, e) for layer in LAYERS for e in range(EXPERTS)])
+    for family in ("keel_moe_imbalance", "keel_moe_min_load", "keel_moe_entropy", "keel_moe_bias_spread"):
+        assert sorted(s[1]["layer"] for s in families[family]) == ["1", "2"], family
+    assert families["keel_moe_imbalance_max"][0][2] == last["moe/imbalance_max"]
+    run_label = families["keel_moe_load"][0][1]["run"]
+
+    if shutil.which("prometheus") is None:
+        return
+    from tests.dist.test_monitoring import Prometheus
+
+    server = Prometheus(tmp_path, port)
+    try:
+        series = server.wait_for(lambda: server.query("sum by (layer) (keel_moe_load)"), 60, "the expert loads")
+        assert sorted(s["metric"]["layer"] for s in series) == ["1", "2"]
+        assert all(float(s["value"][1]) == pytest.approx(1.0, abs=1e-5) for s in series), series
+        starved = server.query(f'min by (layer) (keel_moe_load{{run="{run_label}"}}) * 8')
+        assert {s["metric"]["layer"]: float(s["value"][1]) for s in starved} == pytest.approx(
+            {str(layer): last[f"moe/min_load/layer_{layer}"] for layer in LAYERS}, abs=1e-4)
+    finally:
+        server.close()
