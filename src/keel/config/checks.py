@@ -35,6 +35,10 @@ def check_consistency(cfg: Config) -> None:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
     _check_context_parallel(cfg)
+    if cfg.monitor.alerts.moe_collapse_share >= 1:
+        raise ConfigError(f"monitor.alerts.moe_collapse_share = {cfg.monitor.alerts.moe_collapse_share:g}: at 1 "
+                          f"or more, experts of any layer not perfectly balanced count as collapsed; expected a "
+                          f"fraction of the fair share below 1 (e.g. 0.1)")
     if cfg.monitor.signals_interval and cfg.parallel.compile:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} needs eager blocks (its hooks "
                           f"read inside them); set parallel.compile = false or monitor.signals_interval = 0")

@@ -318,6 +318,13 @@ class AlertsConfig:
     goodput_target: float = option(0.8, "alert when the run's goodput ratio is below this ...", ge=0, le=1)
     goodput_after_s: float = option(1800.0, "... once the run is older than this many seconds of wall time", ge=0,
                                     le=YEAR_S)
+    moe_collapse_share: float = option(0.1, "mixture of experts: alert (moe_collapse) when an expert's share of its "
+                                       "layer's tokens over a logged interval is below this fraction of the fair "
+                                       "share (1 / experts), below 1 ...", gt=0)
+    moe_collapse_intervals: int = option(3, "... for this many logged intervals in a row", ge=1)
+    moe_imbalance_max: float = option(4.0, "mixture of experts: alert (moe_imbalance) when a layer's busiest expert "
+                                      "takes more than this many times the fair share of a logged interval's tokens "
+                                      "(max / mean load; at most experts / top_k)", gt=1)
 
 
 @dataclass

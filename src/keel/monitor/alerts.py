@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import statistics
 import threading
 import time
@@ -35,6 +36,7 @@ EVENT_RULES = (
     ("leave", "*", "*", "quarantine", "error"),
 )
 CHAT_LIMIT = 2000  # characters of a chat message: Discord refuses a longer `content`
+EXPERT_LOADS = re.compile(r"moe/load/layer_(\d+)")  # each expert's share of a layer's tokens (keel.train.experts)
 
 
 def chat_line(alert: dict) -> str:
@@ -43,6 +45,13 @@ def chat_line(alert: dict) -> str:
     line = " ".join(f"[{alert['severity']}] {alert['alert']} in run {alert.get('run', '?')} at step "
                     f"{alert['step']}: {alert['message']}".split())
     return line if len(line) <= CHAT_LIMIT else line[:CHAT_LIMIT - 1] + "…"
+
+
+def named(experts: list[dict[str, Any]], share: str, shown: int = 6) -> str:
+    """`layer 1 expert 0 at 0%, ...` for the first `shown` experts of an alert, and how many more there are."""
+    text = ", ".join(f"layer {e['layer']} expert {e['expert']} at {share.format(e['of_fair'])}"
+                     for e in experts[:shown])
+    return text + (f" and {len(experts) - shown} more" if len(experts) > shown else "")
 
 
 class Webhook:
@@ -109,6 +118,7 @@ class Alerts:
         self._tokens_per_s: deque[float] = deque(maxlen=cfg.throughput_window)
         self._slow_since: float | None = None  # when tokens/s fell below the threshold, and stayed there
         self._errors: dict[str, float] = {}  # the last telemetry counters seen, for increases
+        self._starved: dict[tuple[int, int], int] = {}  # (layer, expert) → logged intervals in a row under its share
         self.last_step_time = time.time()
         self.stalled = False
         self.holding = False  # between steps (an evaluation, a blocking save): no step is in progress
@@ -184,6 +194,35 @@ class Alerts:
             self.fire("checkpoint_overdue", step, "error", f"no checkpoint committed for "
                       f"{seconds_since_checkpoint:.0f} s (expected every {checkpoint_interval_s:.0f} s)",
                       seconds_since=seconds_since_checkpoint)
+        self.observe_experts(step, record)
+
+    def observe_experts(self, step: int, record: dict) -> None:
+        """A mixture-of-experts model's routing over the interval: an expert that keeps receiving (almost) no
+        tokens has collapsed out of the model; a layer whose busiest expert takes many times its fair share
+        runs at the pace of that expert under expert parallelism, and drops its tokens under a capacity."""
+        cfg = self.cfg
+        collapsed: list[dict[str, Any]] = []
+        imbalanced: list[dict[str, Any]] = []
+        for key, shares in record.items():
+            layered = EXPERT_LOADS.fullmatch(key)
+            if layered is None or not isinstance(shares, list) or not shares:
+                continue
+            layer, fair = int(layered.group(1)), 1 / len(shares)
+            for expert, share in enumerate(shares):
+                starved = share < cfg.moe_collapse_share * fair
+                streak = self._starved[(layer, expert)] = self._starved.get((layer, expert), 0) + 1 if starved else 0
+                if streak >= cfg.moe_collapse_intervals:
+                    collapsed.append({"layer": layer, "expert": expert, "of_fair": round(share / fair, 4)})
+            busiest = max(range(len(shares)), key=shares.__getitem__)
+            if shares[busiest] / fair > cfg.moe_imbalance_max:
+                imbalanced.append({"layer": layer, "expert": busiest, "of_fair": round(shares[busiest] / fair, 4)})
+        if collapsed:
+            self.fire("moe_collapse", step, "error", f"routing collapse: {named(collapsed, '{:.0%}')} of the fair "
+                      f"load, under {cfg.moe_collapse_share:.0%} for {cfg.moe_collapse_intervals} logged intervals "
+                      f"in a row", experts=collapsed)
+        if imbalanced:
+            self.fire("moe_imbalance", step, "warning", f"expert imbalance: {named(imbalanced, '{:.2f}×')} the "
+                      f"fair load, over {cfg.moe_imbalance_max:g}×", experts=imbalanced)
 
     # ------------------------------------------------------------------ rules over telemetry (local rank 0)
     def observe_telemetry(self, readings: list, step: int) -> None:

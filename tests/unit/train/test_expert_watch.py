@@ -1,5 +1,5 @@
 """Watching a mixture-of-experts router in real training runs in this process (tiny_moe's routing on the small
-test model): the metrics of each logged interval and their Prometheus series."""
+test model): the metrics of each logged interval, their Prometheus series and the routing alerts."""
 
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ class Biases(Callback):
 
     def at(self, hook: str, number: int) -> list[torch.Tensor]:
         return [biases for h, n, _, biases in self.seen if h == hook and n == number]
+
+
+class StarveExpert(Callback):
+    """Plants a routing collapse: expert `expert` of every expert layer gets a selection bias so low that no token
+    ever chooses it."""
+
+    def __init__(self, expert: int = 0) -> None:
+        self.expert = expert
+
+    def on_build(self, build: Build) -> None:
+        for part in build.parts:
+            for module in part.modules():
+                if isinstance(module, MoE):
+                    module.expert_bias[self.expert] = -1e4
 
 
 def spec(name: str, **args: object) -> CallbackSpec:
@@ -181,3 +195,33 @@ def test_the_expert_metrics_reach_prometheus_with_layer_and_expert_labels(fit, t
             {str(layer): last[f"moe/min_load/layer_{layer}"] for layer in LAYERS}, abs=1e-4)
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- alerts
+
+
+def test_a_planted_routing_collapse_raises_an_alert_naming_layer_and_expert(fit) -> None:
+    code, trainer = fit([spec("StarveExpert", expert=0)], *CALM, "model.moe.bias_update_rate=0", "train.steps=4",
+                        "monitor.alerts.moe_imbalance_max=1.2")
+    assert code == 0
+    assert all(record[f"moe/load/layer_{layer}"][0] == 0.0 for record in moe_metrics(trainer).values()
+               for layer in LAYERS)
+    alerts = {e["action"]: e for e in events(trainer, "alert")}
+    collapse = alerts["moe_collapse"]
+    assert collapse["step"] == 3, "the third logged interval in a row below a tenth of the fair load"
+    assert collapse["detail"]["experts"] == [{"layer": 1, "expert": 0, "of_fair": 0.0},
+                                             {"layer": 2, "expert": 0, "of_fair": 0.0}]
+    assert "layer 1 expert 0 at 0%" in collapse["detail"]["message"]
+    assert collapse["detail"]["severity"] == "error"
+    imbalance = alerts["moe_imbalance"]
+    assert imbalance["step"] == 1 and {e["layer"] for e in imbalance["detail"]["experts"]} == set(LAYERS)
+
+
+def test_a_balanced_run_raises_no_routing_alert(fit) -> None:
+    code, trainer = fit([], *CALM, "train.steps=8", "monitor.interval=2")
+    logged = moe_metrics(trainer)
+    assert code == 0 and len(logged) == 4
+    # Balanced indeed: no expert ever fell under a tenth of its fair load, none took four times it.
+    assert min(r[f"moe/min_load/layer_{layer}"] for r in logged.values() for layer in LAYERS) > 0.1
+    assert max(r["moe/imbalance_max"] for r in logged.values()) < 4.0
+    assert not [e for e in events(trainer, "alert") if e["action"].startswith("moe_")]
