@@ -1,12 +1,13 @@
 """`keel report RUN_DIR`: one self-contained HTML page (inline CSS and SVG; nothing is fetched, it opens
 offline) with the run's curves, the event timeline on the loss curve's step axis, the step-time and
-goodput breakdowns, the hardware telemetry and the table of events. A run of replica groups gets the run
-as a whole, its groups' quorum (live groups over time, heals and retries, each group's goodput), the
-furthest group's curves and every group's events."""
+goodput breakdowns, a mixture-of-experts model's routing, the hardware telemetry and the table of events. A
+run of replica groups gets the run as a whole, its groups' quorum (live groups over time, heals and retries,
+each group's goodput), the furthest group's curves and every group's events."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -33,10 +34,12 @@ from keel.report.svg import (
     Marker,
     Series,
     bar_chart,
+    diverging,
     domain,
     finite,
     fmt_duration,
     fmt_num,
+    heat_map,
     line_chart,
     stacked_chart,
     stepwise,
@@ -281,6 +284,83 @@ def signals(run: Run) -> str:
             f'holds the latest sample.</p><div class="grid">{"".join(panels)}</div>')
 
 
+EXPERT_LOADS = re.compile(r"moe/load/layer_(\d+)")
+MAX_COLUMNS, MAX_CELLS = 160, 200_000  # heat-map columns of a layer, and cells of all layers: a light page
+FAIR_SCALE = ((0.125, "≤ 0.125×"), (0.25, "0.25×"), (0.5, "0.5×"), (1.0, "1×"), (2.0, "2×"), (4.0, "4×"),
+              (8.0, "≥ 8×"))
+
+
+def fair_color(of_fair: float) -> str:
+    """An expert's load as a multiple of the fair share: white at 1, red as it falls to 1/8 and below (none at
+    all included), blue as it rises to 8 times and above."""
+    return diverging(math.log2(of_fair) / 3 if of_fair > 0 else -1.0)
+
+
+def load_columns(records: list[dict], key: str, limit: int) -> tuple[list[float], list[list[float]]]:
+    """The steps and, for each, every expert's load as a multiple of the fair share; past `limit` logged
+    records, consecutive ones are averaged into one column that ends at the last one's step."""
+    n, buckets = len(records), min(len(records), limit)
+    steps, columns = [], []
+    for b in range(buckets):
+        chunk = [r[key] for r in records[b * n // buckets:(b + 1) * n // buckets]]
+        steps.append(records[(b + 1) * n // buckets - 1]["step"])
+        experts = len(chunk[0])
+        columns.append([experts * sum(c[e] for c in chunk) / len(chunk) for e in range(experts)])
+    return steps, columns
+
+
+def _load_map(records: list[dict], layer: int, limit: int) -> str:
+    key = f"moe/load/layer_{layer}"
+    steps, columns = load_columns(records, key, limit)
+    experts = len(columns[0])
+
+    def describe(expert: int, after: float, until: float, low: float, high: float) -> str:
+        load = f"{low:.2f}×" if high - low < 0.005 else f"{low:.2f}–{high:.2f}×"
+        return f"expert {expert} · steps {math.floor(after) + 1}–{until:.0f} · {load} the fair load"
+
+    chart = heat_map(steps, [[column[e] for column in columns] for e in range(experts)], fair_color,
+                     row_names=[f"expert {e}" for e in range(experts)], describe=describe,
+                     label=f"expert load, layer {layer}")
+    averaged = f" Each column averages {len(records) / len(steps):.1f} logged intervals." if len(steps) < len(
+        records) else ""
+    return '<div style="margin-bottom:12px">' + panel(
+        f"Layer {layer}: each expert's load", chart, f"{experts} experts × {len(records)} logged intervals",
+        note=f"A column is the interval up to its step.{averaged}") + "</div>"
+
+
+def experts(run: Run) -> str:
+    """A mixture-of-experts run's routing (keel.train.experts): per layer, a heat map of each expert's load over
+    the logged intervals, and the layers' imbalance, router entropy and balancing biases' spread over steps."""
+    layers = sorted({int(m.group(1)) for r in run.metrics for k in r if (m := EXPERT_LOADS.fullmatch(k))})
+    loads = {layer: [r for r in trajectory(run.metrics, f"moe/load/layer_{layer}")[0]
+                     if isinstance(r[f"moe/load/layer_{layer}"], list) and r[f"moe/load/layer_{layer}"]]
+             for layer in layers}
+    loads = {layer: records for layer, records in loads.items() if records}
+    if not loads:
+        return ""
+    widest = max(len(records[0][f"moe/load/layer_{layer}"]) for layer, records in loads.items())
+    limit = min(MAX_COLUMNS, max(16, MAX_CELLS // (len(loads) * widest)))
+    scale = "".join(f'<i style="background:{fair_color(v)};height:10px;width:22px;border:1px solid #e5e7eb"></i>'
+                    f'{name}' for v, name in FAIR_SCALE)
+    lines = [layer_lines(run, "moe/imbalance", list(loads), "Imbalance (busiest expert's load ÷ the fair load)"),
+             layer_lines(run, "moe/entropy", list(loads), "Router entropy per token (nats)"),
+             layer_lines(run, "moe/bias_spread", list(loads), "Balancing biases' spread (max − min)")]
+    if any(k.startswith("moe/dropped_tokens/") for r in run.metrics for k in r):
+        lines.append(layer_lines(run, "moe/dropped_tokens", list(loads), "Dropped tokens per interval"))
+    return (f'<h2>Mixture of experts</h2><p class="note">Each expert\'s share of its layer\'s tokens over each logged '
+            f'interval, as a multiple of the fair share (1 / experts): white is fair, red starved (a collapsed expert '
+            f'is a red row), blue overloaded.</p><div class="legend">{scale}</div>'
+            f'{"".join(_load_map(records, layer, limit) for layer, records in loads.items())}'
+            f'<div class="grid">{"".join(lines)}</div>')
+
+
+def layer_lines(run: Run, prefix: str, layers: list[int], title: str) -> str:
+    """A line per layer of the `PREFIX/layer_N` metrics."""
+    series = [_series(trajectory(run.metrics, f"{prefix}/layer_{i}")[0], f"{prefix}/layer_{i}", f"layer {i}",
+                      LAYER_COLORS[i % len(LAYER_COLORS)]) for i in layers]
+    return panel(title, line_chart(series, label=title), legend=[(s.name, s.color) for s in series])
+
+
 def step_panel(run: Run, title: str, key: str, name: str, color: str, factor: float = 1.0, unit: str = "",
                zero: bool = False, why: str = "") -> str:
     kept, _ = trajectory(run.metrics, key)
@@ -509,8 +589,8 @@ def render(run: Run, drill: dict | None = None) -> str:
         title = f"{info['name']} · keel run report"
         starts = [e["time"] for e in run.events if e.get("kind") == "start" and finite(e.get("time"))]
         t0 = run.goodput["started"] if finite(run.goodput.get("started")) else min(starts, default=None)
-        body = (header(run, info) + drills + training(run) + downstream(run) + signals(run) + goodput(run)
-                + hardware(run, t0) + event_table(run.events))
+        body = (header(run, info) + drills + training(run) + downstream(run) + signals(run) + experts(run)
+                + goodput(run) + hardware(run, t0) + event_table(run.events))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width, initial-scale=1"><title>{escape(title)}'
             f'</title><style>{CSS}</style></head><body><main>{body}</main></body></html>\n')

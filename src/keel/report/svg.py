@@ -267,3 +267,54 @@ def bar_chart(items: Sequence[tuple[str, float, str, str]], *, width: float = 60
                     f'fill="{color}"><title>{escape(f"{name}: {note}")}</title></rect>'
                     f'<text x="{left + w + 6:.1f}" y="{y + 14}" font-size="11">{escape(note)}</text>')
     return _svg(frame, body, label)
+
+
+def diverging(t: float, levels: int = 6) -> str:
+    """A colour for t in [-1, 1]: white at 0, deepening to red at -1 and to blue at 1, in `levels` steps each
+    way (so that neighbouring cells of one step merge into one shape)."""
+    k = round(max(-1.0, min(1.0, t)) * levels) / levels
+    end = (185, 28, 28) if k < 0 else (29, 78, 216)
+    r, g, b = (round(255 + (c - 255) * abs(k)) for c in end)
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+Describe = Callable[[int, float, float, float, float], str]  # (row, x from, x to, lowest, highest) → tooltip
+
+
+def heat_map(xs: Sequence[float], rows: Sequence[Sequence[float | None]], color: Callable[[float], str], *,
+             width: float = 1220, row_names: Sequence[str] = (), describe: Describe | None = None,
+             label: str = "") -> str:
+    """Rows of values over x (steps): the cell of column i spans from x[i-1] to x[i] (the interval a logged value
+    sums up; the first is as wide as the second), filled with `color(value)`; a missing value is left blank.
+    Cells of one row side by side with the same colour are one rectangle, whose tooltip is `describe(row, x
+    from, x to, lowest value, highest value)`."""
+    n = max(len(rows), 1)
+    row_h = max(2.0, min(14.0, 220 / n))
+    edges = [xs[0] - ((xs[1] - xs[0]) if len(xs) > 1 else 1.0), *xs] if xs else [0.0, 1.0]
+    frame = Frame(width, TOP + n * row_h + BOTTOM, (edges[0], edges[-1]), (0.0, float(n)))
+    body: list[str] = []
+    every = math.ceil(11 / row_h)  # a row name every `every` rows, 11 px apart at least
+    for r, values in enumerate(rows):
+        y = frame.y0 + r * row_h
+        if r % every == 0:
+            name = row_names[r] if r < len(row_names) else str(r)
+            body.append(f'<text x="{frame.x0 - 5}" y="{y + row_h / 2:.1f}" dy="3.5" text-anchor="end">'
+                        f'{escape(name)}</text>')
+        fills = [color(v) if finite(v) else "" for v in values]
+        start = 0
+        for i in range(1, len(values) + 1):
+            if i < len(values) and fills[i] == fills[start]:
+                continue
+            if fills[start]:
+                run = [v for v in values[start:i] if finite(v)]
+                x0, x1 = frame.x(edges[start]), frame.x(edges[i])
+                tip = describe(r, edges[start], edges[i], min(run), max(run)) if describe else ""
+                body.append(f'<rect class="cell" x="{x0:.1f}" y="{y:.1f}" width="{x1 - x0:.2f}" height="{row_h:.2f}" '
+                            f'fill="{fills[start]}"><title>{escape(tip)}</title></rect>')
+            start = i
+    bottom = frame.y0 + n * row_h
+    for v in ticks(*frame.xd, n=max(2, int((frame.x1 - frame.x0) / 110))):
+        x = f"{frame.x(v):.1f}"
+        body.append(f'<line x1="{x}" x2="{x}" y1="{bottom}" y2="{bottom + 4}" stroke="#9ca3af"/>'
+                    f'<text x="{x}" y="{bottom + 15}" text-anchor="middle">{escape(fmt_num(v))}</text>')
+    return _svg(frame, body, label)
