@@ -1,5 +1,6 @@
 """Watching a mixture-of-experts router in real training runs in this process (tiny_moe's routing on the small
-test model): the metrics of each logged interval, their Prometheus series and the routing alerts."""
+test model): the metrics of each logged interval, their Prometheus series, the routing-collapse alert, and the
+guards (a non-finite step skipped, a spike rolled back, every step replayed) on an expert model unchanged."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from keel.checkpoint.inspect import state_sha256
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
 from keel.core.net import free_port
@@ -225,3 +227,56 @@ def test_a_balanced_run_raises_no_routing_alert(fit) -> None:
     assert min(r[f"moe/min_load/layer_{layer}"] for r in logged.values() for layer in LAYERS) > 0.1
     assert max(r["moe/imbalance_max"] for r in logged.values()) < 4.0
     assert not [e for e in events(trainer, "alert") if e["action"].startswith("moe_")]
+
+
+# ---------------------------------------------------------------- the guards on an expert model
+
+
+def test_a_non_finite_step_is_skipped_with_its_expert_counts(fit, tmp_path: Path) -> None:
+    nan = CallbackSpec(path="keel.drill.faults:NanInGradients", args={"step": 3, "rank": 0})
+    code, trainer = fit([nan, spec("Biases")], "train.steps=5")
+    (biases,) = trainer.hooks.of_type(Biases)
+    assert code == 0 and [e["action"] for e in events(trainer, "guard")] == ["skip"]
+    # The skipped step's loads moved no bias, and the next step's moved them from where they were.
+    [before], [skipped], [after] = (biases.at("on_step_end", n) for n in (2, 3, 4))
+    assert torch.equal(skipped, before) and not torch.equal(after, skipped)
+    faulted = set_aside(trainer, tmp_path / "nan")
+    assert sorted(moe_metrics(faulted)) == [1, 2, 4, 5], "an interval without an applied step has no loads to log"
+
+    code, told = fit([spec("Biases"), CallbackSpec(path="keel.drill.faults:SkipUpdateAt", args={"step": 3})],
+                     "train.steps=5")
+    (told_biases,) = told.hooks.of_type(Biases)
+    assert code == 0 and torch.equal(told_biases.at("on_step_end", 5)[0], biases.at("on_step_end", 5)[0])
+    assert moe_metrics(told) == moe_metrics(faulted), "the same run as one told to skip that step"
+
+
+def test_a_spike_rolls_back_and_the_biases_come_back_with_the_weights(fit) -> None:
+    poison = CallbackSpec(path="keel.drill.faults:PoisonedBatch", args={"batch": 18})  # read by step 19
+    code, trainer = fit([spec("Biases"), poison], "train.steps=24", "guard.spike.warmup=8", "guard.spike.window=16",
+                        "guard.spike.loss_threshold=3", "guard.snapshot_interval=10", "guard.rollback_steps=5",
+                        "checkpoint.interval=100")
+    (biases,) = trainer.hooks.of_type(Biases)
+    (balance,) = trainer.hooks.of_type(ExpertBalance)
+    assert code == 0
+    [rolled] = [e for e in events(trainer, "guard") if e["action"] == "rolled_back"]
+    assert rolled["detail"]["to_step"] == 10
+    [snapshot] = biases.at("on_step_end", 10)
+    first, again = biases.at("on_step_start", 11)
+    assert not torch.equal(biases.at("on_step_end", 18)[0], snapshot), "the biases had moved on"
+    assert torch.equal(first, snapshot) and torch.equal(again, snapshot), "back with the weights of step 10"
+    assert torch.equal(balance.biases[1:].flatten(), torch.cat([m.expert_bias for m in biases.layers]))
+
+
+def test_every_step_replayed_changes_nothing_an_expert_model_computes(fit, tmp_path: Path) -> None:
+    """A replay recomputes the step's forward, which counts its tokens again: the step's own counts are put back,
+    so the biases, the loads, the dropped tokens and the weights are those of a run without replays."""
+    capacity = "model.moe.capacity_factor=1.0"
+    code, trainer = fit([], capacity, "guard.sdc.replay_interval=1", "train.steps=4")
+    assert code == 0 and not events(trainer, "guard")
+    assert trainer.guards.counts["sdc_replays"] == 4
+    replayed = set_aside(trainer, tmp_path / "replayed")
+    code, plain = fit([], capacity, "train.steps=4")
+    assert code == 0 and moe_metrics(plain) == moe_metrics(replayed)
+    assert any(r["moe/dropped_tokens/layer_1"] for r in moe_metrics(plain).values()), "the capacity dropped some"
+    assert state_sha256(replayed / "checkpoints" / "step-000004") == state_sha256(
+        plain.run_dir / "checkpoints" / "step-000004")
