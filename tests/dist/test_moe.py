@@ -72,6 +72,14 @@ def test_replica_groups_sum_the_expert_loads_and_move_their_biases_as_one_job(ru
         assert sorted(got) == list(range(1, STEPS + 1))
         assert all(math.isclose(got[s], want[s], rel_tol=1e-5) for s in got), (group, got, want)
     assert biases(runs["groups2"]) == biases(runs["dp2"])
+    # The router's metrics count both groups' tokens, as dp2's count both ranks'.
+    def routed(run_dir: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k.startswith(("moe/load", "moe/entropy"))}
+                for r in read_jsonl(run_dir / "metrics.jsonl") if "moe/imbalance_max" in r]
+    for got, want in zip(routed(runs["groups2"] / "groups" / "1"), routed(runs["dp2"]), strict=True):
+        assert got.keys() == want.keys() and got
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), key
 
 
 @pytest.mark.parametrize("name", ["pp2", "ep2_pp2"])

@@ -67,8 +67,9 @@ class Step:
     save_due: bool = False  # a checkpoint of this step will be written (set before the guards' check)
     save_waits: bool = False  # ... and written to the end before the step ends (the last step, before a pause)
     metrics: dict[str, Any] = field(default_factory=dict)  # what this step logs
-    # Integer tallies this rank's forwards made in the step (a mixture of experts' loads), which replica groups sum
-    # in place across the groups with the gradients' average: a group lost then leaves the step uncommitted.
+    # Tallies this rank's forwards made in the step (a mixture of experts' loads, drops and router entropy), which
+    # replica groups sum in place across the groups with the gradients' average: a group lost then leaves the step
+    # uncommitted.
     tallies: list[torch.Tensor] = field(default_factory=list)
 
 

@@ -7,8 +7,8 @@ Each rank counts the tokens its own forwards send to each expert (keel.model.moe
 the pipeline stage that holds it, so every stage fills its layers' rows of one table (per layer: the tokens per
 expert, the dropped slots, the summed router entropy) and one all-reduce over all ranks sums them: the ranks of the
 batch split and of the sequence split hold different tokens, and the ranks of a tensor-parallel group the same ones
-(each computes its group's whole sequences), counted once. With replica groups, each rank's tokens per expert are
-first summed with the same rank's of every live group, with the gradients (`Step.tallies`), so that every group
+(each computes its group's whole sequences), counted once. With replica groups, each rank's counts are first
+summed with the same rank's of every live group, with the gradients (`Step.tallies`), so that every group
 moves its biases alike. The update follows only an applied step, from the counts of that step alone: a skipped or
 undone step's are dropped, and a replay's recomputation does not count again. The biases are also kept in the host
 train state, so that a rollback to an in-memory snapshot takes them back with the weights. The applied steps'
@@ -76,7 +76,7 @@ class ExpertBalance(Builtin):
     def on_step_start(self, step: Step) -> None:
         for moe in self.layers.values():  # what a step that ended early counted is not carried into this one
             moe.reset_counts()
-        step.tallies.extend(moe.tokens_per_expert for moe in self.layers.values())  # summed across replica groups
+        step.tallies.extend(c for moe in self.layers.values() for c in counters(moe))  # summed across replica groups
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         if not replaying:

@@ -306,8 +306,8 @@ class ReplicaGroups(Builtin):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         step.loss = flat[-1].clone()
-        if step.tallies:  # exact sums, in their own integer buffer
-            table = torch.cat([t.reshape(-1) for t in step.tallies])
+        if step.tallies:  # summed in float64 (counts exact up to 2**53), in their own buffer
+            table = torch.cat([t.reshape(-1).double() for t in step.tallies])
             self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
             offset = 0
             for t in step.tallies:
