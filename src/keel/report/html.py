@@ -261,7 +261,8 @@ def downstream(run: Run) -> str:
 
 
 SIGNALS = (("Largest attention logit, per layer", "signals/attn_logit_max"),
-           ("Activation RMS, per layer", "signals/act_rms"), ("Update RMS, per layer", "signals/update_rms"))
+           ("Activation RMS, per layer", "signals/act_rms"), ("Update RMS, per layer", "signals/update_rms"),
+           ("Share of float8 inputs flushed to zero, per layer", "signals/float8_underflow"))
 LAYER_COLORS = (BLUE, ORANGE, GREEN, PURPLE, RED, CYAN, AMBER, SLATE)
 
 
@@ -273,6 +274,8 @@ def signals(run: Run) -> str:
     layers = sorted({int(k.rsplit("_", 1)[1]) for r in sampled for k in r if k.startswith("signals/act_rms/layer_")})
     panels = []
     for title, prefix in SIGNALS:
+        if not any(f"{prefix}/layer_{i}" in r for r in sampled for i in layers):  # float8's: a float8 run's only
+            continue
         series = [_series(trajectory(run.metrics, f"{prefix}/layer_{i}")[0], f"{prefix}/layer_{i}", f"layer {i}",
                           LAYER_COLORS[i % len(LAYER_COLORS)]) for i in layers]
         panels.append(panel(title, line_chart(series, label=title), legend=[(s.name, s.color) for s in series]))

@@ -1,7 +1,9 @@
 """Instability signals, on one step in `monitor.signals_interval`: per layer, the largest attention logit and
 the RMS of the block's output and of the update the optimizer applied to the block; and the mean and largest
 log-normaliser (log Z) of the output logits. Wortsman et al. (ICLR 2024) show attention-logit growth and
-output-logit divergence preceding the instabilities of large runs, and reproduce them in small ones.
+output-logit divergence preceding the instabilities of large runs, and reproduce them in small ones. A float8 run
+(`train.precision = "fp8"`) adds, per layer, the share of its float8 layers' inputs that the cast flushes to zero,
+and the largest input amax (not finite: an overflow).
 
 The forward hooks exist only during a sampled step's forward and backward, read every micro-batch, and ignore
 activation checkpointing's recomputation (a forward inside the backward); the readings are reduced over every
@@ -22,6 +24,7 @@ from torch import nn
 from keel.core.callbacks import Callback, Step
 from keel.core.dtensor import local, plain
 from keel.core.torch_private import in_backward
+from keel.model.float8 import float8_reading, is_float8
 from keel.model.llama import Attention, Block, apply_rope
 from keel.model.loss import log_normaliser
 from keel.train.optim import applied_updates, copies_held
@@ -69,25 +72,29 @@ class InstabilitySignals(Callback):
     priority = 160
 
     def __init__(self, interval: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 n_layers: int, pp: int) -> None:
+                 n_layers: int, pp: int, float8_rowwise: bool = True) -> None:
         self.interval, self.parts, self.optimizers, self.n_layers, self.pp = interval, parts, optimizers, n_layers, pp
+        self.rowwise = float8_rowwise  # how the float8 casts scale: per row, or per tensor
         self.last: dict[str, float] = {}
         self.last_step = 0
         self._handles: list[Any] = []
         self._attn: dict[int, torch.Tensor] = {}
         self._act: dict[int, tuple[torch.Tensor, int]] = {}
         self._log_z: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._float8: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # amax, flushed, elements
 
     def on_step_start(self, step: Step) -> None:
         self._remove()  # a step abandoned by a rollback left them
         self.last_step = 0  # this step's readings are not in yet (a step without an update computes none)
         if not self.interval or step.number % self.interval:
             return
-        self._attn, self._act, self._log_z = {}, {}, None
+        self._attn, self._act, self._log_z, self._float8 = {}, {}, None, {}
         for part in self.parts:
             for name, module in part.named_modules():
                 layer = _layer(name)
-                if isinstance(module, Attention) and layer is not None:
+                if is_float8(module) and layer is not None:
+                    self._handles.append(module.register_forward_hook(self._on_float8(layer)))
+                elif isinstance(module, Attention) and layer is not None:
                     self._handles.append(module.register_forward_hook(self._on_attention(layer)))
                 elif isinstance(module, Block) and layer is not None:
                     self._handles.append(module.register_forward_hook(self._on_block(layer)))
@@ -128,6 +135,16 @@ class InstabilitySignals(Callback):
                 self._act[layer] = (square + out.detach().float().square().sum(), count + out.numel())
         return hook
 
+    def _on_float8(self, layer: int):  # noqa: ANN202 (a hook)
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not _recomputing():
+                amax, flushed, count = float8_reading(local(args[0]), self.rowwise)
+                if layer in self._float8:
+                    top, total, elements = self._float8[layer]
+                    amax, flushed, count = torch.maximum(top, amax), total + flushed, elements + count
+                self._float8[layer] = (amax, flushed, count)
+        return hook
+
     def _on_logits(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if _recomputing():
             return
@@ -143,10 +160,16 @@ class InstabilitySignals(Callback):
 
     def _reduce(self) -> dict[str, float]:
         n, device = self.n_layers, next(p for part in self.parts for p in part.parameters()).device
-        largest = torch.full((n + 1,), -math.inf, device=device)  # attention logit per layer, then log Z
-        sums = torch.zeros(4 * n + 2, dtype=torch.float64, device=device)  # act sq, count, update sq, count, log Z
+        # Per layer: the attention logit, then log Z and the float8 inputs' amax.
+        largest = torch.full((n + 2,), -math.inf, device=device)
+        # Per layer: activations' squares and count, updates' squares and count; log Z's sum and count; per layer:
+        # float8's flushed elements and count.
+        sums = torch.zeros(6 * n + 2, dtype=torch.float64, device=device)
         for layer, value in self._attn.items():
             largest[layer] = value
+        for layer, (amax, flushed, count) in self._float8.items():
+            largest[n + 1] = torch.maximum(largest[n + 1], amax)
+            sums[4 * n + 2 + layer], sums[5 * n + 2 + layer] = flushed, count
         for layer, (square, count) in self._act.items():
             sums[layer], sums[n + layer] = square, count
         held = {id(p): _layer(name) for part in self.parts for name, p in part.named_parameters()}
@@ -162,6 +185,11 @@ class InstabilitySignals(Callback):
         top, total = largest.tolist(), sums.tolist()
         record = {"signals/attn_logit_max": max(top[:n]), "signals/log_z_max": top[n],
                   "signals/log_z_mean": total[4 * n] / max(1.0, total[4 * n + 1])}
+        shares = {i: total[4 * n + 2 + i] / total[5 * n + 2 + i] for i in range(n) if total[5 * n + 2 + i]}
+        if shares:  # a float8 run's (summed over every rank: the same record everywhere)
+            record["signals/float8_amax_max"] = top[n + 1]
+            record |= {f"signals/float8_underflow/layer_{i}": share for i, share in shares.items()}
+            record["signals/float8_underflow_max"] = max(shares.values())
         for i in range(n):
             record[f"signals/attn_logit_max/layer_{i}"] = top[i]
             record[f"signals/act_rms/layer_{i}"] = math.sqrt(total[i] / max(1.0, total[n + i]))

@@ -151,7 +151,7 @@ class Trainer:
                                                     self.status, self.rank0)
         metering = c.Metering(monitor, self.meter, comm)
         signals = InstabilitySignals(cfg.monitor.signals_interval, self.parts, self.optimizers, cfg.model.n_layers,
-                                     self.layout.degrees.pp)
+                                     self.layout.degrees.pp, cfg.train.float8_recipe == "rowwise")
         self.replicas = None if cfg.fault_tolerance.replica_groups == 1 else ReplicaGroups(
             cfg.fault_tolerance, self.parts, self.optimizers, self.state, self.loader, self.layout.dp_rank,
             self.layout.dp, monitor, self.run_dir, self.events, self.say, self.rank0,

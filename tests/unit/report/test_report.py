@@ -289,3 +289,16 @@ def test_the_instability_signals_get_a_panel_per_kind_with_a_line_per_layer(tmp_
     for label in ("Largest attention logit, per layer", "Activation RMS, per layer", "Update RMS, per layer"):
         assert set(paths(svg_of(page, label))) == {"layer 0", "layer 1"}, label
     assert set(paths(svg_of(page, "log Z"))) == {"mean", "max"}
+    assert "float8" not in page  # a run without float8 layers has no such panel
+
+
+def test_a_float8_runs_signals_add_the_share_its_casts_flushed_to_zero(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", [
+        {"step": s, "train/loss": 3.0, "signals/attn_logit_max": 2.0 * s, "signals/log_z_mean": 1.0,
+         "signals/log_z_max": 2.0, **{f"signals/{kind}/layer_{i}": s + i for kind in ("attn_logit_max", "act_rms",
+                                                                                       "update_rms") for i in (0, 1)},
+         **{f"signals/float8_underflow/layer_{i}": 0.01 * s for i in (0, 1)}} for s in range(1, 4)])
+    page = write_report(run).read_text()
+    assert set(paths(svg_of(page, "Share of float8 inputs flushed to zero, per layer"))) == {"layer 0", "layer 1"}

@@ -107,3 +107,44 @@ def test_each_reading_is_the_quantity_itself_and_unsampled_steps_have_no_hooks(g
     assert last["signals/attn_logit_max"] == max(last[f"signals/attn_logit_max/layer_{i}"] for i in "01")
     assert last["signals/log_z_mean"] == pytest.approx(log_z.mean().item(), rel=1e-5)
     assert last["signals/log_z_max"] == pytest.approx(log_z.max().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_float8_run_reads_the_share_its_casts_flush_to_zero_and_the_largest_amax(group: None,
+                                                                                   recipe: str) -> None:
+    pytest.importorskip("torchao")
+    from keel.model.float8 import convert_to_float8, is_float8
+
+    model = Llama(dataclasses.replace(TINY, dim=64))
+    init_weights(model, 0)
+    convert_to_float8(model, recipe, emulate=True, fsdp=False)
+    with torch.no_grad():  # one feature 10^5 times the others: the rest of every row is below float8's reach
+        model.tok_embeddings.weight[:, 0] = 1e3
+    inputs: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name: str):  # noqa: ANN202 (a hook)
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            inputs.setdefault(name, []).append(args[0].detach().float().flatten(0, -2))
+        return hook
+
+    for name, module in model.named_modules():
+        if is_float8(module):
+            module.register_forward_hook(keep(name))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    signals = InstabilitySignals(1, [model], [optimizer], TINY.n_layers, pp=1, float8_rowwise=recipe == "rowwise")
+    one_step(model, optimizer, signals, 1, torch.randint(0, TINY.vocab_size, (2, 17)))
+    last = signals.last
+    for layer in ("0", "1"):  # the long way: every float8 input scaled, cast and compared
+        flushed = total = 0
+        for name, xs in inputs.items():
+            if name.startswith(f"layers.{layer}."):
+                for x in xs:
+                    amax = x.abs().amax(-1, keepdim=True) if recipe == "rowwise" else x.abs().amax()
+                    scale = 2.0 ** torch.floor(torch.log2(448.0 / amax))
+                    flushed += int((((x * scale).to(torch.float8_e4m3fn) == 0) & (x != 0)).sum())
+                    total += x.numel()
+        assert last[f"signals/float8_underflow/layer_{layer}"] == pytest.approx(flushed / total)
+    assert last["signals/float8_underflow/layer_0"] > 0.05  # the first layer's projections see the planted rows
+    assert last["signals/float8_amax_max"] == max(x.abs().max().item() for xs in inputs.values() for x in xs)
+    plain = InstabilitySignals(1, [Llama(TINY)], [optimizer], TINY.n_layers, pp=1)
+    assert not any("float8" in key for key in plain._reduce())  # a run without float8 layers has none
