@@ -16,19 +16,23 @@ from tests.dist.test_layouts import STEPS, losses, train
 pytest.importorskip("torchao")
 pytestmark = pytest.mark.dist
 
-PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"]}
+PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"],
+              "tensorwise": ["train.precision=fp8", "train.float8_recipe=tensorwise"]}
+NPROC = {"tensorwise_dp2": 2}  # FSDP: its weights all-gathered in float8
 
 
 @pytest.fixture(scope="module")
 def runs(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("float8")
 
+    names = [*PRECISIONS, *NPROC]
+
     def run(name: str) -> Path:
-        train(small_corpus, root / name, 1, *PRECISIONS[name])
+        train(small_corpus, root / name, NPROC.get(name, 1), *PRECISIONS[name.removesuffix("_dp2")])
         return root / name
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(PRECISIONS, pool.map(run, PRECISIONS), strict=True))
+        return dict(zip(names, pool.map(run, names), strict=True))
 
 
 def test_a_float8_run_trains_close_to_bf16_and_resumes_bitwise_after_a_sigkill(runs: dict[str, Path],
@@ -42,6 +46,14 @@ def test_a_float8_run_trains_close_to_bf16_and_resumes_bitwise_after_a_sigkill(r
     assert [e["step"] for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"] == [5]
     final = f"checkpoints/step-{STEPS:06d}"
     assert state_sha256(killed / final) == state_sha256(runs["fp8"] / final)
+
+
+def test_a_float8_run_sharded_by_fsdp_with_float8_all_gathers_trains_as_one_process(runs: dict[str, Path]) -> None:
+    """Tensorwise scales are the whole tensor's amax, which FSDP's float8 all-gather computes over the shards. One
+    process casts its fp32 weights under autocast, FSDP its bf16 gathered ones: the losses part by a few 1e-4."""
+    got, want = losses(runs["tensorwise_dp2"]), losses(runs["tensorwise"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(math.isclose(got[s], want[s], rel_tol=2e-3) for s in want), (got, want)
 
 
 @pytest.mark.parametrize(("saved", "into"), [("bf16", "fp8"), ("fp8", "bf16")])
