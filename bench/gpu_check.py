@@ -1,8 +1,11 @@
 """Everything one CUDA device can tell about keel, in one command of a few minutes.
 
-configs/gpu_1b.toml (1.24B parameters, Llama 3.2 1B shapes, bf16) is trained twice by `keel train --nproc 1`
-(called in this process: with one process keel trains in the launcher's own process, so this is the
-command users run), `parallel.compile` off and then on, for a few steps on the built-in corpus. Of each run:
+configs/gpu_1b.toml (1.24B parameters, Llama 3.2 1B shapes, bf16) is trained by `keel train --nproc 1` (called
+in this process: with one process keel trains in the launcher's own process, so this is the command users run)
+for a few steps on the built-in corpus, four times: `parallel.compile` off, on, on with `train.precision = "fp8"`
+(the blocks' linear layers in float8, rowwise), and on as a mixture of experts of about as many active
+parameters (`moe`: 8 experts of half the dense width, 2 chosen, after one dense block; MFU on the active FLOPs).
+Of each run:
   tokens/s          median of the logged windows after the first (compile and allocator warm-up) and
                     without a checkpoint in them
   MFU               those tokens/s × keel's FLOPs per token / the catalog's dense bf16 peak of the detected
@@ -40,7 +43,7 @@ from keel.cli import main as keel
 from keel.config import Config, load_config
 from keel.core.accelerators import Accelerator, by_key, lookup
 from keel.errors import KeelError
-from keel.model.flops import flops_per_token, param_count
+from keel.model.flops import ffn_hidden_dim, flops_per_token, param_count
 from keel.plan.layout import Layout, Workload
 from keel.plan.memory import memory
 from keel.train.setup import precision_dtype
@@ -59,6 +62,11 @@ DRY_RUN = ["train.device=cpu", "model.dim=64", "model.n_layers=2", "model.n_head
 TORCHTITAN = ("torchtitan, docs/performance.md: Llama 3.1 8B, FSDP on 8 or 128 H100s, bf16, selective "
               "activation checkpointing: 33% to 39% MFU")
 GIB = 2**30
+# The runs, each beside the others on the same model, batch and device: bf16 eager and compiled, fp8 compiled, and
+# a mixture of experts of about the dense model's active parameters, compiled.
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.expert_dim={half}",
+       "model.moe.bias_update_rate=0.001"]
+RUNS = {"compile off": [], "compile on": [], "fp8": ["train.precision=fp8"], "moe": MOE}
 # NVML readings shown: (label, reduction over the run's samples, format, missing when absent). Clock event
 # reasons, ECC and XID counts are not read on every GPU: shown when read, never missing.
 NVML = {"gpu_utilization_ratio": ("GPU utilization, max", max, lambda v: f"{v:.0%}", True),
@@ -225,35 +233,44 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data-dir", type=Path, default=REPO / "data" / "stdlib",
                     help="prepared corpus (prepared from the built-in sources when missing)")
     ap.add_argument("--compile", choices=("both", "off", "on"), default="both",
-                    help="which runs (a run left out is reported missing; on a CPU, compiling takes minutes)")
+                    help="off: leave out the compiled bf16 run and run fp8 and moe eager; on: leave out the eager "
+                         "one (a run left out is reported missing; on a CPU, compiling takes minutes)")
     ap.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS.relative_to(REPO)}; "
                     "the dry run: gpu_check_dry_run.json beside it)")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     return ap.parse_args(argv)
 
 
-def run_both(args: argparse.Namespace, cfg_path: Path, overrides: list[str], figures_of, results: dict,
-             out: Path, cuda: bool) -> None:
-    """The two runs, one after the other; the results file is rewritten after each."""
+def run_all(args: argparse.Namespace, cfg_path: Path, overrides: list[str], figures_of, results: dict,
+            out: Path, cuda: bool, half: int) -> None:
+    """The runs, one after the other; the results file is rewritten after each. `half`: half the dense model's
+    feed-forward width, each expert's."""
     work = Path(tempfile.mkdtemp(prefix="keel-gpu-check-", dir=args.work))
     try:
-        for name, compile_on in (("compile off", False), ("compile on", True)):
-            if args.compile not in ("both", name.split()[1]):
+        for name, template in RUNS.items():
+            extra = [o.format(half=half) for o in template]
+            compile_on = name != "compile off"
+            if compile_on and args.compile == "off" and name == "compile on":
                 results["not_run"][name] = f"--compile {args.compile}"
                 continue
-            flag = f"parallel.compile={str(compile_on).lower()}"
-            print(f"gpu_check: {name}: keel train --nproc 1 --config {cfg_path.relative_to(REPO)} {flag} ...",
-                  flush=True)
+            if not compile_on and args.compile == "on":
+                results["not_run"][name] = f"--compile {args.compile}"
+                continue
+            # fp8 and moe compile as on a GPU they must, but run eager with --compile off (a CPU takes minutes)
+            flags = [*extra, f"parallel.compile={str(compile_on and args.compile != 'off').lower()}"]
+            print(f"gpu_check: {name}: keel train --nproc 1 --config {cfg_path.relative_to(REPO)} {' '.join(flags)} "
+                  f"...", flush=True)
             run_dir = work / name.replace(" ", "-")
             try:
-                run = train(cfg_path, run_dir, [*overrides, flag], cuda)
+                run = train(cfg_path, run_dir, [*overrides, *flags], cuda)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other run still tells its figures
                 results["not_run"][name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
                 print(f"gpu_check: {name} failed: {results['not_run'][name]}", flush=True)
                 continue
             finally:
                 shutil.rmtree(run_dir, ignore_errors=True)  # each run's checkpoints: 12 bytes per parameter
-            results["runs"][name] = {"run": run, "figures": figures_of(run)}
+            results["runs"][name] = {"run": run, "figures": figures_of(run, load_config(cfg_path, [*overrides,
+                                                                                              *flags]))}
             write(out, results)
             print(f"gpu_check: {name} done in {run['wall_s']:.0f} s (exit {run['exit_code']})\n{table(results)}",
                   flush=True)
@@ -289,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = hw.peak_flops.get("bf16") if hw else None
     # The planner's figure for this model, batch, loss and layout on this device (a CPU adds its host copies).
     bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
-    plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"),
-                  Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint),
-                  hw or by_key("h100" if cuda else "cpu"))
+    layout = Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint)
+    plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"), layout, hw or by_key("h100" if cuda else
+                                                                                               "cpu"))
     head = [*context(cfg, device, hw, cuda), f"planner: {plan.explain()}"]
     print("\n".join(f"gpu_check: {line}" for line in head), flush=True)
     results: dict = {"benchmark": "gpu_check", "mode": "gpu" if cuda else "cpu-dry-run", "device": device,
@@ -299,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                      "config": str(cfg_path.relative_to(REPO)), "overrides": overrides, "context": head,
                      "runs": {}, "not_run": {}, "torch": torch.__version__, "machine": platform.platform(),
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    flops = flops_per_token(cfg.model, cfg.train.seq_len)
-    run_both(args, cfg_path, overrides, lambda run: figures(run, flops, peak, plan.total, no_cuda), results, out,
-             cuda)
+    def figures_of(run: dict, run_cfg: Config) -> dict:  # MFU on the FLOPs a token is computed with
+        predicted = plan.total if run_cfg.model == cfg.model else memory(
+            Workload.of(run_cfg, param_dtype="bf16" if bf16 else "fp32"), layout, hw or by_key("h100" if cuda else
+                                                                                              "cpu")).total
+        return figures(run, flops_per_token(run_cfg.model, run_cfg.train.seq_len), peak, predicted, no_cuda)
+
+    run_all(args, cfg_path, overrides, figures_of, results, out, cuda, ffn_hidden_dim(cfg.model) // 2)
     print(f"gpu_check: wrote {out}")
     if results["missing"]:
         print("gpu_check: missing figures: " + "; ".join(results["missing"]), flush=True)

@@ -35,6 +35,10 @@ def test_the_dry_run_measures_what_a_cpu_can_and_names_the_cuda_figures_missing(
                    "fragmentation", "nvml/gpu_utilization_ratio", "nvml/gpu_power_watts"):
         assert got[figure] is None and got["missing"][figure]
     assert "compile on: not run (--compile off)" in results["missing"]
+    # The fp8 and mixture-of-experts runs, eager with --compile off, beside it on the same model and batch.
+    for name in ("fp8", "moe"):
+        assert results["runs"][name]["run"]["exit_code"] == 0 and results["runs"][name]["figures"]["tokens_per_s"] > 0
+    assert results["runs"]["moe"]["figures"]["predicted_bytes"] > got["predicted_bytes"]  # every expert's state
     assert any(m.startswith("compile off: peak_allocated_bytes") for m in results["missing"])
     table = printed[printed.rindex("figure "):]
     assert "tokens/s (steady)" in table and "checkpoint blocking, later save" in table
