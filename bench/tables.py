@@ -26,6 +26,7 @@ RESULTS = REPO / "bench" / "results"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 CONFIGURATION = REPO / "docs" / "configuration.md"
 STABILITY = REPO / "docs" / "stability.md"
+PRECISION = REPO / "docs" / "precision.md"
 PLANNING = REPO / "docs" / "planning.md"
 TUNING = REPO / "docs" / "tuning.md"
 
@@ -276,6 +277,12 @@ def stability() -> str:
     return markdown(_results("stability"))
 
 
+def float8() -> str:
+    from bench.float8 import markdown
+
+    return markdown(_results("float8"))
+
+
 def transfer() -> str:
     from bench.transfer import markdown
 
@@ -297,6 +304,7 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
                                           telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
+    PRECISION: {"float8": float8},
     TUNING: {"transfer": transfer},
     PLANNING: {"memory_model": memory_model},
 }
