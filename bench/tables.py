@@ -277,6 +277,12 @@ def stability() -> str:
     return markdown(_results("stability"))
 
 
+def moe() -> str:
+    from bench.moe import markdown
+
+    return markdown(_results("moe"))
+
+
 def float8() -> str:
     from bench.float8 import markdown
 
@@ -299,7 +305,7 @@ def config_reference() -> str:
 
 
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
-    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, checkpoint,
+    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, moe, checkpoint,
                                           detection_matrix, guard_overhead, recovery, nonstop_recovery,
                                           telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
