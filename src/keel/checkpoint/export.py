@@ -1,11 +1,9 @@
 """Hugging Face Llama interchange: export a keel checkpoint's weights as a `LlamaForCausalLM` directory
 (config.json + safetensors, and the run's tokenizer: `keel.checkpoint.hf_tokenizer`) and load such a
 directory into a keel model. A model with QK-norm goes as a `Qwen3ForCausalLM`: Llama's architecture with
-an RMSNorm on each head's queries and keys before RoPE, as keel's; a mixture of experts as a
-`Qwen3MoeForCausalLM` (QK-norm, softmax routing, no shared experts), each expert's weights as tensors of their
-own, as Hugging Face stores them. Embedding scaling or normalisation has no counterpart in any, and is
-refused. Which model fields a Hugging Face config.json sets (Llama 3's RoPE scaling among them) is
-`keel.config.hf`'s; `hf_config` writes them back.
+an RMSNorm on each head's queries and keys before RoPE, as keel's. Embedding scaling or normalisation
+has no counterpart in either, and is refused. Which model fields a Hugging Face config.json sets (Llama 3's
+RoPE scaling among them) is `keel.config.hf`'s; `hf_config` writes them back.
 
 keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
 rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk (and the
@@ -45,7 +43,6 @@ from keel.errors import CheckpointError
 from keel.model.flops import ffn_hidden_dim
 from keel.model.init import canonical_name
 from keel.model.llama import Llama, width_ratio
-from keel.model.moe import expert_dim
 from keel.paths import check_writable_dir
 
 SINGLE = "model.safetensors"
@@ -58,49 +55,18 @@ _BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
-          "attention.k_norm.weight": "self_attn.k_norm.weight", "moe.router.gate.weight": "mlp.gate.weight"}
-# A mixture of experts' 3-D weights (experts first): each expert's slice is a Hugging Face tensor of its own.
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+          "attention.k_norm.weight": "self_attn.k_norm.weight"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a keel parameter (canonical name, no wrapper prefixes) that maps 1:1."""
+    """The Hugging Face name of a keel parameter (canonical name, no wrapper prefixes)."""
     if name in _TOP:
         return _TOP[name]
     m = _LAYER.fullmatch(name)
     if m is None or m.group(2) not in _BLOCK:
         raise CheckpointError(f"keel parameter {name!r} has no Hugging Face Llama counterpart")
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-
-
-def _is_experts(name: str) -> bool:
-    m = _LAYER.fullmatch(name)
-    return m is not None and m.group(2) in _EXPERTS
-
-
-def hf_names(name: str, shape: torch.Size) -> list[str]:
-    """The Hugging Face tensors of a keel parameter: one, or one per expert of a mixture of experts' weight."""
-    if _is_experts(name):
-        m = _LAYER.fullmatch(name)
-        assert m is not None
-        return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERTS[m.group(2)]}.weight" for e in range(shape[0])]
-    return [hf_name(name)]
-
-
-def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A keel parameter's value as Hugging Face's tensors (RoPE's rows permuted, experts split)."""
-    heads = _rope_heads(name, cfg)
-    tensor = _to_halves(tensor, heads) if heads else tensor
-    parts = list(tensor.unbind(0)) if _is_experts(name) else [tensor]
-    return dict(zip(hf_names(name, tensor.shape), parts, strict=True))
-
-
-def from_hf(name: str, tensors: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """The inverse of `to_hf`: Hugging Face's tensors of a keel parameter, in `hf_names` order, as its value."""
-    full = torch.stack(tensors) if _is_experts(name) else tensors[0]
-    heads = _rope_heads(name, cfg)
-    return _to_pairs(full, heads) if heads else full
 
 
 def _to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -134,20 +100,8 @@ def check_hf_expressible(cfg: ModelConfig) -> None:
         raise CheckpointError(f"model.embedding_norm = {cfg.embedding_norm!r} has no Hugging Face Llama or Qwen3 "
                               f"counterpart; only a model with model.embedding_norm = 'none' is exchanged")
     if cfg.moe.experts:
-        _check_qwen3_moe(cfg)
-
-
-def _check_qwen3_moe(cfg: ModelConfig) -> None:
-    """A mixture of experts is exchanged as Qwen3-MoE: QK-norm, softmax scores, only routed experts, dropless."""
-    moe = cfg.moe
-    unlike = {"model.qk_norm = false (Qwen3-MoE normalises queries and keys)": not cfg.qk_norm,
-              f"model.moe.score = {moe.score!r} (Qwen3-MoE routes by softmax)": moe.score != "softmax",
-              f"model.moe.shared_experts = {moe.shared_experts} (Qwen3-MoE has none)": moe.shared_experts > 0,
-              f"model.moe.score_scale = {moe.score_scale:g} (Qwen3-MoE: 1)": moe.score_scale != 1.0,
-              f"model.moe.capacity_factor = {moe.capacity_factor:g} (Qwen3-MoE is dropless)": moe.capacity_factor > 0}
-    if found := [what for what, differs in unlike.items() if differs]:
-        raise CheckpointError(f"a mixture-of-experts model is exchanged as a Hugging Face Qwen3-MoE, which cannot "
-                              f"express {'; '.join(found)}")
+        raise CheckpointError(f"a mixture-of-experts model (model.moe.experts = {cfg.moe.experts}) has no Hugging "
+                              f"Face export yet; only dense models (model.moe.experts = 0) are exchanged")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -173,7 +127,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
     name ordinary tokens of keel's byte tokenizer."""
     check_hf_expressible(cfg)
     tokens = special_tokens or {}
-    model_type = "qwen3_moe" if cfg.moe.experts else "qwen3" if cfg.qk_norm else "llama"
+    model_type = "qwen3" if cfg.qk_norm else "llama"
     return {
         "architectures": [ARCHITECTURES[model_type][0]],
         "model_type": model_type,
@@ -201,20 +155,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
         "dtype": _dtype_name(dtype),
         **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
             "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}),
-        **_moe_config(cfg),
     }
-
-
-def _moe_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Qwen3-MoE's entries of config.json: routed experts after the leading dense blocks (`intermediate_size` is
-    the dense blocks' feed-forward)."""
-    moe = cfg.moe
-    if not moe.experts:
-        return {}
-    return {"num_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": expert_dim(cfg),
-            "norm_topk_prob": moe.normalize_top_k, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(moe.dense_layers)), "router_aux_loss_coef": moe.aux_loss_coeff,
-            "output_router_logits": False}
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -230,12 +171,10 @@ def read_hf_config(path: Path) -> ModelConfig:
 
 def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     """Refuse a Hugging Face model whose architecture differs from the run's model config."""
+    check_hf_expressible(cfg)
     taken = read_hf_model_fields(path)
     diffs = [f"model.{key} = {getattr(cfg, key)} but {SOURCES[key]} = {value}" for key, value in taken.items()
-             if key not in FREE | {"ffn_dim", "head_dim", "moe"} and getattr(cfg, key) != value]
-    experts = taken.get("moe", {"experts": 0})
-    diffs += [f"model.moe.{key} = {getattr(cfg.moe, key)!r} but the Hugging Face model's is {value!r}"
-              for key, value in experts.items() if getattr(cfg.moe, key) != value]
+             if key not in FREE | {"ffn_dim", "head_dim"} and getattr(cfg, key) != value]
     if head_size(cfg) != head_size(ModelConfig(**taken)):
         diffs.append(f"the head size (model.head_dim, or model.dim / model.n_heads) is {head_size(cfg)} but "
                      f"head_dim = {head_size(ModelConfig(**taken))}")
@@ -245,7 +184,6 @@ def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     if diffs:
         raise CheckpointError(f"the model config does not match the Hugging Face model {str(path)!r}: "
                               f"{'; '.join(diffs)}; set the model.* fields to match")
-    check_hf_expressible(cfg)
     _check_hf_weights(path, cfg)
 
 
@@ -254,7 +192,7 @@ def _check_hf_weights(path: Path, cfg: ModelConfig) -> None:
     its header and checks that the file covers every tensor's bytes."""
     where = _hf_files(path)
     with torch.device("meta"):
-        needed = [hf for name, p in Llama(cfg).named_parameters() for hf in hf_names(canonical_name(name), p.shape)]
+        needed = [hf_name(canonical_name(name)) for name, _ in Llama(cfg).named_parameters()]
     if missing := [name for name in needed if name not in where]:
         raise CheckpointError(f"{str(path)!r} has no tensor {missing[0]!r} ({len(missing)} of the model's "
                               f"{len(needed)} missing); pass a complete Hugging Face Llama directory")
@@ -313,7 +251,6 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     metadata = _read_metadata(checkpoint)
     with torch.device("meta"):
         model = Llama(cfg)
-    _check_unbiased(checkpoint, metadata, model)
     # named_parameters lists a tied output projection once, as tok_embeddings.weight.
     shapes = {name: p.shape for name, p in model.named_parameters()}
     names = list(shapes)
@@ -335,9 +272,10 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
             _load_model_tensors(checkpoint, part)
             tensors = {}
             for name, tensor in part.items():
-                for hf, value in to_hf(name, tensor, cfg).items():
-                    tensors[hf] = value.to(dtype).contiguous()
-                    weight_map[hf] = file
+                heads = _rope_heads(name, cfg)
+                tensor = _to_halves(tensor, heads) if heads else tensor
+                tensors[hf_name(name)] = tensor.to(dtype).contiguous()
+                weight_map[hf_name(name)] = file
             save_file(tensors, tmp / file, metadata={"format": "pt"})
             del part, tensors
         written = list(files)
@@ -354,19 +292,6 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / file for file in written]
-
-
-def _check_unbiased(checkpoint: Path | str, metadata: Metadata, model: Llama) -> None:
-    """Qwen3-MoE chooses experts by their scores alone: a model whose balancing biases moved is refused."""
-    biases = {f"layers.{key}.moe.expert_bias": torch.empty(moe.expert_bias.shape)
-              for key, moe in model.moe_layers().items()}
-    if not biases:
-        return
-    _load_model_tensors(checkpoint, biases)
-    if moved := [name for name, bias in biases.items() if bias.any()]:
-        raise CheckpointError(f"{str(checkpoint)!r} chooses experts with balancing biases ({moved[0]} and "
-                              f"{len(moved) - 1} more are not 0: model.moe.bias_update_rate moved them), which a "
-                              f"Hugging Face Qwen3-MoE cannot express; export a model trained without them")
 
 
 def _stored_dtypes(checkpoint: Path | str, metadata: Metadata, shapes: dict[str, torch.Size]) -> dict[str, torch.dtype]:
@@ -468,13 +393,11 @@ def load_hf_weights(model: Llama, path: Path) -> None:
     cfg = model.cfg
     check_hf_matches(path, cfg)
     model.reset_buffers()
-    for moe in model.moe_layers().values():  # Qwen3-MoE chooses by the scores alone
-        moe.expert_bias.zero_()
     where = _hf_files(path)
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
-
-        def read(source: str, shape: list[int], name: str) -> torch.Tensor:
+        for name, param in _parameters(model):
+            source = hf_name(name)
             if source not in where:
                 raise CheckpointError(f"{str(path)!r} has no tensor {source!r} (keel's {name!r})")
             file = where[source]
@@ -484,15 +407,12 @@ def load_hf_weights(model: Llama, path: Path) -> None:
             if source not in handle.keys():  # noqa: SIM118
                 raise CheckpointError(f"{str(file)!r} has no tensor {source!r} though the index names it")
             found = list(handle.get_slice(source).get_shape())
-            if found != shape:
+            if found != list(param.shape):
                 raise CheckpointError(f"{str(path)!r}: tensor {source!r} has shape {found}, keel's {name!r} "
-                                      f"expects {shape}")
-            return handle.get_tensor(source)
-
-        for name, param in _parameters(model):
-            sources = hf_names(name, param.shape)
-            shape = list(param.shape[1:] if _is_experts(name) else param.shape)
-            full = from_hf(name, [read(source, shape, name) for source in sources], cfg)
+                                      f"expects {list(param.shape)}")
+            full = handle.get_tensor(source)
+            heads = _rope_heads(name, cfg)
+            full = _to_pairs(full, heads) if heads else full
             local = param.to_local() if isinstance(param, DTensor) else param
             full = full.to(device=local.device, dtype=param.dtype)
             if isinstance(param, DTensor):

@@ -1,5 +1,5 @@
-"""A Hugging Face Llama, Qwen3 or Qwen3-MoE model's config.json as keel's `model.*` fields: what
-`model.init_from` fills the model config with, and what keel's model cannot represent, refused with one line."""
+"""A Hugging Face Llama or Qwen3 model's config.json as keel's `model.*` fields: what `model.init_from`
+fills the model config with, and what keel's model cannot represent, refused with one line."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from keel.paths import check_input
 
 CONFIG = "config.json"
 # model_type -> (architecture, whether it has QK-norm)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen3": ("Qwen3ForCausalLM", True),
-                 "qwen3_moe": ("Qwen3MoeForCausalLM", True)}
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen3": ("Qwen3ForCausalLM", True)}
 # keel's model field -> where a Hugging Face config holds it (for messages)
 SOURCES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
            "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
@@ -25,8 +24,7 @@ SOURCES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "rope_scaling": "rope_parameters.rope_type", "rope_factor": "rope_parameters.factor",
            "rope_low_freq_factor": "rope_parameters.low_freq_factor",
            "rope_high_freq_factor": "rope_parameters.high_freq_factor",
-           "rope_original_max_seq_len": "rope_parameters.original_max_position_embeddings",
-           "moe": "num_experts, num_experts_per_tok, moe_intermediate_size, mlp_only_layers and norm_topk_prob"}
+           "rope_original_max_seq_len": "rope_parameters.original_max_position_embeddings"}
 # Fields a run may set otherwise than the model: the RoPE tables' length changes no weight and no output.
 FREE = {"max_seq_len"}
 _LLAMA3 = {"rope_factor": ("factor", float), "rope_low_freq_factor": ("low_freq_factor", float),
@@ -118,30 +116,6 @@ def _heads(hf: dict[str, Any]) -> tuple[int, int, int, int]:
     return dim, n_heads, n_kv_heads, 0 if head_dim * n_heads == dim else head_dim
 
 
-def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The [model.moe] fields of a Qwen3-MoE config that fix the model's weights and outputs (experts, top_k,
-    expert_dim, dense_layers, softmax scores normalised or not); empty for a dense model. keel's mixture-of-experts
-    blocks follow the leading dense ones: other layouts are refused."""
-    if hf.get("model_type") != "qwen3_moe":
-        return {}
-    # The hub's configs say num_experts; transformers 5 writes num_local_experts.
-    experts = _field(hf, "num_experts" if "num_experts" in hf else "num_local_experts", int)
-    top_k = _field(hf, "num_experts_per_tok", int)
-    expert_dim = _field(hf, "moe_intermediate_size", int)
-    if experts < 1 or not 1 <= top_k <= experts or expert_dim < 1:
-        raise CheckpointError(f"Hugging Face config num_experts = {experts}, num_experts_per_tok = {top_k}, "
-                              f"moe_intermediate_size = {expert_dim}: expected 1 <= num_experts_per_tok <= "
-                              f"num_experts and a positive size")
-    step, dense = hf.get("decoder_sparse_step", 1), sorted(hf.get("mlp_only_layers") or [])
-    if step != 1 or dense != list(range(len(dense))):
-        raise CheckpointError(f"Hugging Face config decoder_sparse_step = {step!r}, mlp_only_layers = {dense!r}: "
-                              f"keel's mixture-of-experts blocks follow the leading dense ones (decoder_sparse_step "
-                              f"= 1, mlp_only_layers = [0, 1, ..., k - 1])")
-    return {"experts": experts, "top_k": top_k, "expert_dim": expert_dim, "dense_layers": len(dense),
-            "score": "softmax", "normalize_top_k": bool(hf.get("norm_topk_prob", False)), "shared_experts": 0,
-            "score_scale": 1.0, "capacity_factor": 0.0}
-
-
 def hf_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """keel's model fields (name -> value) of a Hugging Face Llama or Qwen3 config; refuses what keel's
     model cannot represent. `intermediate_size` is taken as given, as `ffn_dim`."""
@@ -157,7 +131,6 @@ def hf_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), **_rope_fields(hf),
         "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qk_norm": ARCHITECTURES[hf["model_type"]][1],
-        **({"moe": moe} if (moe := _moe_fields(hf)) else {}),
     }
 
 
@@ -204,11 +177,7 @@ def _rule_size(model: dict[str, Any], dim: int) -> int | None:
 def _disagreements(model: dict[str, Any], given: set[str], taken: dict[str, Any]) -> list[str]:
     """Each field `given` in the config whose value differs from the one the Hugging Face config sets."""
     diffs = [f"model.{key} = {model[key]!r} but {SOURCES[key]} = {value!r}" for key, value in taken.items()
-             if key in given and key not in FREE | {"head_dim", "moe"} and not _same(model[key], value)]
-    given_moe = model.get("moe")
-    moe: dict[str, Any] = given_moe if isinstance(given_moe, dict) else {}
-    diffs += [f"model.moe.{key} = {moe[key]!r} but the Hugging Face config's is {value!r}"
-              for key, value in taken.get("moe", {}).items() if key in moe and not _same(moe[key], value)]
+             if key in given and key not in FREE | {"head_dim"} and not _same(model[key], value)]
     head = taken["head_dim"] or taken["dim"] // taken["n_heads"]
     if "head_dim" in given and not _same(model["head_dim"] or head, head):
         diffs.append(f"model.head_dim = {model['head_dim']!r} but head_dim = {head}")
@@ -238,10 +207,7 @@ def fill_from_hf(data: dict[str, Any], in_file: set[str], on_command_line: set[s
                           f"config contradicts: {'; '.join(diffs)}; drop these model.* settings (the model's "
                           f"config.json fills them) or start from another model")
     for key, value in taken.items():
-        if key == "moe":  # the weights' and outputs' fields; how training balances the experts stays the run's
-            given_moe = model.get("moe")
-            model["moe"] = {**(given_moe if isinstance(given_moe, dict) else {}), **value}
-        elif key not in FREE or key not in given:
+        if key not in FREE or key not in given:
             model[key] = value
     for key in ("ffn_dim_multiplier", "multiple_of"):  # unused beside ffn_dim: not left to mislead
         if key not in given:
