@@ -309,6 +309,17 @@ def _stored_dtypes(checkpoint: Path | str, metadata: Metadata, shapes: dict[str,
     return stored
 
 
+def _persistent_buffers(model: Llama) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds beside the parameters: the experts' selection biases."""
+    saved = model.state_dict().keys()
+    return {name: buffer for name, buffer in model.named_buffers() if name in saved}
+
+
+def _saved_tensors(model: Llama) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of a model, by name: its parameters (a tied one once) and persistent buffers."""
+    return {**dict(model.named_parameters()), **_persistent_buffers(model)}
+
+
 def _load_model_tensors(checkpoint: Path | str, part: dict[str, torch.Tensor]) -> None:
     """Fill `part` (model tensor name -> tensor) from the checkpoint, in this one process."""
     with warnings.catch_warnings():  # DCP warns that it assumes one process, which is what we mean
@@ -326,15 +337,15 @@ def load_checkpoint_model(checkpoint: Path | str, cfg: ModelConfig, device: torc
     """The model of a keel checkpoint, whole, in this one process (as it trained: fp32 master weights)."""
     metadata = _read_metadata(checkpoint)
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in Llama(cfg).named_parameters()}
+        shapes = {name: t.shape for name, t in _saved_tensors(Llama(cfg)).items()}
     stored = _stored_dtypes(checkpoint, metadata, shapes)  # refuses a config that does not fit the checkpoint
     model = Llama(cfg)
-    params = dict(model.named_parameters())
+    targets = _saved_tensors(model)
     part = {name: torch.empty(shapes[name], dtype=stored[name]) for name in shapes}
     _load_model_tensors(checkpoint, part)
     with torch.no_grad():
         for name, tensor in part.items():
-            params[name].copy_(tensor)
+            targets[name].copy_(tensor)
     return model.to(device).eval()
 
 

@@ -28,6 +28,7 @@ from keel.checkpoint.export import (
     check_hf_matches,
     export_hf,
     hf_config,
+    load_checkpoint_model,
     load_hf_weights,
     model_config_from_hf,
     read_hf_config,
@@ -373,6 +374,17 @@ def test_load_names_a_wrong_shape_and_a_missing_tensor(tmp_path: Path) -> None:
     save_file(tensors, out / SINGLE, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_hf_weights(build(TINY), out)
+
+
+def test_a_checkpoint_keeps_its_selection_biases_when_loaded(tmp_path: Path) -> None:
+    """`keel eval` reads a checkpoint's model: the experts it chooses depend on the biases saved with it."""
+    cfg = dataclasses.replace(TINY, moe=MoEConfig(experts=4, top_k=2, bias_update_rate=0.25))
+    model = build(cfg)
+    model.layers["1"].moe.update_bias(torch.tensor([1, 5, 1, 1]), 0.25)
+    save_checkpoint(model, tmp_path / "ckpt")
+    loaded = load_checkpoint_model(tmp_path / "ckpt", cfg, torch.device("cpu"))
+    assert torch.equal(loaded.layers["1"].moe.expert_bias, torch.tensor([0.25, -0.25, 0.25, 0.25]))
+    assert not loaded.layers["0"].moe.expert_bias.any()
 
 
 # ---------------------------------------------------------------- tokenizers
