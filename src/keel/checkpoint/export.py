@@ -37,12 +37,22 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from keel.checkpoint.hf_tokenizer import write_hf_tokenizer
 from keel.checkpoint.storage import fsync_path, locate
 from keel.config import ModelConfig, head_size
-from keel.config.hf import ARCHITECTURES, CONFIG, FREE, SOURCES, hf_model_fields, read_hf_model_fields
+from keel.config.hf import (
+    ARCHITECTURES,
+    CONFIG,
+    FREE,
+    SOURCES,
+    field_value,
+    hf_model_fields,
+    model_config,
+    read_hf_model_fields,
+)
 from keel.data.tokenizer import Tokenizer
 from keel.errors import CheckpointError
 from keel.model.flops import ffn_hidden_dim
 from keel.model.init import canonical_name
 from keel.model.llama import Llama, width_ratio
+from keel.model.moe import expert_dim
 from keel.paths import check_writable_dir
 
 SINGLE = "model.safetensors"
@@ -159,28 +169,31 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The keel ModelConfig of a Hugging Face Llama (or Qwen3) config; refuses what keel's model cannot
-    represent."""
-    return ModelConfig(**hf_model_fields(hf))
+    """The keel ModelConfig of a Hugging Face Llama (or Qwen3, Qwen3-MoE) config; refuses what keel's model
+    cannot represent."""
+    return model_config(hf_model_fields(hf))
 
 
 def read_hf_config(path: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face Llama directory's config.json."""
-    return ModelConfig(**read_hf_model_fields(path))
+    return model_config(read_hf_model_fields(path))
 
 
 def check_hf_matches(path: Path, cfg: ModelConfig) -> None:
     """Refuse a Hugging Face model whose architecture differs from the run's model config."""
     check_hf_expressible(cfg)
     taken = read_hf_model_fields(path)
-    diffs = [f"model.{key} = {getattr(cfg, key)} but {SOURCES[key]} = {value}" for key, value in taken.items()
-             if key not in FREE | {"ffn_dim", "head_dim"} and getattr(cfg, key) != value]
-    if head_size(cfg) != head_size(ModelConfig(**taken)):
+    diffs = [f"model.{key} = {field_value(cfg, key)} but {SOURCES[key]} = {value}" for key, value in taken.items()
+             if key not in FREE | {"ffn_dim", "head_dim", "moe.expert_dim"} and field_value(cfg, key) != value]
+    if head_size(cfg) != head_size(model_config(taken)):
         diffs.append(f"the head size (model.head_dim, or model.dim / model.n_heads) is {head_size(cfg)} but "
-                     f"head_dim = {head_size(ModelConfig(**taken))}")
+                     f"head_dim = {head_size(model_config(taken))}")
     if ffn_hidden_dim(cfg) != taken["ffn_dim"]:
         diffs.append(f"the SwiGLU size (model.ffn_dim, or model.ffn_dim_multiplier and model.multiple_of) is "
                      f"{ffn_hidden_dim(cfg)} but intermediate_size = {taken['ffn_dim']}")
+    if "moe.expert_dim" in taken and expert_dim(cfg) != taken["moe.expert_dim"]:
+        diffs.append(f"the experts' size (model.moe.expert_dim, or the dense one) is {expert_dim(cfg)} but "
+                     f"moe_intermediate_size = {taken['moe.expert_dim']}")
     if diffs:
         raise CheckpointError(f"the model config does not match the Hugging Face model {str(path)!r}: "
                               f"{'; '.join(diffs)}; set the model.* fields to match")

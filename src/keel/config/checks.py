@@ -78,8 +78,8 @@ def _check_fault_tolerance(cfg: Config) -> None:
 
 def _check_model(m: ModelConfig, t: TrainConfig) -> None:
     if m.init_from and not m.init_from.startswith("hf:"):
-        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama or "
-                          "Qwen3 directory")
+        raise ConfigError(f"model.init_from = {m.init_from!r}: expected hf:PATH, a Hugging Face Llama, "
+                          "Qwen3 or Qwen3-MoE directory")
     if m.head_dim and m.head_dim % 2:
         raise ConfigError(f"model.head_dim = {m.head_dim} must be even for RoPE")
     if not m.head_dim and m.dim % m.n_heads:
@@ -124,9 +124,6 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"model.moe.dense_layers = {moe.dense_layers} leaves no mixture-of-experts block among "
                           f"model.n_layers = {m.n_layers}; set dense_layers below {m.n_layers} or model.moe.experts "
                           f"= 0")
-    if m.init_from:
-        raise ConfigError(f"model.init_from = {m.init_from!r} imports a dense Hugging Face model, which has no "
-                          f"experts; set model.moe.experts = 0 or start from random weights")
     if moe.aux_loss_coeff and p.cp > 1:
         raise ConfigError(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff} with parallel.cp = {p.cp}: the "
                           f"sequence-wise balance loss needs each whole sequence's routing, and a context-parallel "

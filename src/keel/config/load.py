@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.config.checks import check_consistency
-from keel.config.hf import fill_from_hf
+from keel.config.hf import fill_from_hf, given_fields
 from keel.config.schema import INT_MAX, Config, SourceConfig
 from keel.errors import ConfigError
 from keel.paths import check_input, shown
@@ -191,13 +191,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config file {shown(path)} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"config file {shown(path)} cannot be read: {e.strerror or e}") from None
-    in_file = set(data["model"]) if isinstance(data.get("model"), dict) else set()
+    in_file = given_fields([], data.get("model"))
     on_command_line: set[str] = set()
     for text in overrides:
         keys, value = parse_override(text)
         _apply_override(data, keys, value, text)
         if keys[0] == "model":
-            on_command_line |= set(keys[1:2]) or (set(value) if isinstance(value, dict) else set())
+            on_command_line |= given_fields(keys[1:], value)
     fill_from_hf(data, in_file, on_command_line)
     cfg = _build(Config, data, "")
     if not cfg.name:

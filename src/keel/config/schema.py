@@ -95,8 +95,8 @@ class ModelConfig:
                                   "the same model as sp at dim = base_dim", choices=("sp", "mup"))
     base_dim: int = option(0, "mup: the base width the hyper-parameters were tuned at (0: model.dim)", ge=0)
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
-                            "Hugging Face Llama or Qwen3 directory (config.json + model.safetensors), whose "
-                            "config.json sets the other model.* fields")
+                            "Hugging Face Llama, Qwen3 or Qwen3-MoE directory (config.json + model.safetensors), "
+                            "whose config.json sets the other model.* fields")
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
