@@ -1,14 +1,17 @@
 """Hugging Face Llama interchange: export a keel checkpoint's weights as a `LlamaForCausalLM` directory
 (config.json + safetensors, and the run's tokenizer: `keel.checkpoint.hf_tokenizer`) and load such a
 directory into a keel model. A model with QK-norm goes as a `Qwen3ForCausalLM`: Llama's architecture with
-an RMSNorm on each head's queries and keys before RoPE, as keel's. Embedding scaling or normalisation
-has no counterpart in either, and is refused. Which model fields a Hugging Face config.json sets (Llama 3's
-RoPE scaling among them) is `keel.config.hf`'s; `hf_config` writes them back.
+an RMSNorm on each head's queries and keys before RoPE, as keel's; a mixture of experts as a
+`Qwen3MoeForCausalLM`, Qwen3 whose blocks after `mlp_only_layers` route each token to softmax-scored
+experts, each stored as its own SwiGLU. Embedding scaling or normalisation has no counterpart in any, and
+is refused, as is a mixture of experts Qwen3-MoE does not express (`keel.config.hf.QWEN3_MOE`). Which model
+fields a Hugging Face config.json sets (Llama 3's RoPE scaling among them) is `keel.config.hf`'s;
+`hf_config` writes them back.
 
 keel's RoPE rotates adjacent feature pairs (2i, 2i+1) of each head, Meta's original layout; Hugging Face
 rotates the two halves (i, i + head_dim/2). The attention is the same once the rows of wq and wk (and the
 gains of the QK-norm) are permuted within each head, so export permutes them and import undoes it; every
-other weight maps 1:1.
+other weight maps 1:1, but the routed experts' 3-D weights, one 2-D tensor per expert.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from keel.config.hf import (
     ARCHITECTURES,
     CONFIG,
     FREE,
+    QWEN3_MOE,
     SOURCES,
     field_value,
     hf_model_fields,
@@ -65,8 +69,11 @@ _BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
-          "attention.k_norm.weight": "self_attn.k_norm.weight"}
+          "attention.k_norm.weight": "self_attn.k_norm.weight", "moe.router.gate.weight": "mlp.gate.weight"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+# A routed experts' weight (experts, rows, columns) is one (rows, columns) tensor per expert in Qwen3-MoE.
+_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
+_EXPERT_HF = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def hf_name(name: str) -> str:
@@ -77,6 +84,14 @@ def hf_name(name: str) -> str:
     if m is None or m.group(2) not in _BLOCK:
         raise CheckpointError(f"keel parameter {name!r} has no Hugging Face Llama counterpart")
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+
+
+def hf_names(name: str, experts: int) -> list[str]:
+    """The Hugging Face names of the tensors a keel parameter is stored as: one, or one per expert."""
+    m = _EXPERTS.fullmatch(name)
+    if m is None:
+        return [hf_name(name)]
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_HF[m.group(2)]}.weight" for e in range(experts)]
 
 
 def _to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -100,8 +115,30 @@ def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
+def _hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A keel tensor as the Hugging Face tensors it is stored as (by name)."""
+    heads = _rope_heads(name, cfg)
+    tensor = _to_halves(tensor, heads) if heads else tensor
+    pieces = tensor.unbind(0) if _EXPERTS.fullmatch(name) else (tensor,)
+    return dict(zip(hf_names(name, cfg.moe.experts), pieces, strict=True))
+
+
+def _check_qwen3_moe(cfg: ModelConfig) -> None:
+    """Refuse a mixture of experts that Qwen3-MoE cannot represent. The selection bias is checked where it is,
+    in a checkpoint: a rate that has not moved it yet changes nothing."""
+    if not cfg.qk_norm:
+        raise CheckpointError("model.qk_norm = false in a mixture-of-experts model: its Hugging Face counterpart, "
+                              "Qwen3-MoE, normalises each head's queries and keys; only a mixture of experts with "
+                              "model.qk_norm = true is exchanged")
+    for key, value in QWEN3_MOE.items():
+        if key != "moe.bias_update_rate" and field_value(cfg, key) != value:
+            raise CheckpointError(f"model.{key} = {field_value(cfg, key)!r} has no Qwen3-MoE counterpart (whose "
+                                  f"{key.removeprefix('moe.')} is {value!r}); only a mixture of experts with "
+                                  f"model.{key} = {value!r} is exchanged")
+
+
 def check_hf_expressible(cfg: ModelConfig) -> None:
-    """Refuse a model that neither Hugging Face Llama nor Qwen3 can represent."""
+    """Refuse a model that neither Hugging Face Llama, Qwen3 nor Qwen3-MoE can represent."""
     if width_ratio(cfg) != 1.0:
         raise CheckpointError(f"model.parametrization = 'mup' at model.dim = {cfg.dim} != model.base_dim = "
                               f"{cfg.base_dim} scales the output logits and the attention, which Hugging Face "
@@ -110,8 +147,7 @@ def check_hf_expressible(cfg: ModelConfig) -> None:
         raise CheckpointError(f"model.embedding_norm = {cfg.embedding_norm!r} has no Hugging Face Llama or Qwen3 "
                               f"counterpart; only a model with model.embedding_norm = 'none' is exchanged")
     if cfg.moe.experts:
-        raise CheckpointError(f"a mixture-of-experts model (model.moe.experts = {cfg.moe.experts}) has no Hugging "
-                              f"Face export yet; only dense models (model.moe.experts = 0) are exchanged")
+        _check_qwen3_moe(cfg)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -131,13 +167,29 @@ def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}}
 
 
+def _moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's entries of config.json. The balance loss's coefficient only trains: transformers applies it
+    (with output_router_logits) to a loss of its own, over the batch and every layer."""
+    moe = cfg.moe
+    return {"num_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": expert_dim(cfg),
+            "norm_topk_prob": moe.normalize_top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(moe.dense_layers)), "router_aux_loss_coef": moe.aux_loss_coeff,
+            "output_router_logits": False, "use_sliding_window": False, "sliding_window": None}
+
+
+def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+            "layer_types": ["full_attention"] * cfg.n_layers}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int] | None = None) -> dict[str, Any]:
-    """config.json of a `LlamaForCausalLM` equal to a keel model. `special_tokens` ({"bos": …, "eos": …,
-    "pad": …}) fills the token ids; without it they are null, since Hugging Face's defaults (1, 2) would
-    name ordinary tokens of keel's byte tokenizer."""
+    """config.json of a `LlamaForCausalLM` (or Qwen3, Qwen3-MoE) equal to a keel model. `special_tokens`
+    ({"bos": …, "eos": …, "pad": …}) fills the token ids; without it they are null, since Hugging Face's
+    defaults (1, 2) would name ordinary tokens of keel's byte tokenizer."""
     check_hf_expressible(cfg)
     tokens = special_tokens or {}
-    model_type = "qwen3" if cfg.qk_norm else "llama"
+    model_type = "qwen3_moe" if cfg.moe.experts else "qwen3" if cfg.qk_norm else "llama"
+    extra = {"llama": {}, "qwen3": _qwen3_config(cfg), "qwen3_moe": _moe_config(cfg)}[model_type]
     return {
         "architectures": [ARCHITECTURES[model_type][0]],
         "model_type": model_type,
@@ -163,8 +215,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, in
         "use_cache": True,
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
-        **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
-            "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}),
+        **extra,
     }
 
 
@@ -205,7 +256,8 @@ def _check_hf_weights(path: Path, cfg: ModelConfig) -> None:
     its header and checks that the file covers every tensor's bytes."""
     where = _hf_files(path)
     with torch.device("meta"):
-        needed = [hf_name(canonical_name(name)) for name, _ in Llama(cfg).named_parameters()]
+        needed = [source for name, _ in Llama(cfg).named_parameters()
+                  for source in hf_names(canonical_name(name), cfg.moe.experts)]
     if missing := [name for name in needed if name not in where]:
         raise CheckpointError(f"{str(path)!r} has no tensor {missing[0]!r} ({len(missing)} of the model's "
                               f"{len(needed)} missing); pass a complete Hugging Face Llama directory")
@@ -268,6 +320,7 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
     shapes = {name: p.shape for name, p in model.named_parameters()}
     names = list(shapes)
     stored = _stored_dtypes(checkpoint, metadata, shapes)
+    _check_selection_bias(checkpoint, metadata, model)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [math.prod(shapes[name]) * itemsize for name in names]
     groups = _shards(sizes, max_shard_bytes)
@@ -285,10 +338,9 @@ def export_hf(checkpoint: Path | str, cfg: ModelConfig, out: Path, dtype: torch.
             _load_model_tensors(checkpoint, part)
             tensors = {}
             for name, tensor in part.items():
-                heads = _rope_heads(name, cfg)
-                tensor = _to_halves(tensor, heads) if heads else tensor
-                tensors[hf_name(name)] = tensor.to(dtype).contiguous()
-                weight_map[hf_name(name)] = file
+                for source, piece in _hf_tensors(name, tensor, cfg).items():
+                    tensors[source] = piece.to(dtype).contiguous()
+                    weight_map[source] = file
             save_file(tensors, tmp / file, metadata={"format": "pt"})
             del part, tensors
         written = list(files)
@@ -331,6 +383,20 @@ def _persistent_buffers(model: Llama) -> dict[str, torch.Tensor]:
 def _saved_tensors(model: Llama) -> dict[str, torch.Tensor]:
     """What a checkpoint holds of a model, by name: its parameters (a tied one once) and persistent buffers."""
     return {**dict(model.named_parameters()), **_persistent_buffers(model)}
+
+
+def _check_selection_bias(checkpoint: Path | str, metadata: Metadata, model: Llama) -> None:
+    """Qwen3-MoE chooses experts by their scores alone: refuse a checkpoint whose selection biases moved."""
+    shapes = {name: b.shape for name, b in _persistent_buffers(model).items() if name.endswith("expert_bias")}
+    stored = _stored_dtypes(checkpoint, metadata, shapes)
+    biases = {name: torch.empty(shape, dtype=stored[name]) for name, shape in shapes.items()}
+    _load_model_tensors(checkpoint, biases)
+    for name, bias in biases.items():
+        if bias.any():
+            raise CheckpointError(f"{str(checkpoint)!r} holds a non-zero expert selection bias {name!r} (max |bias| "
+                                  f"{bias.abs().max():.3g}, moved by model.moe.bias_update_rate), which Qwen3-MoE "
+                                  f"has no counterpart of; only a model trained with model.moe.bias_update_rate = 0 "
+                                  f"is exported")
 
 
 def _load_model_tensors(checkpoint: Path | str, part: dict[str, torch.Tensor]) -> None:

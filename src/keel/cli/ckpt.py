@@ -23,7 +23,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     exp = ksub.add_parser("export", help="write a checkpoint's model in another format")
     exp.add_argument("path", action=PathArg, check=checkpoints_at(),
                      help="run directory (its newest verified checkpoint) or one checkpoint")
-    exp.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face Llama safetensors")
+    exp.add_argument("--format", choices=("hf",), default="hf",
+                     help="hf: Hugging Face safetensors (Llama, Qwen3 or Qwen3-MoE)")
     exp.add_argument("--out", action=PathArg, check=writes_dir, required=True,
                      help="output directory (must not exist or be empty)")
     exp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the exported weights")

@@ -256,15 +256,6 @@ def test_an_embedding_scale_or_norm_is_refused_before_anything_is_written(tmp_pa
         load_hf_weights(build(cfg), out)
 
 
-def test_a_mixture_of_experts_model_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(TINY, moe=MoEConfig(experts=4, top_k=2))
-    save_checkpoint(build(cfg), tmp_path / "ckpt")
-    with pytest.raises(CheckpointError) as e:
-        export_hf(tmp_path / "ckpt", cfg, tmp_path / "hf")
-    assert len(str(e.value).splitlines()) == 1 and "model.moe.experts = 4" in str(e.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-
-
 # ---------------------------------------------------------------- configs
 
 @pytest.mark.parametrize(("dim", "hidden"), [(4096, 11008), (4096, 14336), (64, 192), (64, 170), (64, 32), (64, 171),
