@@ -474,33 +474,51 @@ def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         yield canonical_name(name), param
 
 
+class _HfTensors:
+    """The tensors of a Hugging Face directory, read one at a time, each file opened once (in `stack`)."""
+
+    def __init__(self, path: Path, stack: ExitStack) -> None:
+        self.path, self.where, self.stack = path, _hf_files(path), stack
+        self.opened: dict[Path, Any] = {}
+
+    def read(self, source: str, shape: list[int], name: str) -> torch.Tensor:
+        """Tensor `source`, which keel's `name` expects to have `shape`."""
+        if source not in self.where:
+            raise CheckpointError(f"{str(self.path)!r} has no tensor {source!r} (keel's {name!r})")
+        file = self.where[source]
+        if file not in self.opened:
+            self.opened[file] = self.stack.enter_context(_open(file))
+        handle = self.opened[file]
+        if source not in handle.keys():  # noqa: SIM118
+            raise CheckpointError(f"{str(file)!r} has no tensor {source!r} though the index names it")
+        found = list(handle.get_slice(source).get_shape())
+        if found != shape:
+            raise CheckpointError(f"{str(self.path)!r}: tensor {source!r} has shape {found}, keel's {name!r} "
+                                  f"expects {shape}")
+        tensor: torch.Tensor = handle.get_tensor(source)
+        return tensor
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: Path) -> None:
     """Fill a keel Llama, or a pipeline stage of one, from a Hugging Face Llama directory: the counterpart
     of `init_weights` for a run that starts from pretrained weights. Parameters may be DTensors; each
-    process reads the full tensors it needs (lazily, one at a time) and keeps its own shard."""
+    process reads the full tensors it needs (lazily, one at a time) and keeps its own shard. The experts'
+    selection biases start at zero, as Qwen3-MoE has none."""
     path = Path(path)
     cfg = model.cfg
     check_hf_matches(path, cfg)
     model.reset_buffers()
-    where = _hf_files(path)
+    for moe in model.moe_layers().values():
+        moe.expert_bias.zero_()
     with ExitStack() as stack:
-        opened: dict[Path, Any] = {}
+        tensors = _HfTensors(path, stack)
         for name, param in _parameters(model):
-            source = hf_name(name)
-            if source not in where:
-                raise CheckpointError(f"{str(path)!r} has no tensor {source!r} (keel's {name!r})")
-            file = where[source]
-            if file not in opened:
-                opened[file] = stack.enter_context(_open(file))
-            handle = opened[file]
-            if source not in handle.keys():  # noqa: SIM118
-                raise CheckpointError(f"{str(file)!r} has no tensor {source!r} though the index names it")
-            found = list(handle.get_slice(source).get_shape())
-            if found != list(param.shape):
-                raise CheckpointError(f"{str(path)!r}: tensor {source!r} has shape {found}, keel's {name!r} "
-                                      f"expects {list(param.shape)}")
-            full = handle.get_tensor(source)
+            if _EXPERTS.fullmatch(name):  # one tensor per expert
+                full = torch.stack([tensors.read(source, list(param.shape[1:]), f"{name}[{e}]")
+                                    for e, source in enumerate(hf_names(name, cfg.moe.experts))])
+            else:
+                full = tensors.read(hf_name(name), list(param.shape), name)
             heads = _rope_heads(name, cfg)
             full = _to_pairs(full, heads) if heads else full
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -1,5 +1,6 @@
 """Mixture-of-experts models exchanged as Qwen3-MoE: a keel model exported gives its logits in transformers'
-Qwen3MoeForCausalLM, and what Qwen3-MoE cannot express is refused with one line before anything is written."""
+Qwen3MoeForCausalLM, a Qwen3-MoE made by transformers imports with only `model.init_from` set, trains and
+exports again, and what Qwen3-MoE cannot express is refused with one line before anything is written."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from keel.checkpoint.export import CONFIG, INDEX, export_hf
-from keel.config import ModelConfig, MoEConfig
+from keel.checkpoint.export import CONFIG, INDEX, SINGLE, export_hf, load_checkpoint_model, load_hf_weights
+from keel.config import ModelConfig, MoEConfig, load_config
 from keel.errors import CheckpointError
 from keel.model.llama import Llama
-from tests.unit.checkpoint.test_export import TINY, build, logits, save_checkpoint, tokens
+from tests.conftest import run_keel
+from tests.unit.checkpoint.test_export import TINY, assert_round_trip, build, logits, save_checkpoint, tokens
 
 # Two blocks after a dense one, each of 4 experts of their own width (48, the dense one's 192), 2 chosen per token.
 MOE = dataclasses.replace(TINY, n_layers=3, qk_norm=True,
@@ -56,6 +58,8 @@ def refused(tmp_path: Path, cfg: ModelConfig, model: Llama | None = None) -> str
     return str(e.value)
 
 
+# ---------------------------------------------------------------- export
+
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "softmax_values"])
 def test_transformers_reproduces_keel_moe_logits(tmp_path: Path, transformers, normalize: bool) -> None:
     cfg = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, normalize_top_k=normalize))
@@ -75,7 +79,7 @@ def test_transformers_reproduces_keel_moe_logits(tmp_path: Path, transformers, n
     torch.testing.assert_close(theirs, logits(model, x), rtol=0, atol=1e-4)
 
 
-def test_each_expert_is_stored_as_its_own_tensors(tmp_path: Path) -> None:
+def test_each_expert_is_its_own_tensor_and_loads_back_bitwise(tmp_path: Path) -> None:
     model, out = exported(tmp_path, MOE, max_shard_bytes=40_000)
     found: dict[str, torch.Tensor] = {}
     for shard in sorted(out.glob("model-*.safetensors")):
@@ -88,6 +92,7 @@ def test_each_expert_is_stored_as_its_own_tensors(tmp_path: Path) -> None:
         assert torch.equal(found[f"model.layers.2.mlp.experts.{e}.down_proj.weight"], experts.w2[e])
     assert torch.equal(found["model.layers.2.mlp.gate.weight"], model.layers["2"].moe.router.gate.weight)
     assert "model.layers.0.mlp.gate_proj.weight" in found and not any("layers.0.mlp.experts" in n for n in found)
+    assert_round_trip(model, out)
 
 
 @pytest.mark.parametrize(("change", "expect"), [
@@ -115,3 +120,86 @@ def test_a_moved_selection_bias_is_refused_and_a_resting_one_exports(tmp_path: P
     msg = refused(tmp_path / "moved", cfg, model)
     assert "non-zero expert selection bias 'layers.2.moe.expert_bias' (max |bias| 0.001" in msg, msg
     assert "only a model trained with model.moe.bias_update_rate = 0 is exported" in msg, msg
+
+
+# ---------------------------------------------------------------- import
+
+@pytest.fixture
+def qwen3_moe(tmp_path: Path, transformers) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Qwen3-MoE saved by transformers: one leading dense layer (mlp_only_layers) of its own
+    width, then 4 experts per block, 2 chosen with their weights normalised, heads wider than
+    hidden_size / heads, and every norm gain and the routers perturbed so that a misplaced one shows."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, moe_intermediate_size=40, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    decisive(model, "mlp.gate.weight")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    out = tmp_path / "qwen3_moe"
+    model.save_pretrained(out)
+    return out, model
+
+
+def test_a_missing_or_misshapen_expert_is_named(tmp_path: Path) -> None:
+    model, out = exported(tmp_path, MOE)
+    tensors = load_file(out / SINGLE)
+    tensors["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(40, 64)
+    save_file(tensors, out / SINGLE, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_hf_weights(build(MOE), out)
+    assert len(str(e.value).splitlines()) == 1
+    assert ("tensor 'model.layers.1.mlp.experts.3.up_proj.weight' has shape [40, 64], keel's "
+            "'layers.1.moe.experts.w3[3]' expects [48, 64]") in str(e.value), str(e.value)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, out / SINGLE, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"):
+        load_hf_weights(build(MOE), out)
+
+
+def test_a_transformers_qwen3_moe_imports_with_its_logits(qwen3_moe) -> None:
+    path, hf = qwen3_moe
+    m = load_config(None, [f"model.init_from=hf:{path}", "train.seq_len=64"]).model
+    assert (m.qk_norm, m.head_dim, m.ffn_dim, m.n_layers) == (True, 24, 160, 3)
+    assert m.moe == MoEConfig(experts=4, top_k=2, expert_dim=40, dense_layers=1, normalize_top_k=True)
+    model = Llama(m).eval()
+    load_hf_weights(model, path)
+    x = tokens(m, seq=48)
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(logits(model, x), theirs, rtol=0, atol=1e-4)
+
+
+def test_an_imported_qwen3_moe_trains_and_exports_for_transformers(qwen3_moe, transformers, small_corpus: Path,
+                                                                   tmp_path: Path) -> None:
+    """`keel train --config tiny_moe model.init_from=hf:DIR` on one process, 5 steps (the config's own experts
+    give way to the model's); the export loads in transformers and gives keel's logits of the trained
+    checkpoint."""
+    path, _ = qwen3_moe
+    run_dir, out = tmp_path / "run", tmp_path / "export"
+    trained = run_keel(["train", "--config", "tiny_moe", "--run-dir", str(run_dir), f"model.init_from=hf:{path}",
+                        f"data.dir={small_corpus}", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4",
+                        "train.steps=5", "checkpoint.interval=5", "eval.interval=0", "eval.final=false",
+                        "health.preflight_probe_mib=4"], cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert f"initialised the weights from hf:{path}" in trained.stdout
+    exported = run_keel(["ckpt", "export", str(run_dir), "--format", "hf", "--out", str(out)], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    before, after = load_file(path / SINGLE), load_file(out / SINGLE)
+    assert sorted(before) == sorted(after)
+    moved = "model.layers.2.mlp.experts.3.down_proj.weight"
+    assert not torch.equal(before[moved], after[moved])
+
+    cfg = load_config(run_dir / "config.toml").model
+    assert cfg.moe == MoEConfig(experts=4, top_k=2, expert_dim=40, dense_layers=1, normalize_top_k=True)
+    model = load_checkpoint_model(run_dir / "checkpoints" / "step-000005", cfg, torch.device("cpu"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = tokens(cfg, seq=64)
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(theirs, logits(model, x), rtol=0, atol=1e-4)
