@@ -10,7 +10,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from keel.config import ModelConfig, load_config
-from keel.model.flops import active_param_count, flops_per_token, matmul_param_count, param_count
+from keel.model.flops import flops_per_token, matmul_param_count, param_count
 from keel.model.init import INIT_STD, canonical_name, init_weights, name_seed
 from keel.model.llama import Llama, ffn_hidden_dim, llama3_frequencies, rope_tables
 from tests.conftest import REPO
@@ -142,17 +142,6 @@ def test_flops_per_token(cfg: ModelConfig) -> None:
 def test_ffn_hidden_dim_of_llama3(name: str, hidden: int) -> None:
     # The FFN dimensions of "The Llama 3 Herd of Models", Table 3, and of Llama 3.2 1B's model card.
     assert ffn_hidden_dim(load_config(REPO / "configs" / f"{name}.toml").model) == hidden
-
-
-@pytest.mark.parametrize(("name", "total", "active"), [("qwen3_30b_a3b", 30.5e9, 3.3e9),
-                                                       ("mixtral_8x7b", 46.7e9, 12.9e9), ("deepseek_v3", 671e9, 37e9)])
-def test_the_shipped_mixture_of_experts_shapes_have_their_published_sizes(name: str, total: float,
-                                                                          active: float) -> None:
-    """Total and active parameters within 2% of those their reports publish (Qwen3: arXiv 2505.09388; Mixtral:
-    arXiv 2401.04088; DeepSeek-V3: arXiv 2412.19437, its attention as grouped-query heads of as many parameters)."""
-    cfg = load_config(REPO / "configs" / f"{name}.toml").model
-    assert param_count(cfg) == pytest.approx(total, rel=0.02)
-    assert active_param_count(cfg) == pytest.approx(active, rel=0.02)
 
 
 def test_ffn_hidden_dim_rounds_up_to_multiple_of() -> None:
