@@ -46,7 +46,8 @@ def write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
 
 def test_config_directory_holds_the_shipped_configs() -> None:
     # Guards the parametrisation below against silently testing nothing.
-    assert {"tiny", "small", "llama3_8b", "llama3_70b", "llama3_405b"} <= {p.stem for p in CONFIG_FILES}
+    assert {"tiny", "small", "llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "qwen3_30b_a3b",
+            "mixtral_8x7b"} <= {p.stem for p in CONFIG_FILES}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)

