@@ -46,6 +46,7 @@ def test_bash_completes_commands_flags_values_and_paths(tmp_path: Path, capsys: 
         ("keel", "train", "--max"): ["--max-restarts"],
         ("keel", "train", "--n"): ["--nnodes", "--nproc"],
         ("keel", "train", "--config", "ti"): ["tiny", "tiny_moe"],
+        ("keel", "plan", "--config", "mix"): ["mixtral_8x7b"],
         ("keel", "train", "--config", "=", "sm"): ["small"],  # --config=sm, as bash splits it
         ("keel", "train", "train.st"): ["train.steps="],
         ("keel", "train", "--nproc", "2", "optim.l"): ["optim.lr="],
