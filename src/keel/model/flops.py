@@ -9,15 +9,26 @@ from keel.config import ModelConfig, ffn_hidden_dim, head_size
 FUSED_CHUNK = 2**24  # elements of a slice of logits the fused cross entropy computes in fp32 at once (64 MiB)
 
 
+def block_param_count(cfg: ModelConfig, layer: int, routed: int | None = None) -> int:
+    """Block `layer`'s parameters: attention, its two norms' gains and its feed-forward; in a mixture-of-experts
+    block the router, the shared experts and `routed` of its routed experts (None: every one)."""
+    attention = cfg.dim * head_size(cfg) * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    moe = cfg.moe
+    if not (moe.experts and layer >= moe.dense_layers):
+        return attention + 2 * cfg.dim + 3 * cfg.dim * ffn_hidden_dim(cfg)
+    expert = 3 * cfg.dim * (moe.expert_dim or ffn_hidden_dim(cfg))
+    routed = moe.experts if routed is None else routed
+    return attention + 2 * cfg.dim + cfg.dim * moe.experts + (routed + moe.shared_experts) * expert
+
+
+def routed_expert_param_count(cfg: ModelConfig, layer: int) -> int:
+    """Every routed expert's parameters in block `layer` (what expert parallelism splits); 0 in a dense block."""
+    return block_param_count(cfg, layer) - block_param_count(cfg, layer, 0)
+
+
 def _params(cfg: ModelConfig, routed: int) -> int:
     """The parameters of the model when each mixture-of-experts block counts `routed` of its routed experts."""
-    attention = cfg.dim * head_size(cfg) * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    dense = 3 * cfg.dim * ffn_hidden_dim(cfg)
-    moe = cfg.moe
-    moe_layers = max(0, cfg.n_layers - moe.dense_layers) if moe.experts else 0
-    expert = 3 * cfg.dim * (moe.expert_dim or ffn_hidden_dim(cfg))
-    mixture = cfg.dim * moe.experts + (routed + moe.shared_experts) * expert  # router, routed and shared experts
-    blocks = cfg.n_layers * (attention + 2 * cfg.dim) + (cfg.n_layers - moe_layers) * dense + moe_layers * mixture
+    blocks = sum(block_param_count(cfg, layer, routed) for layer in range(cfg.n_layers))
     embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     return blocks + embeddings + cfg.dim
 

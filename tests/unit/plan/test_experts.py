@@ -9,7 +9,13 @@ from functools import cache
 import pytest
 
 from keel.config import ModelConfig, load_config
-from keel.model.flops import active_param_count, matmul_param_count, param_count
+from keel.model.flops import (
+    active_param_count,
+    block_param_count,
+    matmul_param_count,
+    param_count,
+    routed_expert_param_count,
+)
 from tests.conftest import REPO
 
 
@@ -45,3 +51,16 @@ def test_deepseek_v3s_attention_stands_in_for_mla_parameter_for_parameter() -> N
 def test_qwen3_30b_a3b_holds_its_published_non_embedding_parameters() -> None:
     cfg = model("qwen3_30b_a3b")  # the model card: 29.9B without the (untied) embeddings
     assert param_count(cfg) - 2 * cfg.vocab_size * cfg.dim == pytest.approx(29.9e9, rel=0.005)
+
+
+@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_moe", "llama3_8b"])
+def test_blocks_add_up_to_the_model_and_their_routed_experts_are_the_difference(name: str) -> None:
+    cfg = model(name)
+    outside = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.dim  # embeddings, final norm
+    blocks = range(cfg.n_layers)
+    assert sum(block_param_count(cfg, i) for i in blocks) + outside == param_count(cfg)
+    assert sum(block_param_count(cfg, i, cfg.moe.top_k) for i in blocks) + outside == active_param_count(cfg)
+    hidden = cfg.moe.expert_dim or cfg.ffn_dim
+    for i in blocks:
+        moe = bool(cfg.moe.experts) and i >= cfg.moe.dense_layers
+        assert routed_expert_param_count(cfg, i) == (cfg.moe.experts * 3 * cfg.dim * hidden if moe else 0)
