@@ -39,8 +39,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "detect_s, restart_s, repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation); "
                     "flags win over it")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
-                    "dp_replicate, micro_batch, ac) and rank it among the searched ones; a config's [parallel] "
-                    "gives one too")
+                    "dp_replicate, cp, ep, micro_batch, ac, zero) and rank it among the searched ones; a config's "
+                    "[parallel] gives one too")
     pl.add_argument("--calibrate", action=PathArg, check=reads("dir", "pass the run directory of a measured run"),
                     metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
     pl.add_argument("--sweep", action=PathArg, check=reads("dir", "pass the directory of a keel sweep"),

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 from keel.config import Config, ModelConfig, ParallelConfig, load_config
 from keel.errors import KeelError
-from keel.model.flops import flops_per_token, param_count
+from keel.model.flops import (
+    active_param_count,
+    block_param_count,
+    flops_per_token,
+    param_count,
+    routed_expert_param_count,
+)
 from keel.model.split import stage_blocks
 from keel.parallel.degrees import resolve_degrees
 from keel.rundir.events import read_jsonl
@@ -35,6 +41,10 @@ class Layout:
     # context parallel: each sequence split into 2·cp chunks over cp ranks (rank r holds chunks r and 2·cp−1−r);
     # data-parallel for the parameters (FSDP shards over dp_shard × cp), not for the batch
     cp: int = 1
+    # expert parallel: a mixture-of-experts model's routed experts split over ep consecutive ranks of dp_shard × cp
+    # (borrowed from them: not a factor of the device count), each group's experts FSDP-sharded over the
+    # dp_shard × cp / ep ranks left over
+    ep: int = 1
     micro_batch: int = 1  # sequences per micro-batch per rank
     ac: str = "none"  # activation checkpointing: none | selective | full
     sp: bool = True  # sequence parallel alongside tp > 1
@@ -53,6 +63,10 @@ class Layout:
         """Ranks the sharded state (FSDP, ZeRO) is split over: dp_shard × cp, as torchtitan does."""
         return self.dp_shard * self.cp
 
+    def expert_shard(self) -> int:
+        """Ranks that hold the same experts and shard them (efsdp): dp_shard × cp / ep."""
+        return self.shard() // self.ep
+
     def spec(self) -> str:
         """The layout as `keel plan --layout` takes it."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "sp")
@@ -60,7 +74,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{name}{value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
                                                        ("dp_shard", self.dp_shard),
-                                                       ("dp_replicate", self.dp_replicate)) if value > 1]
+                                                       ("dp_replicate", self.dp_replicate), ("ep", self.ep))
+                 if value > 1]
         if self.v > 1:
             parts.append(f"v{self.v}")
         parts.append(f"mb{self.micro_batch}")
@@ -96,7 +111,28 @@ class Workload:
 
     @cached_property
     def n_params(self) -> int:
+        """Every parameter, every expert's: what memory and checkpoints hold."""
         return param_count(self.model)
+
+    @cached_property
+    def n_active(self) -> int:
+        """The parameters a token goes through (`n_params` for a dense model): what the FLOPs count."""
+        return active_param_count(self.model)
+
+    @cached_property
+    def block_params(self) -> tuple[int, ...]:
+        """Each block's parameters, every expert's."""
+        return tuple(block_param_count(self.model, i) for i in range(self.model.n_layers))
+
+    @cached_property
+    def block_experts(self) -> tuple[int, ...]:
+        """Each block's routed experts' parameters (0 in a dense block): what expert parallelism splits."""
+        return tuple(routed_expert_param_count(self.model, i) for i in range(self.model.n_layers))
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per mixture-of-experts block (0: a dense model)."""
+        return self.model.moe.experts
 
     @cached_property
     def flops_per_token(self) -> float:
@@ -124,10 +160,24 @@ class Workload:
 
 def rank_blocks(work: Workload, layout: Layout) -> list[int]:
     """Blocks on each pipeline rank: stage s of the pp × v stages (keel.model.split) is on rank s mod pp."""
-    blocks = [0] * layout.pp
-    for stage, count in enumerate(stage_blocks(work.model.n_layers, layout.pp * layout.v)):
-        blocks[stage % layout.pp] += count
-    return blocks
+    return [len(ids) for ids in rank_block_ids(work.model.n_layers, layout.pp, layout.v)]
+
+
+@cache
+def rank_block_ids(n_layers: int, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks (by index) of each of the pp pipeline ranks, whose stage s of pp × v is on rank s mod pp."""
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    first = 0
+    for stage, count in enumerate(stage_blocks(n_layers, pp * v)):
+        ranks[stage % pp].extend(range(first, first + count))
+        first += count
+    return tuple(tuple(ids) for ids in ranks)
+
+
+def rank_moe_blocks(work: Workload, layout: Layout) -> int:
+    """Mixture-of-experts blocks on the pipeline rank with the most of them."""
+    ids = rank_block_ids(work.model.n_layers, layout.pp, layout.v)
+    return max(sum(work.block_experts[i] > 0 for i in rank) for rank in ids)
 
 
 def pipeline_imbalance(work: Workload, layout: Layout) -> float:
@@ -156,21 +206,24 @@ def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layou
     return layout
 
 
+# The keys `--layout` takes (docs/planning.md): every degree keel runs, and `zero` for another trainer's sharding.
+# Sequence parallelism is not one: keel always runs it with TP.
+LAYOUT_KEYS = ("tp", "pp", "v", "dp_shard", "dp_replicate", "cp", "ep", "micro_batch", "ac", "zero")
+
+
 def parse_layout(text: str, gpus: int) -> Layout:
-    """`--layout tp=8,pp=16,cp=2,dp_shard=8,micro_batch=1,ac=full` (dp_shard left out: what the rest leaves)."""
-    names = {f.name: f.type for f in fields(Layout)}
+    """`--layout tp=8,pp=16,cp=2,dp_shard=8,ep=8,micro_batch=1,ac=full` (dp_shard left out: what the rest
+    leaves)."""
     values: dict[str, int | str | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")
         key = key.strip()
-        if not sep or key not in names:
-            raise KeelError(f"--layout {text!r}: {item!r} is not KEY=VALUE of {', '.join(names)}")
+        if not sep or key not in LAYOUT_KEYS:
+            raise KeelError(f"--layout {text!r}: {item!r} is not KEY=VALUE of {', '.join(LAYOUT_KEYS)}")
         if key == "ac":
             if raw not in ACS:
                 raise KeelError(f"--layout {text!r}: ac={raw}: expected one of {', '.join(ACS)}")
             values[key] = raw
-        elif key == "sp":
-            values[key] = raw.lower() in ("1", "true", "yes")
         elif not raw.lstrip("-").isdigit() or (int(raw) < 1 and not (key == "dp_shard" and int(raw) == -1)):
             raise KeelError(f"--layout {text!r}: {key}={raw}: expected a positive whole number")
         elif key == "zero" and int(raw) not in (1, 2, 3):
@@ -193,7 +246,7 @@ def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
         return None, []
     # parallel.cp read where the config has it (a config from before context parallelism has none: 1)
     values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
-                                           "dp_replicate": p.dp_replicate, "cp": p.cp,
+                                           "dp_replicate": p.dp_replicate, "cp": p.cp, "ep": p.ep,
                                            "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint}
     layout = _filled(values, gpus, "the config's [parallel]")
     if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch
@@ -228,7 +281,7 @@ def run_layout(run_dir: Path) -> TrainedRun:
     per_rank = cfg.train.global_batch // kept.dp
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
-                    dp_replicate=kept.dp_replicate, cp=kept.cp, micro_batch=micro,
+                    dp_replicate=kept.dp_replicate, cp=kept.cp, ep=kept.ep, micro_batch=micro,
                     ac=p.activation_checkpoint)
     precision = cfg.train.compute_precision(str(start["device"]).split(":")[0])  # "cuda:0" → cuda
     return TrainedRun(cfg, Workload.of(cfg, param_dtype=precision), layout, start)

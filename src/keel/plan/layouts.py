@@ -200,6 +200,7 @@ def explain(candidates: list[Candidate]) -> list[str]:
 def check_runnable(work: Workload, layout: Layout) -> None:
     """What keel needs of a given layout to run it, each a one-line error naming the layout."""
     m, dp, where = work.model, layout.dp(), f"layout {layout.describe()}"
+    _check_experts(work, layout, where)
     if m.n_heads % layout.tp or m.n_kv_heads % layout.tp or work.seq_len % layout.tp:
         raise KeelError(f"{where}: tp = {layout.tp} must divide the heads ({m.n_heads}), KV heads ({m.n_kv_heads}) "
                         f"and the sequence ({work.seq_len})")
@@ -215,6 +216,23 @@ def check_runnable(work: Workload, layout: Layout) -> None:
     if work.global_batch % dp or (work.global_batch // dp) % layout.micro_batch:
         raise KeelError(f"{where}: the global batch of {work.global_batch} sequences must split into {dp} "
                         f"data-parallel ranks of whole micro-batches of {layout.micro_batch}")
+
+
+def _check_experts(work: Workload, layout: Layout, where: str) -> None:
+    """What keel needs of expert parallelism (keel.parallel.degrees, keel.config.checks)."""
+    experts, ep = work.experts, layout.ep
+    if ep > 1 and not experts:
+        raise KeelError(f"{where}: ep = {ep} splits routed experts, but the model has none (model.moe.experts = 0); "
+                        f"use ep = 1")
+    if experts and layout.tp > 1:
+        raise KeelError(f"{where}: tp = {layout.tp}: keel runs no tensor parallelism of mixture-of-experts blocks; "
+                        f"use tp = 1")
+    lender = f"dp_shard × cp = {layout.dp_shard} × {layout.cp}" if layout.cp > 1 else f"dp_shard = {layout.dp_shard}"
+    if layout.shard() % ep:
+        raise KeelError(f"{where}: ep = {ep} must divide {lender}: the expert-parallel ranks are borrowed from the "
+                        f"ranks that shard the parameters")
+    if experts % ep:
+        raise KeelError(f"{where}: ep = {ep} must divide the {experts} routed experts of each block")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ parameters a token uses, the all-to-all of expert parallelism, and layouts searc
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 
 from keel.config import ModelConfig, load_config
+from keel.errors import KeelError
 from keel.model.flops import (
     active_param_count,
     block_param_count,
@@ -16,7 +18,8 @@ from keel.model.flops import (
     param_count,
     routed_expert_param_count,
 )
-from tests.conftest import REPO
+from keel.plan.layout import Layout, parse_layout
+from tests.conftest import REPO, run_keel
 
 
 @cache
@@ -64,3 +67,32 @@ def test_blocks_add_up_to_the_model_and_their_routed_experts_are_the_difference(
     for i in blocks:
         moe = bool(cfg.moe.experts) and i >= cfg.moe.dense_layers
         assert routed_expert_param_count(cfg, i) == (cfg.moe.experts * 3 * cfg.dim * hidden if moe else 0)
+
+
+# ---------------------------------------------------------------- layouts searched and given
+
+def test_a_layout_string_takes_ep_and_nothing_undocumented() -> None:
+    assert parse_layout("pp=16,ep=8", 2048) == Layout(pp=16, dp_shard=128, ep=8)
+    assert parse_layout(Layout(pp=2, dp_shard=4, ep=4).spec(), 8) == Layout(pp=2, dp_shard=4, ep=4)
+    for bad in ("sp=false", "expert=8", "ep8"):
+        with pytest.raises(KeelError) as e:
+            parse_layout(bad, 64)
+        message = str(e.value)
+        assert "\n" not in message and "is not KEY=VALUE of tp, pp, v, dp_shard, dp_replicate, cp, ep, micro_batch, " \
+            "ac, zero" in message
+
+
+@pytest.mark.parametrize("config, layout, message", [
+    ("qwen3_30b_a3b", "ep=3", "ep = 3 must divide dp_shard = 64: the expert-parallel ranks are borrowed"),
+    ("qwen3_30b_a3b", "pp=2,cp=1,dp_shard=32,ep=64", "ep = 64 must divide dp_shard = 32"),
+    ("mixtral_8x7b", "ep=16", "ep = 16 must divide the 8 routed experts of each block"),
+    ("qwen3_30b_a3b", "tp=2", "tp = 2: keel runs no tensor parallelism of mixture-of-experts blocks"),
+    ("llama3_8b", "ep=2", "ep = 2 splits routed experts, but the model has none"),
+    ("qwen3_30b_a3b", "sp=1", "'sp=1' is not KEY=VALUE of tp, pp, v, dp_shard, dp_replicate, cp, ep,"),
+])
+def test_keel_plan_refuses_an_expert_layout_it_cannot_run_in_one_line(tmp_path: Path, config: str, layout: str,
+                                                                       message: str) -> None:
+    result = run_keel(["plan", "--config", config, "--gpus", "64", "--tokens", "1e12", "--trials", "10",
+                       "--layout", layout], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
