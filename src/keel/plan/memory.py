@@ -8,7 +8,11 @@ the parameters), ZeRO-2 the gradients and optimizer state, ZeRO-1 the optimizer 
 each HSDP replica (dp_replicate) holds a full set of shards; TP splits every layer's matrices over tp
 ranks; PP gives each rank its stages' layers, the first
 rank also the embedding and the last the final norm and output projection. Ranks differ, so the report is
-that of the fuller of the first and the last pipeline rank (as torchtitan reports the maximum over ranks).
+that of the fullest pipeline rank (as torchtitan reports the maximum over ranks). A mixture-of-experts
+model's state counts every expert: the routed experts are split over ep ranks and sharded over the
+dp_shard × cp / ep ranks left over, the same 1 / (dp_shard × cp) of them where they are sharded, and 1 / ep
+of them where a rank holds them whole (ZeRO-1/2's parameters, FSDP's gathered units, a pipeline stage's
+deferred gradients); its expert blocks keep what keel's experts keep (`moe_activations`).
 
 The peak is that of the backward pass: the model state, the activations kept for it (per block, by
 activation checkpointing mode), the micro-batches a pipeline keeps in flight, communication buffers, and
@@ -41,7 +45,7 @@ from keel.config import head_size
 from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.model.flops import FUSED_CHUNK, ffn_hidden_dim
-from keel.plan.layout import CP_MIN_SEQ, Layout, Workload, rank_blocks, run_layout
+from keel.plan.layout import CP_MIN_SEQ, Layout, Workload, rank_block_ids, run_layout
 from keel.rundir.events import read_jsonl
 
 GIB = 2**30
@@ -95,7 +99,7 @@ def state_bytes(work: Workload) -> dict[str, int]:
 
 
 def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
-                      composite_norm: bool = False, cp: int = 1) -> tuple[float, float]:
+                      composite_norm: bool = False, cp: int = 1, moe: bool = False) -> tuple[float, float]:
     """(bytes one transformer block keeps for its backward pass, bytes it keeps when checkpointed).
 
     Korthikanti et al. 2022 (arXiv 2205.05198, §4.1) count a GPT block at s·b·h·(34 + 5·a·s/h) bytes in
@@ -106,7 +110,9 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
       - SDPA runs flash attention: no s² scores are kept (the backward pass recomputes them, which is what
         the paper's "selective recompute" buys, so it is already in this count); it keeps q, k, v, the
         output (which is also wo's input) and an fp32 log-sum-exp per head and position (4·a·s·b).
-      - grouped-query attention: k and v have n_kv_heads, 2·r·e·sbh with r = n_kv_heads / n_heads.
+      - grouped-query attention: k and v have n_kv_heads, 2·r·e·sbh with r = n_kv_heads / n_heads (with a
+        head size other than h / a, `model.head_dim`, q and the output are a·head_dim wide, k and v
+        n_kv_heads·head_dim).
       - RMSNorm runs in fp32 on an up-cast input: CUDA's fused kernel keeps that 4sbh input (and a per-row
         rstd) for each of the two norms; CPU's composite rms_norm (`composite_norm`) also keeps the
         normalised fp32 tensor, 4sbh more per norm.
@@ -121,15 +127,44 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     stay whole. A checkpointed block keeps only its input: e·sbh (/tp under sequence parallel).
     Context parallelism over cp ranks gives each rank s/cp of every sequence: every term is per token, so all
     are divided by cp; the K and V gathered over the CP group are not kept (the backward pass gathers them
-    again: `cp_kv_buffer`)."""
+    again: `cp_kv_buffer`). A mixture-of-experts block (`moe`) keeps its own feed-forward's
+    (`moe_activations`) in place of the SwiGLU's 4·e·sbf and its input's e·sbh."""
     m, e = work.model, act_bytes(work)
     tokens, h, f = work.seq_len * micro_batch / cp, m.dim, ffn_hidden_dim(m)
-    r = m.n_kv_heads / m.n_heads
+    q, kv = m.n_heads * head_size(m), m.n_kv_heads * head_size(m)
     seq_split = tp if tp > 1 and sp else 1
     norms = 2 * 4 * tokens * h * (2 if composite_norm else 1) / seq_split
+    if moe:  # tp = 1: keel runs no tensor parallelism of expert blocks
+        attention = tokens * (2 * q + 2 * kv) * e + 4 * tokens * m.n_heads
+        return norms + e * tokens * h + attention + moe_activations(work, tokens), e * tokens * h
     gathered = 2 * e * tokens * h
-    split = (tokens * h * (2 + 2 * r) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads) / tp
+    split = (tokens * (2 * q + 2 * kv) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads) / tp
     return norms + gathered + split, e * tokens * h / seq_split
+
+
+def moe_activations(work: Workload, tokens: float) -> float:
+    """Bytes a mixture-of-experts feed-forward (keel.model.moe) keeps for its backward pass over `tokens`
+    tokens, with k of E routed experts per token and S shared experts, each of hidden size H, in width h:
+      - the router, in fp32: its up-cast input (4h; in fp32 the input itself), its E scores (a softmax or
+        sigmoid keeps its output), and per choice the weights (twice, before and after normalising) and the
+        int64 indices of the choice and of the two permutations by expert: 32 bytes;
+      - each choice's row of the input, sorted by expert (or, under expert parallelism, received from the
+        group: as many rows on average), which the experts' w1 and w3 keep: e·h;
+      - each chosen expert's SwiGLU, as the dense one keeps it: 4·e·H;
+      - each chosen expert's output, up-cast to fp32 to be weighted by the router's score: 4h;
+      - the shared experts' SwiGLU, 4·e·S·H, and their input (the norm's output, e·h), which in fp32 is also
+        the router's; without shared experts in bf16 nothing keeps it;
+      - the router's weight up-cast to fp32 (4·E·h, once per block, not per token) when the model's is not.
+    Tokens are taken as spread evenly over the experts, and the grouped GEMM's padding (16 rows per expert)
+    is left out."""
+    m, e = work.model, act_bytes(work)
+    k, shared, experts = m.moe.top_k, m.moe.shared_experts, m.moe.experts
+    hidden, h = m.moe.expert_dim or ffn_hidden_dim(m), m.dim
+    upcast = 4 if e < 4 else 0  # the router's fp32 copies of its input and weight
+    norm_out = e * h if shared or e == 4 else 0
+    per_token = upcast * h + 4 * experts + 32 * k + k * (e * h + 4 * e * hidden + 4 * h) \
+        + 4 * e * shared * hidden + norm_out
+    return tokens * per_token + upcast * experts * h
 
 
 def cp_kv_buffer(work: Workload, layout: Layout) -> float:
@@ -159,22 +194,47 @@ def loss_buffer(work: Workload, tokens: float, layout: Layout) -> float:
     return per_logit * logits
 
 
-def _sizes(work: Workload) -> tuple[int, int]:
-    """(parameters per block, parameters of the embedding, which the output projection matches)."""
-    m = work.model
-    vocab = m.vocab_size * m.dim
-    return (work.n_params - vocab * (1 if m.tie_embeddings else 2) - m.dim) // m.n_layers, vocab
+@dataclass(frozen=True)
+class Stage:
+    """A kind of pipeline rank: its parameters (every expert's), the routed experts' share of them, whether it
+    holds the output projection, its blocks, how many of them have experts, and the micro-batches of
+    activations it holds at once."""
+    params: int
+    experts: int
+    last: bool
+    blocks: int
+    moe_blocks: int
+    inflight: float
 
 
-def _stages(work: Workload, layout: Layout) -> list[tuple[float, bool, bool, int]]:
-    """(parameters, holds the embedding, holds the output, blocks) of each distinct kind of pipeline rank
-    (keel.model.split decides its blocks). The final norm's gains (dim parameters) are left out, as are the
-    blocks' norm gains under TP."""
+def _stages(work: Workload, layout: Layout) -> set[Stage]:
+    """Each distinct kind of pipeline rank (keel.model.split decides its blocks). The final norm's gains (dim
+    parameters) are left out, as are the blocks' norm gains under TP.
+
+    A pipeline rank r holds fewer micro-batches in flight the later it is (1F1B: min(m, p) − r), so the first
+    rank is taken as the one whose activations peak; with leading dense blocks (DeepSeek-V3's three) the first
+    rank that holds expert blocks, whose activations are larger, may peak instead, and it is counted with its
+    own micro-batches in flight too. Every other rank is counted with one."""
+    experts = work.block_experts
     if layout.pp == 1:
-        return [(work.n_params, True, True, work.model.n_layers)]
-    per_block, vocab = _sizes(work)
-    kinds = {(blocks, rank == 0, rank == layout.pp - 1) for rank, blocks in enumerate(rank_blocks(work, layout))}
-    return [(blocks * per_block + vocab * (first or last), first, last, blocks) for blocks, first, last in kinds]
+        return {Stage(work.n_params, sum(experts), True, work.model.n_layers, sum(x > 0 for x in experts), 1.0)}
+    vocab = work.model.vocab_size * work.model.dim
+    ranks = rank_block_ids(work.model.n_layers, layout.pp, layout.v)
+    expert_ranks = [rank for rank, ids in enumerate(ranks) if any(experts[i] for i in ids)]
+    first_experts = expert_ranks[0] if expert_ranks else 0
+    out = set()
+    for rank, ids in enumerate(ranks):
+        last = rank == layout.pp - 1
+        inflight = max(1.0, _inflight(work, layout) - rank) if rank in (0, first_experts) else 1.0
+        out.add(Stage(sum(work.block_params[i] for i in ids) + vocab * (rank == 0 or last),
+                      sum(experts[i] for i in ids), last, len(ids), sum(experts[i] > 0 for i in ids), inflight))
+    return out
+
+
+def _gathered(lay: Layout, params: float, experts: float) -> float:
+    """Parameters of a unit whose routed experts (`experts` of `params`) are split over ep ranks, as FSDP
+    gathers them: the experts' share only where the ranks left over shard them (dp_shard × cp / ep > 1)."""
+    return params - experts + (experts / lay.ep if lay.expert_shard() > 1 else 0)
 
 
 def _inflight(work: Workload, layout: Layout) -> float:
@@ -188,21 +248,28 @@ def _inflight(work: Workload, layout: Layout) -> float:
     return min(m, p + (p - 1) / layout.v if layout.v > 1 else p)
 
 
-def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool, blocks: int,
-          cpu: bool) -> dict[str, float]:
+def _rank(work: Workload, layout: Layout, stage: Stage, cpu: bool) -> dict[str, float]:
     """One pipeline rank's bytes. On a CPU, rms_norm is a composite (more kept), gloo has no NCCL buffers
     and the host copies of the state share the device's memory."""
-    m, lay, e = work.model, layout, act_bytes(work)
-    per_block, vocab = _sizes(work)
-    local = params / lay.tp  # TP splits the matrices; norms' gains are negligible
-    # ZeRO-1 shards the optimizer state over dp_shard × cp, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too.
+    m, lay, e, last = work.model, layout, act_bytes(work), stage.last
+    local = stage.params / lay.tp  # TP splits the matrices; norms' gains are negligible
+    # ZeRO-1 shards the optimizer state over dp_shard × cp, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters
+    # too. The routed experts are split over ep ranks and sharded over the dp_shard × cp / ep left over: sharded,
+    # they are 1 / (dp_shard × cp) of them too; what stays whole holds 1 / ep of them.
     sharded = {"optimizer": True, "grads": lay.zero >= 2, "params": lay.zero >= 3}
-    state = {name: local * size / (lay.shard() if sharded[name] else 1) for name, size in state_bytes(work).items()}
+    experts = stage.experts / lay.tp
+    whole = local - experts + experts / lay.ep
+    state = {name: local * size / lay.shard() if sharded[name] else whole * size
+             for name, size in state_bytes(work).items()}
     full, ckpt = block_activations(work, lay.micro_batch, lay.tp, lay.sp, composite_norm=cpu, cp=lay.cp)
+    full_moe = block_activations(work, lay.micro_batch, lay.tp, lay.sp, cpu, lay.cp, moe=True)[0] \
+        if stage.moe_blocks else full
+    blocks = stage.blocks
     checkpointed = {"none": 0, "full": blocks, "selective": math.ceil(blocks / AC_EVERY)}.get(lay.ac)
     if checkpointed is None:
         raise KeelError(f"activation checkpointing {lay.ac!r}: expected none, selective or full")
-    kept = checkpointed * ckpt + (blocks - checkpointed) * full
+    moe_whole = min(blocks - checkpointed, stage.moe_blocks)  # the blocks kept whole: expert ones first
+    kept = checkpointed * ckpt + (blocks - checkpointed - moe_whole) * full + moe_whole * full_moe
     tokens = work.local_tokens(lay)
     if last:  # final norm input (fp32; and normalised on a CPU) and the output projection's gathered input
         kept += 4 * tokens * m.dim * (2 if cpu else 1) / (lay.tp if lay.tp > 1 and lay.sp else 1)
@@ -210,23 +277,27 @@ def _rank(work: Workload, layout: Layout, params: float, first: bool, last: bool
     # The backward pass peaks either at the loss (its logits buffers, last rank) or in a block: gradients the
     # size of its activations, a recomputed block's activations once more, and under CP the gathered K and V
     # with their gradients. The two never overlap.
-    working = full * (2 if lay.ac != "none" else 1) + cp_kv_buffer(work, lay)
+    working = max(full, full_moe) * (2 if lay.ac != "none" else 1) + cp_kv_buffer(work, lay)
     backward = max(working, loss_buffer(work, tokens, lay) if last else 0.0)
-    inflight = (_inflight(work, lay) - 1) * kept if first else 0.0
+    inflight = (stage.inflight - 1) * kept
     # Host copies of the parameters and optimizer state (checkpoint staging, in-memory snapshots): on a CPU
     # they are in the same memory.
     host = (state["params"] + state["optimizer"]) * work.host_copies if cpu else 0.0
     return {**state, "activations": kept, "pipeline_inflight": inflight, "backward": backward,
-            "buffers": _comm_buffers(work, lay, local, cpu), "host": host}
+            "buffers": _comm_buffers(work, lay, stage, cpu), "host": host}
 
 
-def _comm_buffers(work: Workload, lay: Layout, local: float, cpu: bool) -> float:
-    """Bytes communication holds through the step: NCCL's buffers, gathered FSDP units, gradient buckets."""
-    per_block, vocab = _sizes(work)
+def _comm_buffers(work: Workload, lay: Layout, stage: Stage, cpu: bool) -> float:
+    """Bytes communication holds through the step: NCCL's buffers, gathered FSDP units, gradient buckets. A
+    block is the largest one as FSDP gathers it (`_gathered`)."""
+    vocab = work.model.vocab_size * work.model.dim
+    per_block = max(_gathered(lay, p, x) for p, x in zip(work.block_params, work.block_experts, strict=True))
     e = act_bytes(work)
     grad_bytes = e + (4 if e < 4 else 0)  # gradients in the parameters' dtype, and in fp32 for the reduction
-    # One communicator per group: tp, pp, the sharding group (dp_shard × cp), dp_replicate and cp's own.
-    groups = (lay.tp, lay.pp, lay.shard(), lay.dp_replicate, lay.cp)
+    # One communicator per group: tp, pp, the sharding group (dp_shard × cp), dp_replicate and cp's own; with
+    # experts, the expert-parallel group and the one that shards each group's experts.
+    groups = (lay.tp, lay.pp, lay.shard(), lay.dp_replicate, lay.cp) + (
+        (lay.ep, lay.expert_shard()) if lay.ep > 1 else ())
     buffers: float = 0 if cpu else NCCL_BUFFERS * sum(d > 1 for d in groups)
     if lay.shard() > 1 and lay.zero < 3:
         # The parameters stay whole; the gradients (bucketed by the DDP-style reducer) are reduced into their
@@ -235,11 +306,11 @@ def _comm_buffers(work: Workload, lay: Layout, local: float, cpu: bool) -> float
     elif lay.shard() > 1 and lay.pp > 1:
         # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage stays gathered and
         # accumulates unsharded gradients through the step.
-        buffers += local * grad_bytes
+        buffers += _gathered(lay, stage.params, stage.experts) / lay.tp * grad_bytes
     elif lay.shard() > 1:
         # Two blocks gathered (current and prefetched) plus the root unit (embedding, norm, output), which
         # FSDP does not reshard after the forward pass; one unit's unsharded gradients.
-        root = work.n_params - work.model.n_layers * per_block
+        root = work.n_params - sum(work.block_params)
         buffers += ((2 * per_block + root) * e + max(per_block, vocab) * grad_bytes) / lay.tp
     return buffers
 
@@ -250,9 +321,10 @@ def usable_bytes(hw: Accelerator) -> float:
 
 def memory(work: Workload, layout: Layout, hw: Accelerator) -> MemoryBreakdown:
     """Peak bytes per device of training `work` with `layout` on `hw`."""
-    if min(layout.tp, layout.pp, layout.v, layout.dp_shard, layout.dp_replicate, layout.cp, layout.micro_batch) < 1:
+    if min(layout.tp, layout.pp, layout.v, layout.dp_shard, layout.dp_replicate, layout.cp, layout.ep,
+           layout.micro_batch) < 1:
         raise KeelError(f"layout {layout}: every degree and the micro-batch must be at least 1")
-    ranks = [_rank(work, layout, *stage, cpu=hw.key == "cpu") for stage in _stages(work, layout)]
+    ranks = [_rank(work, layout, stage, cpu=hw.key == "cpu") for stage in _stages(work, layout)]
     parts = max(ranks, key=lambda rank: sum(rank.values()))
     total = sum(parts.values())
     usable, reserved = usable_bytes(hw), total * (1 + hw.fragmentation)
@@ -278,14 +350,26 @@ def cp_fits_sequence(work: Workload, tp: int, cp: int) -> bool:
     return work.seq_len % (2 * cp) == 0 and (work.seq_len // cp) % tp == 0
 
 
+def _fit_ep(layout: Layout) -> Layout:
+    """`layout` with as many expert-parallel ranks as its dp_shard × cp still lends (ep must divide it)."""
+    return replace(layout, ep=math.gcd(layout.ep, layout.shard())) if layout.ep > 1 else layout
+
+
 def _candidates(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]:
-    """The obvious fixes, in the order they cost least: more tensor parallelism within a node, activation
-    checkpointing, smaller micro-batches, more pipeline stages, more context parallelism (from CP_MIN_SEQ
-    tokens on, as the search), all of them together, then more GPUs."""
+    """The obvious fixes, in the order they cost least: for a mixture-of-experts model more expert
+    parallelism (it borrows ranks: no GPUs move), more tensor parallelism within a node (not with experts),
+    activation checkpointing, smaller micro-batches, more pipeline stages, more context parallelism (from
+    CP_MIN_SEQ tokens on, as the search), all of them together, then more GPUs."""
+    return [fixed for lay in _fixes(work, layout, hw) if (fixed := _fit_ep(lay)) != layout]
+
+
+def _fixes(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]:
     m = work.model
-    wider: list[Layout] = []
+    most_ep = math.gcd(layout.shard(), work.experts) if work.experts else 1  # the widest ep it can lend
+    wider: list[Layout] = [replace(layout, ep=ep) for ep in range(layout.ep + 1, most_ep + 1) if most_ep % ep == 0]
     lay = layout
-    while (moved := _moved(lay, "tp", 2)) and moved.tp <= hw.devices_per_node and m.n_kv_heads % moved.tp == 0:
+    while not work.experts and (moved := _moved(lay, "tp", 2)) and moved.tp <= hw.devices_per_node \
+            and m.n_kv_heads % moved.tp == 0:
         wider.append(lay := moved)
     out = wider + [replace(layout, ac=ac) for ac in ("selective", "full") if layout.ac == "none" or ac == "full"]
     out += [replace(layout, micro_batch=mb) for mb in range(layout.micro_batch - 1, 0, -1)]
@@ -300,7 +384,7 @@ def _candidates(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]
         out.append(best := moved)
     for _ in range(12):  # up to 4096 times the GPUs
         out.append(best := replace(best, dp_shard=best.dp_shard * 2))
-    return [lay for lay in out if lay != layout]
+    return out
 
 
 def first_fix(work: Workload, layout: Layout, hw: Accelerator) -> Layout | None:
@@ -322,7 +406,7 @@ def suggest(work: Workload, layout: Layout, hw: Accelerator) -> str:
     mem = memory(work, layout, hw)
     if mem.fits:
         return mem.explain()
-    where = " ".join(f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp", "dp_shard", "dp_replicate")
+    where = " ".join(f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp", "dp_shard", "dp_replicate", "ep")
                      if getattr(layout, name) > 1) or "one device"
     head = (f"needs {mem.reserved / GIB:.0f} GiB per device at {where}; {hw.name} has {hw.memory_bytes / GIB:.0f} "
             f"GiB ({mem.usable / GIB:.0f} usable)")

@@ -4,12 +4,16 @@ parameters a token uses, the all-to-all of expert parallelism, and layouts searc
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
-from keel.config import ModelConfig, load_config
+from keel.config import ModelConfig, MoEConfig, load_config
+from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.model.flops import (
     active_param_count,
@@ -18,8 +22,13 @@ from keel.model.flops import (
     param_count,
     routed_expert_param_count,
 )
-from keel.plan.layout import Layout, parse_layout
+from keel.model.llama import Block, rope_tables
+from keel.plan.layout import Layout, Workload, parse_layout
+from keel.plan.memory import block_activations, memory
+from keel.plan.throughput import step_time
 from tests.conftest import REPO, run_keel
+
+H100 = by_key("h100")
 
 
 @cache
@@ -67,6 +76,89 @@ def test_blocks_add_up_to_the_model_and_their_routed_experts_are_the_difference(
     for i in blocks:
         moe = bool(cfg.moe.experts) and i >= cfg.moe.dense_layers
         assert routed_expert_param_count(cfg, i) == (cfg.moe.experts * 3 * cfg.dim * hidden if moe else 0)
+
+
+def work_of(name: str, tokens: float = 1e12) -> Workload:
+    return Workload.of(load_config(REPO / "configs" / f"{name}.toml", []), tokens)
+
+
+# ---------------------------------------------------------------- total parameters for memory, active for FLOPs
+
+def test_memory_counts_every_expert_and_flops_only_the_ones_a_token_uses() -> None:
+    work = work_of("deepseek_v3")
+    doubled = replace(work, model=replace(work.model, moe=replace(work.model.moe, experts=512)))
+    layout = Layout(dp_shard=2048, ep=8, ac="full")
+    # FSDP holds 16 bytes per parameter over dp_shard × cp, every expert included: 512 experts hold about twice
+    # the state; the step's FLOPs follow the top_k experts a token goes through: only the router grows, by
+    # dim × 256 more logits in each of the 58 expert blocks.
+    for w in (work, doubled):
+        assert memory(w, layout, H100).optimizer == pytest.approx(12 * w.n_params / 2048)
+    assert doubled.n_params > 1.9 * work.n_params
+    assert doubled.flops_per_token - work.flops_per_token == 6 * 7168 * 256 * 58
+    assert step_time(doubled, layout, H100).compute / step_time(work, layout, H100).compute == pytest.approx(
+        doubled.flops_per_token / work.flops_per_token)
+    assert work.n_active == active_param_count(work.model) < work.n_params / 17
+
+
+@pytest.mark.parametrize("name, layout", [("deepseek_v3", Layout(pp=16, dp_shard=128, ac="full")),
+                                          ("qwen3_30b_a3b", Layout(dp_shard=64)),
+                                          ("mixtral_8x7b", Layout(cp=2, dp_shard=32, ac="full"))])
+def test_memory_per_rank_falls_as_the_experts_spread_over_more_ranks(name: str, layout: Layout) -> None:
+    work = work_of(name)
+    eps = [ep for ep in (1, 2, 4, 8) if work.experts % ep == 0]
+    totals = [memory(work, replace(layout, ep=ep), H100).total for ep in eps]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
+
+
+def test_whole_parameters_hold_their_share_of_the_experts_and_shards_hold_all_of_them_sharded() -> None:
+    """ZeRO-1 keeps the bf16 parameters whole on each rank: the experts' 1/ep and every other parameter. The
+    optimizer state is sharded over dp_shard × cp: the experts over ep × the ranks left over, the same count."""
+    work = work_of("qwen3_30b_a3b")
+    experts = sum(work.block_experts)
+    for ep in (1, 4, 16):
+        mem = memory(work, Layout(dp_shard=64, ep=ep, zero=1), H100)
+        assert mem.params == pytest.approx(2 * (work.n_params - experts + experts / ep))
+        assert mem.optimizer == pytest.approx(12 * work.n_params / 64)
+
+
+@pytest.mark.parametrize("shared, score, dtype", [(0, "softmax", "fp32"), (0, "softmax", "bf16"),
+                                                  (1, "sigmoid", "bf16"), (2, "softmax", "fp32")])
+def test_an_expert_blocks_activations_are_what_autograd_keeps(shared: int, score: str, dtype: str) -> None:
+    """Sum the tensors a keel mixture-of-experts block still holds for its backward pass after its forward
+    (weights, buffers and the RoPE table aside; the balance and z-losses' graphs, which the block drops, go
+    with them)."""
+    cfg = ModelConfig(dim=256, n_heads=8, n_kv_heads=2, moe=MoEConfig(
+        experts=8, top_k=2, shared_experts=shared, expert_dim=96, score=score, normalize_top_k=score == "softmax"))
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    block = Block(cfg, layer=1).to(torch_dtype)
+    seq, batch = 128, 2
+    x = torch.randn(batch, seq, cfg.dim, dtype=torch_dtype, requires_grad=True)
+    rope = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    constant = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers(), rope)}
+    saved: list[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(tensor))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = block(x, rope)
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in saved
+             if (t := ref()) is not None and t.untyped_storage().data_ptr() not in constant}
+    assert out.grad_fn is not None
+    kept, checkpointed = block_activations(Workload(cfg, seq, 1, param_dtype=dtype), batch, tp=1, sp=False,
+                                           composite_norm=True, moe=True)
+    assert sum(alive.values()) == pytest.approx(kept, rel=0.01)
+    assert checkpointed == x.element_size() * seq * batch * cfg.dim
+
+
+def test_the_first_pipeline_rank_with_experts_holds_its_micro_batches_in_flight() -> None:
+    """DeepSeek-V3's first 3 blocks are dense: at pp = 16 the first rank holds only them, and the second, with
+    four expert blocks, keeps 15 micro-batches in flight (1F1B: p − 1), the peak of the pipeline."""
+    work = work_of("deepseek_v3")
+    mem = memory(work, Layout(pp=16, dp_shard=128, ep=8, micro_batch=1), H100)
+    assert mem.pipeline_inflight == pytest.approx(14 * mem.activations)
+    assert mem.activations > block_activations(work, 1, 1, True, moe=True)[0] * 4 * 0.99
 
 
 # ---------------------------------------------------------------- layouts searched and given
