@@ -26,7 +26,8 @@ from keel.plan.throughput import DEFAULT, Efficiency, StepBreakdown, step_time
 
 MAX_PP = 64  # deeper pipelines need thousands of micro-batches to keep the bubble small
 PART_NAMES = {"compute": "compute", "tp_comm": "TP collectives", "cp_comm": "CP K/V exchange",
-              "pp_p2p": "pipeline transfers", "bubble": "pipeline bubble", "fsdp_dp_exposed": "exposed FSDP/DP traffic"}
+              "ep_comm": "EP all-to-all", "pp_p2p": "pipeline transfers", "bubble": "pipeline bubble",
+              "fsdp_dp_exposed": "exposed FSDP/DP traffic"}
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,18 @@ What each parallelism costs per step and device (keel's FSDP2 and pipelining beh
 - FSDP over dp_shard × cp: all-gather of the bf16 parameters in the forward and again in the backward
   (reshard after forward), reduce-scatter of fp32 gradients (keel's reduce_dtype default), one call per
   block. Without a pipeline keel syncs every micro-batch; with one, the schedule gathers once and
-  reduces once per step.
+  reduces once per step. Under expert parallelism a block's routed experts are 1/ep of them per rank,
+  gathered and reduced over the dp_shard × cp / ep ranks that hold the same experts (stride tp·ep), one
+  call per expert block.
+- EP over ep consecutive ranks of dp_shard × cp (stride tp: NVLink while tp·ep fits a node, the network
+  otherwise): per expert block and micro-batch, the rows of the top_k choices of each of the rank's tokens
+  go to the ranks holding their experts and their outputs come back (two all_to_all_single, dispatch and
+  combine, of top_k · tokens · dim activations, of which (ep−1)/ep leave the rank when the choices spread
+  evenly), in the forward, again reversed in the backward, and once more in each recomputed forward
+  (`ep_exchange`). Each exchange costs one base latency and one hop, its peers served at once, and its
+  bytes at the link's bandwidth. On the critical path like TP's and CP's collectives: the experts wait
+  for their rows and the block for their outputs (keel overlaps neither), so none of it is hidden. The
+  counts' exchange before each dispatch (a few bytes per expert) is left out.
 - ZeRO-1/2 over dp_shard (`Layout.zero`): parameters whole on every rank; gradients reduce-scattered into
   their shard (ZeRO-2 every micro-batch, ZeRO-1 once per step) and the updated parameters all-gathered once
   per step (Rajbhandari et al. 2020, arXiv 1910.02054, §5-7).
@@ -53,7 +64,7 @@ from pathlib import Path
 from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, run_layout
+from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, rank_moe_blocks, run_layout
 from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
 
@@ -120,11 +131,12 @@ def efficiency_for(hw: Accelerator) -> Efficiency:
 @dataclass(frozen=True)
 class StepBreakdown:
     """Seconds per optimizer step on one device. fsdp_comm and dp_comm are the whole traffic; only
-    `exposed_comm` (TP, CP, pipeline transfers and the unhidden FSDP/DP part) adds to the step."""
+    `exposed_comm` (TP, CP, EP, pipeline transfers and the unhidden FSDP/DP part) adds to the step."""
 
     compute: float
     tp_comm: float
     cp_comm: float
+    ep_comm: float
     fsdp_comm: float
     dp_comm: float
     pp_p2p: float
@@ -137,9 +149,9 @@ class StepBreakdown:
 
     def parts(self) -> dict[str, float]:
         """What the step time is made of; the values add up to `total`."""
-        hidden_part = self.exposed_comm - self.tp_comm - self.cp_comm - self.pp_p2p
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "pp_p2p": self.pp_p2p,
-                "bubble": self.bubble, "fsdp_dp_exposed": hidden_part}
+        hidden_part = self.exposed_comm - self.tp_comm - self.cp_comm - self.ep_comm - self.pp_p2p
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm,
+                "pp_p2p": self.pp_p2p, "bubble": self.bubble, "fsdp_dp_exposed": hidden_part}
 
     def explain(self) -> str:
         share = {name: value / self.total for name, value in self.parts().items() if value > 0}
@@ -186,30 +198,43 @@ def peak_flops(work: Workload, hw: Accelerator) -> float:
 
 def _data_parallel_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, layers: int,
                         m_micro: int, act_dtype: int) -> tuple[float, float]:
-    """(FSDP or ZeRO traffic over dp_shard × cp (stride tp), DP traffic over dp_replicate (stride
-    tp·cp·dp_shard·pp)) of one step, `layers` blocks on the busiest pipeline rank."""
+    """(FSDP or ZeRO traffic over dp_shard × cp (stride tp) and, for routed experts split over ep ranks, over
+    the dp_shard × cp / ep ranks that hold the same experts (stride tp·ep); DP traffic over dp_replicate
+    (stride tp·cp·dp_shard·pp)) of one step, `layers` blocks on the busiest pipeline rank."""
     local_params = work.n_params / (layout.tp * layout.pp)
+    experts = sum(work.block_experts) / (layout.tp * layout.pp)
     calls = layers + 1  # one unit per block and the root (embeddings, norm, output)
+    fsdp_comm = _sharded_comm(layout, hw, eff, local_params - experts, calls, layout.tp, layout.shard(), m_micro,
+                              act_dtype)
+    if experts:
+        fsdp_comm += _sharded_comm(layout, hw, eff, experts / layout.ep, max(1, rank_moe_blocks(work, layout)),
+                                   layout.tp * layout.ep, layout.expert_shard(), m_micro, act_dtype)
     syncs = 1 if layout.pp > 1 else m_micro
-    gathers = 1 if layout.pp > 1 else 2 * m_micro
     shard = layout.shard()
-    fsdp_link = _link(hw, layout.tp, shard, eff)
-    fsdp_comm = 0.0
-    if shard > 1 and layout.zero >= 3:
-        gather = collective("all_gather", act_dtype * local_params / calls, shard, fsdp_link)
-        scatter = collective("reduce_scatter", GRAD_BYTES * local_params / calls, shard, fsdp_link)
-        fsdp_comm = calls * (gathers * gather + syncs * scatter)
-    elif shard > 1:
-        # ZeRO-1/2: the whole parameters stay; the gradients are reduce-scattered into their shard (ZeRO-2: every
-        # micro-batch outside a pipeline; ZeRO-1: once per step) and the updated parameters all-gathered once.
-        reduces = syncs if layout.zero == 2 else 1
-        fsdp_comm = calls * (reduces * collective("reduce_scatter", GRAD_BYTES * local_params / calls, shard,
-                                                  fsdp_link)
-                             + collective("all_gather", act_dtype * local_params / calls, shard, fsdp_link))
     dp_link = _link(hw, layout.tp * shard * layout.pp, layout.dp_replicate, eff)
     dp_comm = syncs * calls * collective("all_reduce", GRAD_BYTES * local_params / shard / calls,
                                          layout.dp_replicate, dp_link)
     return fsdp_comm, dp_comm
+
+
+def _sharded_comm(layout: Layout, hw: Accelerator, eff: Efficiency, params: float, calls: int, stride: int,
+                  shard: int, m_micro: int, act_dtype: int) -> float:
+    """Seconds of FSDP or ZeRO traffic a step for `params` parameters a rank holds whole, sharded over `shard`
+    ranks `stride` apart, in `calls` units."""
+    if shard <= 1 or params <= 0:
+        return 0.0
+    syncs = 1 if layout.pp > 1 else m_micro
+    link = _link(hw, stride, shard, eff)
+    if layout.zero >= 3:
+        gathers = 1 if layout.pp > 1 else 2 * m_micro
+        gather = collective("all_gather", act_dtype * params / calls, shard, link)
+        scatter = collective("reduce_scatter", GRAD_BYTES * params / calls, shard, link)
+        return calls * (gathers * gather + syncs * scatter)
+    # ZeRO-1/2: the whole parameters stay; the gradients are reduce-scattered into their shard (ZeRO-2: every
+    # micro-batch outside a pipeline; ZeRO-1: once per step) and the updated parameters all-gathered once.
+    reduces = syncs if layout.zero == 2 else 1
+    return calls * (reduces * collective("reduce_scatter", GRAD_BYTES * params / calls, shard, link)
+                    + collective("all_gather", act_dtype * params / calls, shard, link))
 
 
 def cp_kv_bytes(work: Workload, layout: Layout) -> float:
@@ -246,6 +271,53 @@ def _cp_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency) -
     return max(rank_blocks(work, layout)) * work.micro_batches(layout) * per_block
 
 
+def ep_exchange_bytes(work: Workload, layout: Layout) -> float:
+    """Bytes of one expert-parallel exchange on a rank: the rows of a micro-batch's top_k choices per token
+    (its CP share), in the activations' dtype."""
+    m = work.model
+    return m.moe.top_k * work.local_tokens(layout) * m.dim * act_bytes(work)
+
+
+def _ep_exchanges(work: Workload, layout: Layout) -> float:
+    """Exchanges per step on the rank with the most expert blocks: dispatch and combine in the forward, their
+    reverses in the backward, and the pair again in each recomputed forward, per expert block and
+    micro-batch."""
+    return (4 + 2 * RECOMPUTE[layout.ac]) * rank_moe_blocks(work, layout) * work.micro_batches(layout)
+
+
+def ep_exchange(work: Workload, layout: Layout) -> float:
+    """Bytes each rank sends per step in the expert-parallel all-to-all (and receives, when the choices spread
+    evenly over the experts): (ep−1)/ep of every exchange leaves the rank."""
+    if layout.ep == 1:
+        return 0.0
+    return _ep_exchanges(work, layout) * (layout.ep - 1) / layout.ep * ep_exchange_bytes(work, layout)
+
+
+def ep_link(hw: Accelerator, layout: Layout, eff: Efficiency = DEFAULT) -> _Link:
+    """The link an expert-parallel group runs on: its ep ranks are tp apart (within dp_shard × cp)."""
+    return _link(hw, layout.tp, layout.ep, eff)
+
+
+def all_to_all(nbytes: float, n: int, link: _Link) -> float:
+    """Seconds for one all_to_all_single of `nbytes` a rank holds over `n` ranks: (n−1)/n of it leaves the rank,
+    to every peer at once (one base latency and one hop)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if link.bandwidth <= 0:
+        raise KeelError("the hardware has no link bandwidth for its collectives (intra_bw/inter_bw are 0): "
+                        "measure it, or calibrate from a run")
+    hop = HOP_INTER if link.nodes > 1 else HOP_INTRA
+    return BASE_LATENCY + hop + (n - 1) / n * nbytes / link.bandwidth
+
+
+def _ep_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency) -> float:
+    """Seconds of the expert-parallel all-to-all per step (`ep_exchange`'s exchanges, each with its latency)."""
+    if layout.ep == 1:
+        return 0.0
+    one = all_to_all(ep_exchange_bytes(work, layout), layout.ep, ep_link(hw, layout, eff))
+    return _ep_exchanges(work, layout) * one
+
+
 def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency = DEFAULT) -> StepBreakdown:
     """Predicted time of one optimizer step of `work` laid out as `layout` on `hw`."""
     m = work.model
@@ -275,6 +347,7 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
 
     fsdp_comm, dp_comm = _data_parallel_comm(work, layout, hw, eff, layers, m_micro, act_dtype)
     cp_comm = _cp_comm(work, layout, hw, eff)
+    ep_comm = _ep_comm(work, layout, hw, eff)
 
     # PP: activations forward and gradients back across each stage boundary, per micro-batch and chunk.
     pp_p2p = bubble = 0.0
@@ -282,16 +355,16 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
         pp_link = _link(hw, layout.tp * layout.shard(), layout.pp, eff)
         sent = act / (layout.tp if layout.sp else 1)
         pp_p2p = 2 * layout.v * m_micro * (BASE_LATENCY + sent / pp_link.bandwidth)
-        bubble = (compute + tp_comm + cp_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
+        bubble = (compute + tp_comm + cp_comm + ep_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
 
     hideable = fsdp_comm + dp_comm
     exposed_dp = hideable - min(eff.overlap * hideable, compute)
-    exposed = tp_comm + cp_comm + pp_p2p + exposed_dp
+    exposed = tp_comm + cp_comm + ep_comm + pp_p2p + exposed_dp
     total = compute + bubble + exposed
     tps = tokens_per_device / total
     mfu = tps * work.flops_per_token / peak
-    return StepBreakdown(compute, tp_comm, cp_comm, fsdp_comm, dp_comm, pp_p2p, bubble, exposed, total, tps, mfu,
-                         mfu * (1 + recompute / 3))
+    return StepBreakdown(compute, tp_comm, cp_comm, ep_comm, fsdp_comm, dp_comm, pp_p2p, bubble, exposed, total,
+                         tps, mfu, mfu * (1 + recompute / 3))
 
 
 @dataclass(frozen=True)
@@ -364,7 +437,7 @@ def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
                                                                  size_exponent=0.0))
     layout = run.layout
     bubble_share = (layout.pp - 1) / (layout.v * run.work.micro_batches(layout)) if layout.pp > 1 else 0.0
-    fixed = nominal.tp_comm + nominal.cp_comm + nominal.pp_p2p  # never hidden
+    fixed = nominal.tp_comm + nominal.cp_comm + nominal.ep_comm + nominal.pp_p2p  # never hidden
     compute_s = run.step_s - run.comm_s
     if compute_s <= 0:
         raise KeelError(f"{run_dir}: the measured communication ({run.comm_s:.3g} s) fills the whole step "

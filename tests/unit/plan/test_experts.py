@@ -25,7 +25,7 @@ from keel.model.flops import (
 from keel.model.llama import Block, rope_tables
 from keel.plan.layout import Layout, Workload, parse_layout
 from keel.plan.memory import block_activations, memory
-from keel.plan.throughput import step_time
+from keel.plan.throughput import BASE_LATENCY, DEFAULT, HOP_INTER, HOP_INTRA, ep_exchange, step_time
 from tests.conftest import REPO, run_keel
 
 H100 = by_key("h100")
@@ -159,6 +159,45 @@ def test_the_first_pipeline_rank_with_experts_holds_its_micro_batches_in_flight(
     mem = memory(work, Layout(pp=16, dp_shard=128, ep=8, micro_batch=1), H100)
     assert mem.pipeline_inflight == pytest.approx(14 * mem.activations)
     assert mem.activations > block_activations(work, 1, 1, True, moe=True)[0] * 4 * 0.99
+
+
+# ---------------------------------------------------------------- the all-to-all
+
+SMALL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=128,
+                    moe=MoEConfig(experts=16, top_k=2, expert_dim=96, dense_layers=1))
+
+
+def test_the_all_to_all_sends_the_top_k_rows_of_every_token_less_the_share_that_stays() -> None:
+    """By hand: 3 expert blocks; 16 sequences of 128 over 4 data-parallel ranks in micro-batches of 2 make 2
+    micro-batches of 256 tokens; an exchange holds top_k × 256 tokens × 64 × 2 bytes (bf16) = 65,536 bytes, of
+    which 3/4 leave the rank at ep = 4; dispatch and combine forward, both reversed backward: 4 exchanges per
+    block and micro-batch, 6 with full activation checkpointing (the recomputed forward exchanges again)."""
+    work = Workload(SMALL, 128, 16)
+    layout = Layout(dp_shard=4, ep=4, micro_batch=2)
+    assert ep_exchange(work, layout) == 4 * 3 * 2 * 65_536 * 3 / 4 == 1_179_648
+    assert ep_exchange(work, replace(layout, ac="full")) == 6 * 3 * 2 * 65_536 * 3 / 4
+    assert ep_exchange(work, replace(layout, ep=2)) == 4 * 3 * 2 * 65_536 / 2
+    assert ep_exchange(work, replace(layout, ep=1)) == 0
+    # A pipeline: its busiest rank in expert blocks holds two (blocks 2 and 3); context parallelism: its half
+    # of each sequence.
+    assert ep_exchange(work, Layout(pp=2, dp_shard=2, ep=2, micro_batch=2)) == 4 * 2 * 4 * 65_536 / 2
+    assert ep_exchange(work, Layout(cp=2, dp_shard=2, ep=4, micro_batch=2)) == 4 * 3 * 4 * 65_536 / 2 * 3 / 4
+
+
+def test_the_all_to_all_runs_on_nvlink_within_a_node_and_on_the_network_across_and_is_never_hidden() -> None:
+    work = Workload(SMALL, 128, 64)
+    for ep, bandwidth, hop in ((8, H100.intra_bw, HOP_INTRA), (16, H100.inter_bw, HOP_INTER)):
+        layout = Layout(dp_shard=16, ep=ep)  # 4 micro-batches of 128 tokens: 48 exchanges of 32,768 bytes
+        step = step_time(work, layout, H100)
+        one = BASE_LATENCY + hop + (ep - 1) / ep * 32_768 / (bandwidth * DEFAULT.link)
+        assert step.ep_comm == pytest.approx(4 * 3 * 4 * one, rel=1e-12)
+        assert step.parts()["ep_comm"] == step.ep_comm and step_time(work, replace(layout, ep=1), H100).ep_comm == 0
+        assert sum(step.parts().values()) == pytest.approx(step.total)
+    # Even with every bit of FSDP/DP traffic that compute can cover hidden, the all-to-all adds in full.
+    qwen = work_of("qwen3_30b_a3b")
+    step = step_time(qwen, Layout(dp_shard=64, ep=8), H100, replace(DEFAULT, overlap=1.0))
+    hideable = step.fsdp_comm + step.dp_comm
+    assert step.total == pytest.approx(step.compute + step.ep_comm + max(0.0, hideable - step.compute))
 
 
 # ---------------------------------------------------------------- layouts searched and given
