@@ -7,7 +7,9 @@ sequence into 2·cp equal chunks, each rank's share still divisible by tp, when 
 (CP_MIN_SEQ) or when no layout without it fits; pp from 1 to the block count, at most MAX_PP (stages
 split as keel.model.split does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4
 chunks per rank (interleaved 1F1B) where there are at least v·pp blocks; every
-split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); micro-batches of 1, 2, 4 …
+split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); for a mixture-of-experts model
+ep over the divisors of dp_shard × cp that divide the experts (and tp = 1: keel runs no tensor parallelism of
+expert blocks); micro-batches of 1, 2, 4 …
 sequences dividing the per-rank batch (and, with a pipeline, leaving at least pp of them); activation
 checkpointing none, selective, full. Layouts that do not divide the batch are not layouts; those that do
 not fit stay in the list with their memory verdict, after the ones that do, which are ranked by
@@ -71,6 +73,7 @@ def layouts(work: Workload, gpus: int, hw: Accelerator, cps: list[int] | None = 
     per_node = max(1, int(hw.devices_per_node))
     tps = [t for t in _divisors(per_node) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
                                                                     or work.seq_len % t)]
+    tps = [1] if work.experts else tps
     # Any number of stages up to the blocks (keel.model.split balances them); no pipeline with tied embeddings.
     pps = [1] if m.tie_embeddings else [p for p in range(1, min(m.n_layers, MAX_PP) + 1)]
     out: list[Layout] = []
@@ -83,18 +86,19 @@ def layouts(work: Workload, gpus: int, hw: Accelerator, cps: list[int] | None = 
         per_rank = work.global_batch // dp
         vs = [1] + [v for v in (2, 4) if pp > 1 and m.n_layers >= v * pp]
         for replicate in _divisors(dp):
+            eps = [d for d in _divisors(dp // replicate * cp) if work.experts % d == 0] if work.experts else [1]
             for mb in _powers_of_two_dividing(per_rank):
                 if pp > 1 and per_rank // mb < pp:
                     continue
-                for v in vs:
-                    out.extend(Layout(tp=tp, pp=pp, v=v, dp_shard=dp // replicate, dp_replicate=replicate, cp=cp,
-                                      micro_batch=mb, ac=ac) for ac in ACS)
+                out.extend(Layout(tp=tp, pp=pp, v=v, dp_shard=dp // replicate, dp_replicate=replicate, cp=cp, ep=ep,
+                                  micro_batch=mb, ac=ac) for v in vs for ep in eps for ac in ACS)
     return out
 
 
 def _sort_key(c: Candidate) -> tuple:
     # Faster first; on a tie the simpler layout (fewer model-parallel ranks), then the roomier one.
-    return (-round(c.tokens_per_s, 6), c.layout.tp * c.layout.pp * c.layout.v * c.layout.cp, -c.memory.headroom)
+    lay = c.layout
+    return (-round(c.tokens_per_s, 6), lay.tp * lay.pp * lay.v * lay.cp * lay.ep, -c.memory.headroom)
 
 
 def _assessed(work: Workload, found: list[Layout], hw: Accelerator, eff: Efficiency) -> list[Candidate]:
@@ -149,9 +153,9 @@ def _speed_versus(best: Candidate, alt: Candidate) -> str:
     return f"{alt.tokens_per_s:,.0f} tokens/s/device ({loss:+.0%}){tail}"
 
 
-def explain(candidates: list[Candidate]) -> list[str]:
-    """Why the best layout wins and how the obvious alternatives (FSDP only, more TP, pipeline or not)
-    compare, with their numbers."""
+def explain(candidates: list[Candidate], experts: int = 0) -> list[str]:
+    """Why the best layout wins and how the obvious alternatives (FSDP only, more TP, pipeline or not, with
+    experts: expert parallelism or not) compare, with their numbers; `experts`: routed experts per block."""
     if not candidates:
         return ["no layout to explain"]
     fitting = [c for c in candidates if c.fits]
@@ -168,7 +172,7 @@ def explain(candidates: list[Candidate]) -> list[str]:
     lines.append(f"  its step: {parts}")
     lay = best.layout
     alternatives = [
-        ("FSDP only", lambda x: x.tp == 1 and x.pp == 1 and x.dp_replicate == 1 and x.cp == 1),
+        ("FSDP only", lambda x: x.tp == 1 and x.pp == 1 and x.dp_replicate == 1 and x.cp == 1 and x.ep == 1),
         (f"more TP (tp={lay.tp * 2})", lambda x: x.tp == lay.tp * 2),
         (f"less TP (tp={lay.tp // 2})", lambda x: lay.tp > 1 and x.tp == lay.tp // 2),
         ("with a pipeline" if lay.pp == 1 else "without a pipeline", lambda x: (x.pp > 1) != (lay.pp > 1)),
@@ -177,16 +181,20 @@ def explain(candidates: list[Candidate]) -> list[str]:
         ("without context parallelism" if lay.cp > 1 else "with context parallelism",
          lambda x: (x.cp > 1) != (lay.cp > 1)),
     ]
+    if experts:
+        alternatives.append(("without expert parallelism" if lay.ep > 1 else "with expert parallelism",
+                             lambda x: (x.ep > 1) != (lay.ep > 1)))
     if lay.dp() > 1:
         alternatives.append(("HSDP (replicas across nodes)" if lay.dp_replicate == 1 else "FSDP across all replicas",
                              lambda x: (x.dp_replicate > 1) != (lay.dp_replicate > 1) and x.tp == lay.tp
-                             and x.pp == lay.pp and x.cp == lay.cp))
+                             and x.pp == lay.pp and x.cp == lay.cp and x.ep == lay.ep))
     seen = {lay}
     for name, keep in alternatives:
         alt = _best(candidates, keep)
         if alt is None and name in ("FSDP only", f"more TP (tp={lay.tp * 2})"):
             lines.append(f"  {name}: no such layout: "
                          + (f"{lay.gpus()}-way data parallelism does not divide the batch" if name == "FSDP only"
+                            else "keel runs no tensor parallelism of mixture-of-experts blocks" if experts
                             else "TP stays within a node and must divide the heads, KV heads and sequence"))
         if alt is None or alt.layout in seen:
             continue

@@ -25,10 +25,10 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
-from keel.plan.layout import Workload, config_layout, parse_layout
+from keel.plan.layout import Layout, Workload, config_layout, parse_layout
 from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
 from keel.plan.memory import GIB, PARTS, check_run, suggest
-from keel.plan.throughput import Efficiency, calibrate, efficiency_for
+from keel.plan.throughput import Efficiency, StepBreakdown, calibrate, efficiency_for, ep_exchange, ep_link
 from keel.plan.tuning import from_sweep, tuning_lines
 from keel.rundir.progress import format_duration
 
@@ -96,14 +96,16 @@ def answer(q: Question) -> dict:
                      "restart_s": q.recovery.restart_s, "repair_h": q.recovery.repair_s / 3600,
                      "fragmentation": q.fragmentation, "seed": q.seed, "trials": q.trials},
         "spares": {"nodes": spares, "auto": q.spares is None, "options": options},
-        "model": {"parameters": work.n_params, "flops_per_token": work.flops_per_token, "seq_len": work.seq_len,
+        "model": {"parameters": work.n_params, "active_parameters": work.n_active,
+                  "flops_per_token": work.flops_per_token, "seq_len": work.seq_len,
                   "global_batch": work.global_batch, "steps": work.steps()},
+        "experts": _experts(work, best.layout, best.step, hw, eff),
         "efficiency": asdict(eff),
         "memory_check": _memory_check(q.calibrate_from, hw) if q.calibrate_from else None,
         "layouts": [_candidate(c) for c in fitting[:TOP]],
         "given": None if assessed is None else {**assessed.row(), "not_modelled": unmodelled},
-        "why": explain(candidates) + [line for line in [untied_alternative(work, q.gpus, hw, eff, fitting[0]
-                                                                           if fitting else None)] if line],
+        "why": explain(candidates, work.experts) + [line for line in [untied_alternative(
+            work, q.gpus, hw, eff, fitting[0] if fitting else None)] if line],
         "dropped": len(candidates) - len(fitting),
         "memory": {k: getattr(best.memory, k) / GIB for k in (*PARTS, "total", "reserved", "usable")},
         "step": best.step.parts() | {"total": best.step.total},
@@ -117,6 +119,17 @@ def answer(q: Question) -> dict:
                  "parts": spent.parts()},
         "tuning": tuning,
     }
+
+
+def _experts(work: Workload, layout: Layout, step: StepBreakdown, hw: Accelerator, eff: Efficiency) -> dict | None:
+    """The planned layout's expert parallelism: its degree, and the all-to-all's bytes and time per step."""
+    if not work.experts:
+        return None
+    link = ep_link(hw, layout, eff)
+    return {"experts": work.experts, "top_k": work.model.moe.top_k, "ep": layout.ep,
+            "experts_per_rank": work.experts // layout.ep, "expert_shard": layout.expert_shard(),
+            "all_to_all_bytes_per_gpu": ep_exchange(work, layout), "all_to_all_s": step.ep_comm,
+            "link": "intra-node" if link.nodes <= 1 else "inter-node", "link_gb_s": link.bandwidth / 1e9}
 
 
 def _candidate(c: Candidate) -> dict:
@@ -153,14 +166,16 @@ def _memory_line(check: dict | None) -> list[str]:
 def lines(a: dict) -> list[str]:
     """The readable answer."""
     q, m, ck, run, cost = a["question"], a["model"], a["checkpoint"], a["run"], a["cost"]
-    out = [f"{q['config']}: {m['parameters'] / 1e9:.2f}B parameters, {m['flops_per_token'] / 1e9:.0f} GFLOP/token at "
-           f"sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
+    active = f" ({m['active_parameters'] / 1e9:.2f}B active)" if m["active_parameters"] != m["parameters"] else ""
+    width = max([40, *(len(c["layout"]) + 2 for c in a["layouts"])])  # the layout column
+    out = [f"{q['config']}: {m['parameters'] / 1e9:.2f}B parameters{active}, {m['flops_per_token'] / 1e9:.0f} "
+           f"GFLOP/token at sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
            f"{m['global_batch']} × {m['seq_len']} on {q['gpus']:,} × {q['hardware']}",
            f"efficiency factors: compute {a['efficiency']['compute']:.2f}, overlap {a['efficiency']['overlap']:.2f}, "
            f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", *_memory_line(a["memory_check"]), "",
-           f"{'layout':<40}{'GiB/GPU':>9}{'headroom':>10}{'s/step':>9}{'tokens/s/GPU':>14}{'MFU':>7}"]
+           f"{'layout':<{width}}{'GiB/GPU':>9}{'headroom':>10}{'s/step':>9}{'tokens/s/GPU':>14}{'MFU':>7}"]
     for c in a["layouts"]:
-        out.append(f"{c['layout']:<40}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"
+        out.append(f"{c['layout']:<{width}}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"
                    f"{c['tokens_per_s_per_gpu']:>14,.0f}{c['mfu']:>7.1%}")
     out += [f"({a['dropped']} layouts do not fit or do not divide the batch)", *a["why"], ""]
     if (g := a["given"]) is not None:
@@ -178,6 +193,7 @@ def lines(a: dict) -> list[str]:
         + f"; total {mem['total']:.1f}, {mem['reserved']:.1f} reserved with the allocator's "
         f"{q['fragmentation']:.0%} fragmentation, of {mem['usable']:.1f} usable")
     out.append(f"step time, {planned} (s): " + ", ".join(f"{k} {v:.3g}" for k, v in a["step"].items()))
+    out += _experts_line(a["experts"], planned)
     out += ["", f"checkpoint {ck['bytes'] / 1e12:.2f} TB ({ck['bytes'] / q['gpus'] / 1e9:.2f} GB per GPU): an async "
             f"save blocks {ck['async_blocking_s']:.1f} s and writes in {ck['write_s']:.1f} s at "
             f"{q['storage_gb_s']:,.0f} GB/s; job MTBF {ck['job_mtbf_h']:.1f} h (per GPU "
@@ -206,6 +222,19 @@ def lines(a: dict) -> list[str]:
     if a["tuning"]:
         out += ["", *tuning_lines(a["tuning"])]
     return out
+
+
+def _experts_line(x: dict | None, planned: str) -> list[str]:
+    if not x:
+        return []
+    if x["ep"] == 1:
+        return [f"experts, {planned}: ep 1: every rank holds all {x['experts']} experts of a block (sharded over "
+                f"dp_shard × cp); no all-to-all"]
+    shard = f"sharded over {x['expert_shard']} ranks" if x["expert_shard"] > 1 else "not sharded further"
+    return [f"experts, {planned}: ep {x['ep']}: {x['experts_per_rank']} of {x['experts']} experts per rank, "
+            f"{shard}; all-to-all {x['all_to_all_bytes_per_gpu'] / 1e9:,.1f} GB sent per "
+            f"GPU per step, {x['all_to_all_s']:.3g} s {x['link']} at {x['link_gb_s']:g} GB/s, not hidden behind "
+            f"compute"]
 
 
 def dollars(money: float) -> str:

@@ -24,7 +24,9 @@ from keel.model.flops import (
 )
 from keel.model.llama import Block, rope_tables
 from keel.plan.layout import Layout, Workload, parse_layout
+from keel.plan.layouts import search
 from keel.plan.memory import block_activations, memory
+from keel.plan.report import Question, answer, lines
 from keel.plan.throughput import BASE_LATENCY, DEFAULT, HOP_INTER, HOP_INTRA, ep_exchange, step_time
 from tests.conftest import REPO, run_keel
 
@@ -202,6 +204,23 @@ def test_the_all_to_all_runs_on_nvlink_within_a_node_and_on_the_network_across_a
 
 # ---------------------------------------------------------------- layouts searched and given
 
+def test_the_search_spreads_deepseek_v3s_experts_over_ranks_on_a_large_cluster_and_fits() -> None:
+    work = work_of("deepseek_v3", 14.8e12)
+    candidates = search(work, 2048, H100)
+    best = candidates[0]
+    assert best.fits and best.layout.ep > 1 and best.layout.tp == 1
+    assert best.memory.total < best.memory.usable
+    assert all(c.layout.tp == 1 for c in candidates)  # keel runs no tensor parallelism of expert blocks
+    assert not any(c.fits for c in candidates if c.layout.ep == 1)  # every expert on every rank never fits
+    assert {c.layout.ep for c in candidates} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+
+
+def test_a_dense_models_search_has_no_expert_parallelism() -> None:
+    work = Workload(load_config(REPO / "configs" / "llama3_8b.toml", []).model, 8192, 512)
+    assert {c.layout.ep for c in search(work, 64, H100)} == {1}
+    assert not any(part.startswith("ep") for part in search(work, 64, H100)[0].layout.describe().split())
+
+
 def test_a_layout_string_takes_ep_and_nothing_undocumented() -> None:
     assert parse_layout("pp=16,ep=8", 2048) == Layout(pp=16, dp_shard=128, ep=8)
     assert parse_layout(Layout(pp=2, dp_shard=4, ep=4).spec(), 8) == Layout(pp=2, dp_shard=4, ep=4)
@@ -211,6 +230,19 @@ def test_a_layout_string_takes_ep_and_nothing_undocumented() -> None:
         message = str(e.value)
         assert "\n" not in message and "is not KEY=VALUE of tp, pp, v, dp_shard, dp_replicate, cp, ep, micro_batch, " \
             "ac, zero" in message
+
+
+def test_a_given_expert_layout_is_predicted_with_its_all_to_all() -> None:
+    cfg = load_config(REPO / "configs" / "qwen3_30b_a3b.toml", [])
+    a = answer(Question(cfg, 64, "h100", 1e12, layout="ep=8", spares=0, trials=20))
+    assert a["given"]["layout"] == "dp_shard64 ep8 mb1"
+    assert a["experts"]["ep"] == 8 and a["experts"]["link"] == "intra-node"
+    assert a["experts"]["all_to_all_bytes_per_gpu"] == ep_exchange(Workload.of(cfg), Layout(dp_shard=64, ep=8))
+    assert a["step"]["ep_comm"] == a["experts"]["all_to_all_s"] > 0
+    text = lines(a)
+    assert text[0].startswith("qwen3_30b_a3b: 30.53B parameters (3.35B active), ")
+    assert any(line.startswith("experts, given layout: ep 8: 16 of 128 experts per rank, sharded over 8 ranks; "
+                               "all-to-all ") for line in text)
 
 
 @pytest.mark.parametrize("config, layout, message", [
@@ -227,3 +259,12 @@ def test_keel_plan_refuses_an_expert_layout_it_cannot_run_in_one_line(tmp_path: 
                        "--layout", layout], cwd=tmp_path, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_keel_plan_takes_an_expert_layout(tmp_path: Path) -> None:
+    result = run_keel(["plan", "--config", "deepseek_v3", "--gpus", "2048", "--tokens", "14.8e12", "--trials",
+                       "20", "--layout", "pp=16,ep=32,ac=full"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "given layout pp16 dp_shard128 ep32 mb1 ac=full: " in result.stdout
+    assert "experts, given layout: ep 32: 8 of 256 experts per rank, sharded over 4 ranks; all-to-all " \
+        in result.stdout and " s inter-node at 40 GB/s, not hidden behind compute" in result.stdout
