@@ -8,8 +8,8 @@ sequence into 2·cp equal chunks, each rank's share still divisible by tp, when 
 split as keel.model.split does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4
 chunks per rank (interleaved 1F1B) where there are at least v·pp blocks; every
 split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); for a mixture-of-experts model
-ep over the divisors of dp_shard × cp that divide the experts (and tp = 1: keel runs no tensor parallelism of
-expert blocks); micro-batches of 1, 2, 4 …
+ep over the divisors of dp_shard × cp that divide the experts (and tp = 1: keel replicates expert blocks over
+tensor-parallel ranks, which the planner does not model); micro-batches of 1, 2, 4 …
 sequences dividing the per-rank batch (and, with a pipeline, leaving at least pp of them); activation
 checkpointing none, selective, full. Layouts that do not divide the batch are not layouts; those that do
 not fit stay in the list with their memory verdict, after the ones that do, which are ranked by
@@ -194,7 +194,8 @@ def explain(candidates: list[Candidate], experts: int = 0) -> list[str]:
         if alt is None and name in ("FSDP only", f"more TP (tp={lay.tp * 2})"):
             lines.append(f"  {name}: no such layout: "
                          + (f"{lay.gpus()}-way data parallelism does not divide the batch" if name == "FSDP only"
-                            else "keel runs no tensor parallelism of mixture-of-experts blocks" if experts
+                            else "the planner does not model tensor parallelism of mixture-of-experts blocks"
+                            if experts
                             else "TP stays within a node and must divide the heads, KV heads and sequence"))
         if alt is None or alt.layout in seen:
             continue
@@ -234,8 +235,8 @@ def _check_experts(work: Workload, layout: Layout, where: str) -> None:
         raise KeelError(f"{where}: ep = {ep} splits routed experts, but the model has none (model.moe.experts = 0); "
                         f"use ep = 1")
     if experts and layout.tp > 1:
-        raise KeelError(f"{where}: tp = {layout.tp}: keel runs no tensor parallelism of mixture-of-experts blocks; "
-                        f"use tp = 1")
+        raise KeelError(f"{where}: tp = {layout.tp}: the planner does not model tensor parallelism of "
+                        f"mixture-of-experts blocks (keel replicates them over the tensor-parallel ranks); use tp = 1")
     lender = f"dp_shard × cp = {layout.dp_shard} × {layout.cp}" if layout.cp > 1 else f"dp_shard = {layout.dp_shard}"
     if layout.shard() % ep:
         raise KeelError(f"{where}: ep = {ep} must divide {lender}: the expert-parallel ranks are borrowed from the "

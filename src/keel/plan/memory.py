@@ -134,7 +134,7 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     q, kv = m.n_heads * head_size(m), m.n_kv_heads * head_size(m)
     seq_split = tp if tp > 1 and sp else 1
     norms = 2 * 4 * tokens * h * (2 if composite_norm else 1) / seq_split
-    if moe:  # tp = 1: keel runs no tensor parallelism of expert blocks
+    if moe:  # tp = 1: the planner plans expert blocks without tensor parallelism
         attention = tokens * (2 * q + 2 * kv) * e + 4 * tokens * m.n_heads
         return norms + e * tokens * h + attention + moe_activations(work, tokens), e * tokens * h
     gathered = 2 * e * tokens * h

@@ -210,7 +210,7 @@ def test_the_search_spreads_deepseek_v3s_experts_over_ranks_on_a_large_cluster_a
     best = candidates[0]
     assert best.fits and best.layout.ep > 1 and best.layout.tp == 1
     assert best.memory.total < best.memory.usable
-    assert all(c.layout.tp == 1 for c in candidates)  # keel runs no tensor parallelism of expert blocks
+    assert all(c.layout.tp == 1 for c in candidates)  # tensor parallelism of expert blocks is not modelled
     assert not any(c.fits for c in candidates if c.layout.ep == 1)  # every expert on every rank never fits
     assert {c.layout.ep for c in candidates} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
 
@@ -249,7 +249,7 @@ def test_a_given_expert_layout_is_predicted_with_its_all_to_all() -> None:
     ("qwen3_30b_a3b", "ep=3", "ep = 3 must divide dp_shard = 64: the expert-parallel ranks are borrowed"),
     ("qwen3_30b_a3b", "pp=2,cp=1,dp_shard=32,ep=64", "ep = 64 must divide dp_shard = 32"),
     ("mixtral_8x7b", "ep=16", "ep = 16 must divide the 8 routed experts of each block"),
-    ("qwen3_30b_a3b", "tp=2", "tp = 2: keel runs no tensor parallelism of mixture-of-experts blocks"),
+    ("qwen3_30b_a3b", "tp=2", "tp = 2: the planner does not model tensor parallelism of mixture-of-experts"),
     ("llama3_8b", "ep=2", "ep = 2 splits routed experts, but the model has none"),
     ("qwen3_30b_a3b", "sp=1", "'sp=1' is not KEY=VALUE of tp, pp, v, dp_shard, dp_replicate, cp, ep,"),
 ])
