@@ -18,21 +18,21 @@ from keel.model.moe import scale_auxiliary_losses
 
 
 def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters that have gradients, grouped by their gradients' device mesh (plain tensors as one group):
-    DTensor's fused operations take tensors of one mesh, and experts split over expert parallelism have their own."""
+    """The parameters grouped by their device mesh (plain tensors as one group), as their gradients are: DTensor's
+    fused operations take tensors of one mesh, and experts split over expert parallelism have their own."""
     groups: dict[Any, list[nn.Parameter]] = {}
     for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     return list(groups.values())
 
 
-def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients (across shards, ranks and pipeline stages): the norm of each mesh's
-    gradients made whole over its mesh, then of those."""
-    parts = [plain(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type=2.0,
-                                                 foreach=True))
-             for group in by_mesh(params)]
+def grad_norm(groups: list[list[nn.Parameter]], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients (across shards, ranks and pipeline stages) of parameters grouped by mesh
+    (`by_mesh`): the norm of each mesh's gradients made whole over its mesh, then of those."""
+    grads = [[p.grad for p in group if p.grad is not None] for group in groups]
+    parts = [plain(torch.nn.utils.get_total_norm(g, norm_type=2.0, foreach=True)) for g in grads if g]
+    if not parts:
+        parts = [torch.nn.utils.get_total_norm([], norm_type=2.0)]
     total = parts[0] if len(parts) == 1 else torch.nn.utils.get_total_norm(parts, norm_type=2.0)
     if pp_group is not None:  # each stage holds its own parameters: add the squares over stages
         total = total**2
@@ -81,6 +81,7 @@ class Stepper:
         self.grad_clip, self.autocast_dtype = grad_clip, autocast_dtype
         self.objective = objective
         self.params = [p for part in parts for p in part.parameters()]
+        self.groups = by_mesh(self.params)  # fixed once parallelised: the norm and the clip go mesh by mesh
         self.pp_group = pipeline.pp_group if pipeline is not None else None
         self.sequences = 0  # of the last step on this rank: what the auxiliary losses are averaged over
 
@@ -96,7 +97,7 @@ class Stepper:
                                 objective=self.objective)
 
     def grad_norm(self) -> torch.Tensor:
-        return grad_norm(self.params, self.pp_group)
+        return grad_norm(self.groups, self.pp_group)
 
     def nonfinite_here(self, loss: torch.Tensor) -> bool:
         """Whether this rank's own loss or gradient shards hold a NaN or Inf (a host synchronisation:
@@ -116,7 +117,7 @@ class Stepper:
     def clip(self, total_norm: torch.Tensor) -> None:
         """Scale the gradients down to a global norm of `optim.grad_clip` (0: no clipping)."""
         if self.grad_clip > 0:
-            for group in by_mesh(self.params):
+            for group in self.groups:
                 torch.nn.utils.clip_grads_with_norm_(group, self.grad_clip, total_norm, foreach=True)
 
     def drop(self) -> None:
