@@ -151,20 +151,28 @@ def test_llama3_scaling_goes_back_into_config_json(llama32, transformers) -> Non
     assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.rope_parameters["factor"] == 32.0
 
 
+def train_and_export(path: Path, config: str, seq_len: int, steps: int, corpus: Path,
+                     tmp_path: Path) -> tuple[Path, Path]:
+    """`keel train --config CONFIG model.init_from=hf:PATH` on one process for `steps` steps, checkpointed at the
+    last, then `keel ckpt export` of the run: (the run directory, the export)."""
+    run_dir, out = tmp_path / "run", tmp_path / "export"
+    trained = run_keel(["train", "--config", config, "--run-dir", str(run_dir), f"model.init_from=hf:{path}",
+                        f"data.dir={corpus}", f"train.seq_len={seq_len}", "train.global_batch=4",
+                        "train.micro_batch=4", f"train.steps={steps}", f"checkpoint.interval={steps}",
+                        "eval.interval=0", "eval.final=false", "health.preflight_probe_mib=4"], cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert f"initialised the weights from hf:{path}" in trained.stdout
+    exported = run_keel(["ckpt", "export", str(run_dir), "--format", "hf", "--out", str(out)], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    return run_dir, out
+
+
 def test_an_imported_llama32_trains_and_exports_transformers_logits(llama32, transformers, small_corpus: Path,
                                                                     tmp_path: Path) -> None:
     """`keel train --config tiny model.init_from=hf:DIR` on one process, a few steps; the export, loaded by
     transformers, gives keel's logits of the trained checkpoint beyond the original context."""
     path, _ = llama32
-    run_dir, out = tmp_path / "run", tmp_path / "export"
-    trained = run_keel(["train", "--config", "tiny", "--run-dir", str(run_dir), f"model.init_from=hf:{path}",
-                        f"data.dir={small_corpus}", "train.seq_len=128", "train.global_batch=4", "train.micro_batch=4",
-                        "train.steps=3", "checkpoint.interval=3", "eval.interval=0", "eval.final=false",
-                        "health.preflight_probe_mib=4"], cwd=tmp_path)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert f"initialised the weights from hf:{path}" in trained.stdout
-    exported = run_keel(["ckpt", "export", str(run_dir), "--format", "hf", "--out", str(out)], cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr
+    run_dir, out = train_and_export(path, "tiny", 128, 3, small_corpus, tmp_path)
     assert json.loads((out / CONFIG).read_text())["rope_parameters"]["rope_type"] == "llama3"
     before, after = load_file(path / SINGLE), load_file(out / SINGLE)
     assert not torch.equal(before["model.layers.0.mlp.down_proj.weight"], after["model.layers.0.mlp.down_proj.weight"])

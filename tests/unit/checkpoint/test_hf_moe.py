@@ -16,8 +16,8 @@ from keel.checkpoint.export import CONFIG, INDEX, SINGLE, export_hf, load_checkp
 from keel.config import ModelConfig, MoEConfig, load_config
 from keel.errors import CheckpointError
 from keel.model.llama import Llama
-from tests.conftest import run_keel
 from tests.unit.checkpoint.test_export import TINY, assert_round_trip, build, logits, save_checkpoint, tokens
+from tests.unit.checkpoint.test_hf_import import train_and_export
 
 # Two blocks after a dense one, each of 4 experts of their own width (48, the dense one's 192), 2 chosen per token.
 MOE = dataclasses.replace(TINY, n_layers=3, qk_norm=True,
@@ -181,15 +181,7 @@ def test_an_imported_qwen3_moe_trains_and_exports_for_transformers(qwen3_moe, tr
     give way to the model's); the export loads in transformers and gives keel's logits of the trained
     checkpoint."""
     path, _ = qwen3_moe
-    run_dir, out = tmp_path / "run", tmp_path / "export"
-    trained = run_keel(["train", "--config", "tiny_moe", "--run-dir", str(run_dir), f"model.init_from=hf:{path}",
-                        f"data.dir={small_corpus}", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4",
-                        "train.steps=5", "checkpoint.interval=5", "eval.interval=0", "eval.final=false",
-                        "health.preflight_probe_mib=4"], cwd=tmp_path)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert f"initialised the weights from hf:{path}" in trained.stdout
-    exported = run_keel(["ckpt", "export", str(run_dir), "--format", "hf", "--out", str(out)], cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr
+    run_dir, out = train_and_export(path, "tiny_moe", 64, 5, small_corpus, tmp_path)
     before, after = load_file(path / SINGLE), load_file(out / SINGLE)
     assert sorted(before) == sorted(after)
     moved = "model.layers.2.mlp.experts.3.down_proj.weight"
