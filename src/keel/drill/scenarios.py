@@ -69,6 +69,9 @@ class Scenario:
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
     groups: int = 1  # replica groups (`--replica-groups`, one process each); the reference has as many
     survivor: bool = True  # with groups: group 0 is never hit, keeps its process and makes no step again
+    # Processes of each launch (of each replica group with `groups`) when its layout needs a number of its own;
+    # 0: the drill's --nproc, or one per replica group. The reference runs on as many.
+    nproc: int = 0
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
