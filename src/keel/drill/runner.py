@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -420,7 +421,8 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     survivor, ref_survivor = run_dir / "groups" / "0", ref_dir / "groups" / "0"
     outcome = _replica_outcome(run_dir, ref_dir, steps)
     broken = outcome.pop("broken") + _launches_broken(scenario, launches)
-    starts = sum(1 for e in events if e["kind"] == "start" and e["group"] == 0)
+    # Each rank of a group writes its own start: a group of several processes started once has one per rank.
+    starts = max(Counter(e["rank"] for e in events if e["kind"] == "start" and e["group"] == 0).values(), default=0)
     if scenario.survivor and starts != 1:
         broken.append(f"the surviving group started {starts} times: it must never restart")
     fault_time, fault_step = _replica_fault_point(launches[0], events)
