@@ -250,7 +250,9 @@ class Drill:
         shutil.copytree(ref_dir / "checkpoints", run_dir / "checkpoints", symlinks=True,
                         ignore=lambda d, names: [n for n in names if (step_of(n) or 0) > start or n == LATEST])
         self.say("baseline: a plain restart from a checkpoint")
-        launched = self.launch(run_dir, [*self.base(steps), *self.overrides],
+        # Its status logged every step, so that the SIGTERM lands in its first steps: a SIGTERM that finds
+        # the run already finished (the next log at its last step) waits out torchrun's 120 s grace period.
+        launched = self.launch(run_dir, [*self.base(steps), *self.overrides, "monitor.interval=1"],
                                outside=Outside("SIGTERM", start + 1))
         events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
         first = _find(events, ("step", "first"))
