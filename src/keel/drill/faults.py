@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -477,21 +479,35 @@ BIT_FLIP_TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
 class BitFlip(Injector):
     """Flip bit `bit` (0 = lowest mantissa bit; 31 = sign of a float32) of element `element` of tensor
     `tensor` of `rank`'s `target`: its parameters or optimizer moments after step `step`'s update, or
-    its gradients of step `step` before the update (once: a replay computes them right)."""
+    its gradients of step `step` before the update (once: a replay computes them right). With `name`, a
+    glob over parameter names (`layers.1.moe.experts.w2`, `*.experts.*`), `tensor` counts only the
+    parameters it matches; the element is one of this rank's own shard of the parameter."""
 
     def __init__(self, step: int, rank: int = 1, target: str = "params", tensor: int = 0, element: int = 0,
-                 bit: int = 20, group: int = -1) -> None:
+                 bit: int = 20, group: int = -1, name: str = "") -> None:
         if target not in BIT_FLIP_TARGETS:
             raise ValueError(f"bitflip target {target!r}: expected one of {', '.join(BIT_FLIP_TARGETS)}")
         self.step, self.rank, self.target = step, rank, target
-        self.tensor, self.element, self.bit, self.group = tensor, element, bit, group
+        self.tensor, self.element, self.bit, self.group, self.name = tensor, element, bit, group, name
         self.params: list = []
+        self.names: list[str] = []
         self.optimizers: list = []
 
     def on_build(self, build: Build) -> None:
-        parts, optimizers = build.parts, build.optimizers
-        self.params = [p for part in parts for p in part.parameters()]
-        self.optimizers = optimizers
+        from keel.model.init import canonical_name  # the names without activation checkpointing's or compile's
+
+        named = [(canonical_name(n), p) for part in build.parts for n, p in part.named_parameters()]
+        chosen = [(n, p) for n, p in named if not self.name or fnmatch.fnmatchcase(n, self.name)]
+        if build.rank == self.rank and not chosen:
+            kinds = dict.fromkeys(re.sub(r"^layers\.\d+\.", "layers.*.", n) for n, _ in named)
+            raise ConfigError(f"bitflip name={self.name!r}: no parameter of rank {self.rank} matches it; expected a "
+                              f"glob over its parameters' names: {', '.join(kinds)}")
+        if build.rank == self.rank and len(chosen) <= self.tensor:
+            what = f"parameters named {self.name!r}" if self.name else "parameters"
+            raise ConfigError(f"bitflip tensor={self.tensor}: rank {self.rank} holds {len(chosen)} {what}; expected "
+                              f"a tensor between 0 and {len(chosen) - 1}")
+        self.names, self.params = [n for n, _ in chosen], [p for _, p in chosen]
+        self.optimizers = build.optimizers
 
     def _flip(self, t: torch.Tensor) -> None:
         from keel.core.dtensor import local
@@ -508,14 +524,14 @@ class BitFlip(Injector):
 
     def on_backward(self, step: Step, replaying: bool) -> None:
         if self.target == "grads" and not replaying and self._mine(step.number):
-            self.fire(self.step, target=self.target)
+            self.fire(self.step, target=self.target, param=self.names[self.tensor])
             self._flip(self.params[self.tensor].grad)
 
     def on_step_end(self, step: Step) -> None:
         state = step.state
         if self.target == "grads" or not self._mine(state.step):
             return
-        self.fire(self.step, target=self.target)
+        self.fire(self.step, target=self.target, param=self.names[self.tensor])
         if self.target == "params":
             self._flip(self.params[self.tensor])
         else:

@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,27 +93,32 @@ class Drill:
     def base(self, steps: int) -> list[str]:
         return [*self.shape, f"train.steps={steps}", f"checkpoint.interval={self.interval}"]
 
+    def procs(self, nproc: int = 0, groups: int = 1) -> int:
+        """Processes of a launch (of each replica group): `nproc` when a scenario's layout names it, else the
+        drill's own, or one per replica group."""
+        return nproc or (1 if groups > 1 else self.nproc)
+
     def train_args(self, run_dir: Path, overrides: list[str], max_restarts: int = 0, nproc: int | None = None,
                    more: tuple[str, ...] = (), groups: int = 1) -> list[str]:
         config = ["--config", str(self.config)] if self.config is not None else []
-        if groups > 1:  # replica groups of one process each
-            nproc, more = 1, (*more, "--replica-groups", str(groups))
-        return ["train", "--nproc", str(nproc or self.nproc), "--run-dir", str(run_dir), "--quiet", *config,
-                *overrides, "--max-restarts", str(max_restarts), *more]
+        if groups > 1:
+            more = (*more, "--replica-groups", str(groups))
+        return ["train", "--nproc", str(self.procs(nproc or 0, groups)), "--run-dir", str(run_dir), "--quiet",
+                *config, *overrides, "--max-restarts", str(max_restarts), *more]
 
     def launch(self, run_dir: Path, overrides: list[str], max_restarts: int = 0,
-               outside: Any = None, groups: int = 1) -> dict[str, Any]:
+               outside: Any = None, groups: int = 1, nproc: int = 0) -> dict[str, Any]:
         """One launch of `keel train`; with `outside`, its signal goes to the launcher (or the lighthouse) once
         the run (its first replica group) is there."""
         run_dir.mkdir(parents=True, exist_ok=True)
         sent: dict[str, Any] = {}
-        args = self.train_args(run_dir, overrides, max_restarts, groups=groups)
+        args = self.train_args(run_dir, overrides, max_restarts, nproc, groups=groups)
         watched = run_dir / "groups" / "0" if groups > 1 else run_dir
         with Launch(args, self.workdir, run_dir / "drill.log") as job:
             if outside is not None:
                 while job.proc.poll() is None and time.time() - job.started < self.timeout:
                     step = _status(watched).get("step", 0)
-                    if _workers_started(run_dir, job.started, self.nproc) if outside.while_starting else \
+                    if _workers_started(run_dir, job.started, self.procs(nproc)) if outside.while_starting else \
                             step >= outside.at_step:
                         pid = lighthouse_pid(run_dir) if outside.target == LIGHTHOUSE else job.proc.pid
                         os.kill(pid, getattr(signal, outside.signal))
@@ -126,32 +132,34 @@ class Drill:
 
     # ------------------------------------------------------------ the clean reference
 
-    def reference_key(self, overrides: list[str], groups: int = 1) -> str:
+    def reference_key(self, overrides: list[str], groups: int = 1, nproc: int = 0) -> str:
         cfg = load_config(self.config, overrides)
         for *path, name in LOOK_ONLY:
             section = functools.reduce(getattr, path, cfg)
             setattr(section, name, getattr(type(section)(), name))
-        key = {"config": cfg.digest(), "nproc": self.nproc} if groups == 1 else \
-            {"config": cfg.digest(), "nproc": 1, "replica_groups": groups}
+        key = {"config": cfg.digest(), "nproc": self.procs(nproc, groups)}
+        if groups > 1:
+            key["replica_groups"] = groups
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
-    def reference(self, extra: tuple[str, ...] = (), steps: int | None = None, groups: int = 1) -> Path:
-        """The clean run of this config with `extra` (as `groups` replica groups of one process when > 1),
-        made once and reused while its key holds."""
+    def reference(self, extra: tuple[str, ...] = (), steps: int | None = None, groups: int = 1,
+                  nproc: int = 0) -> Path:
+        """The clean run of this config with `extra` (as `groups` replica groups when > 1, on `nproc` processes
+        each when given), made once and reused while its key holds."""
         steps = steps or self.steps
         overrides = [*self.base(steps), *extra, *self.overrides]
-        key = self.reference_key(overrides, groups)
+        key = self.reference_key(overrides, groups, nproc)
         run_dir = self.workdir / "references" / key
         marker = run_dir / "drill-reference.json"
         if marker.is_file() and _final(run_dir, steps).is_dir():
             return run_dir
         shutil.rmtree(run_dir, ignore_errors=True)
         self.say(f"reference {key}: {' '.join(extra) or 'clean'}{f', {groups} replica groups' if groups > 1 else ''}")
-        done = self.launch(run_dir, overrides, groups=groups)
+        done = self.launch(run_dir, overrides, groups=groups, nproc=nproc)
         if done["exit"] != 0 or not _final(run_dir, steps).is_dir():
             raise DrillError(f"the reference run {run_dir} failed (exit {done['exit']}); see {run_dir}/drill.log")
-        marker.write_text(json.dumps({"key": key, "overrides": overrides, "nproc": self.nproc, "groups": groups,
-                                      "seconds": done["seconds"]}, indent=1) + "\n")
+        marker.write_text(json.dumps({"key": key, "overrides": overrides, "nproc": self.procs(nproc, groups),
+                                      "groups": groups, "seconds": done["seconds"]}, indent=1) + "\n")
         return run_dir
 
     # ------------------------------------------------------------ one scenario
@@ -161,7 +169,7 @@ class Drill:
             return not_run(scenario, f"{scenario.nodes} nodes need --nproc divisible by {scenario.nodes}")
         steps = scenario.steps or self.steps
         extra = scenario.config + (scenario.reference_with if scenario.compare == "reference_with" else ())
-        ref_dir = self.reference(extra, steps, scenario.groups)
+        ref_dir = self.reference(extra, steps, scenario.groups, scenario.nproc)
         run_dir = self.workdir / "scenarios" / scenario.name
         _unmount(run_dir / "volume")
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -179,13 +187,14 @@ class Drill:
             if scenario.nodes > 1:
                 launches = [self.launch_nodes(run_dir, faulted, scenario)]
             else:
-                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups)]
+                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups,
+                                        scenario.nproc)]
             if scenario.between == CORRUPT_LATEST:
                 launches[0]["outside"] = corrupt_latest(run_dir / "checkpoints")
             elif scenario.between == LOSE_MANIFEST:
                 launches[0]["outside"] = lose_latest_manifest(run_dir / "checkpoints")
             if scenario.rerun:
-                launches.append(self.launch(run_dir, overrides, scenario.max_restarts))
+                launches.append(self.launch(run_dir, overrides, scenario.max_restarts, nproc=scenario.nproc))
         finally:
             if scenario.volume:
                 _keep_and_unmount(volume, run_dir / "checkpoints")
@@ -241,7 +250,9 @@ class Drill:
         shutil.copytree(ref_dir / "checkpoints", run_dir / "checkpoints", symlinks=True,
                         ignore=lambda d, names: [n for n in names if (step_of(n) or 0) > start or n == LATEST])
         self.say("baseline: a plain restart from a checkpoint")
-        launched = self.launch(run_dir, [*self.base(steps), *self.overrides],
+        # Its status logged every step, so that the SIGTERM lands in its first steps: a SIGTERM that finds
+        # the run already finished (the next log at its last step) waits out torchrun's 120 s grace period.
+        launched = self.launch(run_dir, [*self.base(steps), *self.overrides, "monitor.interval=1"],
                                outside=Outside("SIGTERM", start + 1))
         events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
         first = _find(events, ("step", "first"))
@@ -412,7 +423,8 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     survivor, ref_survivor = run_dir / "groups" / "0", ref_dir / "groups" / "0"
     outcome = _replica_outcome(run_dir, ref_dir, steps)
     broken = outcome.pop("broken") + _launches_broken(scenario, launches)
-    starts = sum(1 for e in events if e["kind"] == "start" and e["group"] == 0)
+    # Each rank of a group writes its own start: a group of several processes started once has one per rank.
+    starts = max(Counter(e["rank"] for e in events if e["kind"] == "start" and e["group"] == 0).values(), default=0)
     if scenario.survivor and starts != 1:
         broken.append(f"the surviving group started {starts} times: it must never restart")
     fault_time, fault_step = _replica_fault_point(launches[0], events)

@@ -69,6 +69,9 @@ class Scenario:
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
     groups: int = 1  # replica groups (`--replica-groups`, one process each); the reference has as many
     survivor: bool = True  # with groups: group 0 is never hit, keeps its process and makes no step again
+    # Processes of each launch (of each replica group with `groups`) when its layout needs a number of its own;
+    # 0: the drill's --nproc, or one per replica group. The reference runs on as many.
+    nproc: int = 0
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -124,10 +127,16 @@ REPLICA_PROMISE = ("survivors lose no step; the run ends as the fault-free repli
                    f"{REPLICA_ATOL:g}), the same tokens seen")
 
 
+def _group_lost(plan: Plan) -> tuple[int, dict[str, Any]]:
+    """The step a replica group is lost in, early (it has most of the run to come back and heal), and what
+    every such scenario shares."""
+    at = plan.interval // 2 + 1
+    return at, dict(fault_step=at, groups=2, max_restarts=1, compare=REPLICAS, detect=SURVIVOR_ALONE,
+                    recovered_by=HEALED)
+
+
 def _replica_groups(plan: Plan) -> list[Scenario]:
-    at = plan.interval // 2 + 1  # early: the lost group has most of the run to come back and heal
-    lost: dict[str, Any] = dict(fault_step=at, groups=2, max_restarts=1, compare=REPLICAS, detect=SURVIVOR_ALONE,
-                                recovered_by=HEALED)
+    at, lost = _group_lost(plan)
     return [
         Scenario("group_loss", f"a replica group SIGKILLed mid-step heals from the live one; {REPLICA_PROMISE}",
                  inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1"), **lost),
@@ -167,6 +176,52 @@ def _replica_groups(plan: Plan) -> list[Scenario]:
                  inject=(f"kill:step={at},rank=-1,group=0", f"kill:step={at},rank=-1,group=1"),
                  **{**lost, "survivor": False, "detect": ("failure", "restart"),
                     "recovered_by": ("quorum", "change", {"group": 0, "participants": 2})}),
+    ]
+
+
+# The config's model made a mixture of experts: four routed experts, two per token, the first block dense, the
+# experts split over two expert-parallel ranks (borrowed from the data-parallel ones), their selection biases
+# moving with the loads (restored by a restart and a rollback, since they change the routing). Replica groups
+# sum the loads within a group only, so there the biases stay still.
+MOE_MODEL = ("model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "parallel.ep=2")
+MOE = (*MOE_MODEL, "model.moe.bias_update_rate=0.01")
+# Micro-batches of 2 sequences, so that a small global batch still splits over 4 data-parallel ranks (2 replica
+# groups of 2, or 2 HSDP replicas of 2).
+SPLIT_4 = "train.micro_batch=2"
+MOE_GROUPS = (*MOE_MODEL, "model.moe.bias_update_rate=0", SPLIT_4)
+# The expert weights of the mixture block, 3-D with the experts first, split along them over the expert ranks:
+# element 5 of a rank's shard belongs to its first local expert (rank 1 of ep = 2 holds experts 2 and 3 of 4).
+EXPERT_W1, EXPERT_W2 = "layers.1.moe.experts.w1", "layers.1.moe.experts.w2"
+# Two HSDP replicas, each an expert-parallel pair (4 processes): every expert shard has a replica to compare with.
+HSDP_EP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", SPLIT_4)
+
+
+def _moe(plan: Plan) -> list[Scenario]:
+    """Recovery on a mixture-of-experts model with expert parallelism: a restart, the SDC guards on an expert
+    shard (replicas compare it where there are any; replay sees gradients everywhere), a replica group healed."""
+    mid, r = plan.mid, plan.rank
+    at, lost = _group_lost(plan)
+    return [
+        Scenario("moe_kill_mid_step", "experts split over 2 ranks (ep = 2): a rank SIGKILLed mid-step is restarted "
+                 "and the run ends bitwise equal, the selection biases with it",
+                 inject=(f"kill:step={mid},rank={r}",), fault_step=mid, config=MOE, max_restarts=1,
+                 detect=("failure", "")),
+        Scenario("moe_bitflip_expert", "ep = 2 within each of 2 HSDP replicas (4 processes): a flipped bit in one "
+                 "expert's weights on rank 1 is caught by the replicas' fingerprints, rolled back, re-executed and "
+                 "rank 1 named; the run ends bitwise equal",
+                 inject=(f"bitflip:step={mid},rank={r},target=params,name={EXPERT_W1},element=5,bit=22",),
+                 fault_step=mid, config=(*MOE, *HSDP_EP), nproc=4,
+                 tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",), detect=("guard", "rollback"),
+                 recovered_by=("guard", "quarantine", {"ranks": [r]})),
+        Scenario("moe_bitflip_expert_grads", "ep = 2 (no replica of an expert shard): a flipped bit in one "
+                 "expert's gradients on rank 1 is caught by replay in its step and the run ends bitwise equal",
+                 inject=(f"bitflip:step={mid},rank={r},target=grads,name={EXPERT_W2},element=5,bit=20",),
+                 fault_step=mid, config=MOE, tuning=(f"guard.sdc.replay_interval={plan.interval // 2}",),
+                 detect=("guard", "quarantine"), recovered_by=("guard", "rolled_back")),
+        Scenario("moe_group_loss", "2 replica groups, each ep = 2 on 2 processes: a group SIGKILLed mid-step heals "
+                 f"its expert shards from the live one; {REPLICA_PROMISE}",
+                 inject=(PACE_WHILE_MISSING, f"kill:step={at},rank=-1,group=1"), config=MOE_GROUPS, nproc=2,
+                 **lost),
     ]
 
 
@@ -245,6 +300,7 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  fault_step=plan.interval, tuning=FAST_THROUGHPUT, detect=("alert", "throughput_drop"),
                  recovered_by=None),
         *_replica_groups(plan),
+        *_moe(plan),
     ]
     return {s.name: s for s in scenarios}
 
@@ -258,7 +314,13 @@ QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_k
                "monitor.interval=5", "health.preflight_probe_mib=4")
 
 
+# The mixture-of-experts suite: a restart, an expert shard's flipped bit seen by replicas and by replay, and a
+# replica group healed, each on the config's model made a mixture of experts split over 2 ranks.
+MOE_SUITE = ["moe_kill_mid_step", "moe_bitflip_expert", "moe_bitflip_expert_grads", "moe_group_loss"]
+SUITES = {"quick": QUICK, "moe": MOE_SUITE}
+
+
 def suite(name: str, plan: Plan) -> list[Scenario]:
-    """The scenarios of suite `name` (quick, full), faults placed for `plan`."""
+    """The scenarios of suite `name` (quick, moe, full: every one), faults placed for `plan`."""
     scenarios = catalog(plan)
-    return [scenarios[n] for n in QUICK] if name == "quick" else list(scenarios.values())
+    return [scenarios[n] for n in SUITES[name]] if name in SUITES else list(scenarios.values())
