@@ -19,9 +19,10 @@ from keel.paths import check_writable_dir
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     dr = sub.add_parser("drill", help="rehearse failures on real runs and check each recovery against a clean run")
     add_config_args(dr)
-    dr.add_argument("--suite", choices=("quick", "full"), default="quick",
-                    help="quick: one scenario of each recovery on a small model and batch (minutes); full: every "
-                         "scenario on the config as given")
+    dr.add_argument("--suite", choices=("quick", "moe", "full"), default="quick",
+                    help="quick: one scenario of each recovery on a small model and batch (minutes); moe: the "
+                         "mixture-of-experts scenarios on that small model; full: every scenario on the config "
+                         "as given")
     dr.add_argument("--scenario", help="NAME[,NAME]: only these scenarios (`--list` names them)")
     dr.add_argument("--list", action="store_true", help="print the catalog: each scenario and its promise")
     dr.add_argument("--chaos", action="store_true", help="one run with faults drawn at random from the catalog")
@@ -43,7 +44,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from keel.drill.scenarios import QUICK_SHAPE, Plan, catalog, suite
     from keel.drill.scorecard import all_kept, format_scorecard
 
-    steps = args.steps or max(30 if args.suite == "quick" else 40, 3 * args.interval)
+    small = args.suite != "full"  # the quick shape: a small model and batch
+    steps = args.steps or max(30 if small else 40, 3 * args.interval)
     plan = Plan(steps=steps, interval=args.interval)
     scenarios = catalog(plan)
     if args.list:
@@ -69,7 +71,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     say = (lambda line: None) if args.json else (lambda line: print(f"drill: {line}", file=sys.stderr, flush=True))
     drill = Drill(args.workdir, list(args.overrides), config=config, nproc=args.nproc, steps=steps,
                   interval=args.interval, timeout=args.timeout, say=say,
-                  shape=list(QUICK_SHAPE) if args.suite == "quick" else [])
+                  shape=list(QUICK_SHAPE) if small else [])
     try:
         ensure_corpus(load_config(config, [*drill.base(steps), *drill.overrides]), verbose=not args.json)
         if args.chaos:
