@@ -2,16 +2,18 @@
 
 configs/gpu_1b.toml (1.24B parameters, Llama 3.2 1B shapes, bf16) is trained twice by `keel train --nproc 1`
 (called in this process: with one process keel trains in the launcher's own process, so this is the
-command users run), `parallel.compile` off and then on, for a few steps on the built-in corpus. Of each run:
+command users run), `parallel.compile` off and then on, for a few steps on the built-in corpus; then, compile
+off, the same shapes as a mixture of experts with as many active parameters (MOE below: 1.24B active of 2.37B;
+one save, at the end, so that its 28 GB checkpoint is on disk once). Of each run:
   tokens/s          median of the logged windows after the first (compile and allocator warm-up) and
                     without a checkpoint in them
-  MFU               those tokens/s × keel's FLOPs per token / the catalog's dense bf16 peak of the detected
-                    device (keel.core.accelerators), beside keel's own throughput/mfu metric
+  MFU               those tokens/s × keel's FLOPs per token (of the active parameters) / the catalog's dense
+                    bf16 peak of the detected device (keel.core.accelerators), beside keel's throughput/mfu
   peak memory       torch.cuda.max_memory_allocated over the run, against the planner's prediction for
                     the same model, batch and layout (keel.plan.memory.memory); the reserved peak, and
                     the allocator's fragmentation (reserved / allocated - 1) against the planner's 5%
   checkpoint        training blocked by the first save (its pinned buffers reserved at start-up) and a later one
-                    (buffers reused), from the run's checkpoint events
+                    (buffers reused; the MoE run makes none), from the run's checkpoint events
   NVML telemetry    the gpu source's readings (utilization, memory, power, temperature, SM clock, ECC, XID)
 One table, printed as each run ends, and bench/results/gpu_check.json, rewritten after each run. The exit
 code is non-zero, naming the missing figures, when any is missing: 2 without a CUDA device.
@@ -19,6 +21,7 @@ code is non-zero, naming the missing figures, when any is missing: 2 without a C
   python bench/gpu_check.py                  on a machine with one CUDA device (about 3 minutes on an H200)
   python bench/gpu_check.py --cpu-dry-run    the same code path on the CPU at a tiny size, 3 steps per run:
                                              proves the script; the CUDA figures are reported missing (exit 2)
+  --no-moe                                   leaves the MoE run out (reported as not run)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,9 +44,9 @@ from keel.cli import main as keel
 from keel.config import Config, load_config
 from keel.core.accelerators import Accelerator, by_key, lookup
 from keel.errors import KeelError
-from keel.model.flops import flops_per_token, param_count
+from keel.model.flops import active_param_count, flops_per_token, param_count
 from keel.plan.layout import Layout, Workload
-from keel.plan.memory import memory
+from keel.plan.memory import MemoryBreakdown, memory
 from keel.train.setup import precision_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +60,15 @@ DRY_RUN = ["train.device=cpu", "model.dim=64", "model.n_layers=2", "model.n_head
            "model.max_seq_len=64", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4",
            "train.steps=3", "monitor.interval=1", "checkpoint.interval=2", "eval.sequences=8",
            "health.preflight_probe_mib=4", "monitor.telemetry_interval_s=1"]
+# The MoE run: gpu_1b's shapes in DeepSeek-V3's layout, as configs/tiny_moe.toml at its scale: the first block
+# dense, each other one 2 shared and 8 routed experts of a quarter of the dense SwiGLU's width (8192), 2 routed
+# per token, so that a token goes through as many feed-forward parameters as in gpu_1b (2.37B parameters,
+# 1.24B active); sigmoid scores and auxiliary-loss-free balancing. Its AdamW state is 28 GB: the planner puts
+# it at 59 GiB at micro-batches of 4, within an 80 GB H100. No save but the last: the checkpoint is 28 GB.
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.shared_experts=2", "model.moe.expert_dim=2048",
+       "model.moe.dense_layers=1", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.001",
+       "checkpoint.interval=1000"]
+DRY_RUN_MOE = ["model.moe.expert_dim=48"]  # a quarter of the dry run's dense width (192)
 TORCHTITAN = ("torchtitan, docs/performance.md: Llama 3.1 8B, FSDP on 8 or 128 H100s, bf16, selective "
               "activation checkpointing: 33% to 39% MFU")
 GIB = 2**30
@@ -130,8 +143,9 @@ def train(cfg_path: Path, run_dir: Path, overrides: list[str], cuda: bool) -> di
             "nvml_unavailable": gpu_off[0] if gpu_off else None}
 
 
-def figures(run: dict, flops: float, peak: float | None, predicted: float, why_not_cuda: str) -> dict:
-    """The figures of one run: value, or None with the reason in `missing`."""
+def figures(run: dict, flops: float, peak: float | None, predicted: float, why_not_cuda: str, saves: int = 2) -> dict:
+    """The figures of one run: value, or None with the reason in `missing`. A run of one save (`saves`) has no
+    later save's figure."""
     out: dict = {"missing": {}}
 
     def put(name: str, value: float | None, reason: str) -> None:
@@ -155,8 +169,9 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     put("fragmentation", reserved / measured - 1 if reserved else None, why_not_cuda or failed)
     blocking = run["checkpoint_blocking_s"]
     put("checkpoint_first_blocking_s", blocking[0] if blocking else None, failed or "no checkpoint committed")
-    put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,
-        failed or "fewer than two checkpoints committed")
+    if saves > 1:
+        put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,
+            failed or "fewer than two checkpoints committed")
     nvml = run["nvml"]
     for name, (*_, required) in NVML.items():
         if required:
@@ -164,7 +179,9 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     return out
 
 
-def fmt(value: float | None, kind: str) -> str:
+def fmt(value: float | None, kind: str, measured: bool = True) -> str:
+    if not measured:
+        return "-"  # not a figure of this run (the MoE run's later save)
     if value is None:
         return "MISSING"
     if kind == "gib" and value < GIB:
@@ -189,7 +206,8 @@ def table(results: dict) -> str:
         return "(no run finished)"
     lines = [f"{'figure':<36}" + "".join(f"{n:>18}" for n in names)]
     for label, key, kind in ROWS:
-        lines.append(f"{label:<36}" + "".join(f"{fmt(runs[n]['figures'].get(key), kind):>18}" for n in names))
+        lines.append(f"{label:<36}" + "".join(f"{fmt(runs[n]['figures'].get(key), kind, key in runs[n]['figures']):>18}"
+                                              for n in names))
     for name, (label, _, show, _) in NVML.items():
         keys = sorted({k for n in names for k in runs[n]["run"]["nvml"] if k.split(":")[0] == name})
         for key in keys or ([name] if f"nvml/{name}" in runs[names[0]]["figures"] else []):
@@ -212,6 +230,15 @@ def context(cfg: Config, device: str, hw: Accelerator | None, cuda: bool) -> lis
             f"context: {TORCHTITAN}"]
 
 
+def moe_context(cfg: Config, plan: MemoryBreakdown) -> str:
+    moe = cfg.model.moe
+    return (f"moe: {param_count(cfg.model) / 1e9:.3f}B parameters, {active_param_count(cfg.model) / 1e9:.3f}B "
+            f"active: blocks {moe.dense_layers}-{cfg.model.n_layers - 1} of {moe.shared_experts} shared and "
+            f"{moe.experts} routed experts of width {moe.expert_dim}, {moe.top_k} routed per token, "
+            f"{moe.score} scores, bias_update_rate {moe.bias_update_rate:g}; one save, at the end; planner: "
+            f"{plan.explain()}")
+
+
 def missing(results: dict) -> list[str]:
     out = [f"{name}: {figure} ({reason})" for name, run in results["runs"].items()
            for figure, reason in run["figures"]["missing"].items()]
@@ -226,34 +253,57 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="prepared corpus (prepared from the built-in sources when missing)")
     ap.add_argument("--compile", choices=("both", "off", "on"), default="both",
                     help="which runs (a run left out is reported missing; on a CPU, compiling takes minutes)")
+    ap.add_argument("--no-moe", action="store_true", help="leave the MoE run out (reported as not run)")
     ap.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS.relative_to(REPO)}; "
                     "the dry run: gpu_check_dry_run.json beside it)")
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     return ap.parse_args(argv)
 
 
-def run_both(args: argparse.Namespace, cfg_path: Path, overrides: list[str], figures_of, results: dict,
-             out: Path, cuda: bool) -> None:
-    """The two runs, one after the other; the results file is rewritten after each."""
+class RunSpec(NamedTuple):
+    """One run of the check: its overrides beyond the common ones, and the saves it makes (2: a first and a later
+    one; 1: the last step's alone)."""
+
+    name: str
+    compile: bool
+    overrides: list[str]
+    saves: int
+
+
+def run_specs(args: argparse.Namespace) -> tuple[list[RunSpec], dict[str, str]]:
+    """The runs asked for, and those left out with the reason."""
+    moe = [*MOE, *(DRY_RUN_MOE if args.cpu_dry_run else [])]
+    specs, left_out = [], {}
+    for spec in (RunSpec("compile off", False, [], 2), RunSpec("compile on", True, [], 2),
+                 RunSpec("moe, compile off", False, moe, 1)):
+        if args.compile not in ("both", "on" if spec.compile else "off"):
+            left_out[spec.name] = f"--compile {args.compile}"
+        elif spec.overrides and args.no_moe:
+            left_out[spec.name] = "--no-moe"
+        else:
+            specs.append(spec)
+    return specs, left_out
+
+
+def run_all(args: argparse.Namespace, cfg_path: Path, specs: list[RunSpec], overrides: list[str], figures_of,
+            results: dict, out: Path, cuda: bool) -> None:
+    """The runs, one after the other; the results file is rewritten after each."""
     work = Path(tempfile.mkdtemp(prefix="keel-gpu-check-", dir=args.work))
     try:
-        for name, compile_on in (("compile off", False), ("compile on", True)):
-            if args.compile not in ("both", name.split()[1]):
-                results["not_run"][name] = f"--compile {args.compile}"
-                continue
-            flag = f"parallel.compile={str(compile_on).lower()}"
-            print(f"gpu_check: {name}: keel train --nproc 1 --config {cfg_path.relative_to(REPO)} {flag} ...",
-                  flush=True)
-            run_dir = work / name.replace(" ", "-")
+        for spec in specs:
+            name, flag = spec.name, f"parallel.compile={str(spec.compile).lower()}"
+            print(f"gpu_check: {name}: keel train --nproc 1 --config {cfg_path.relative_to(REPO)} "
+                  f"{' '.join([*spec.overrides, flag])} ...", flush=True)
+            run_dir = work / name.replace(", ", "-").replace(" ", "-")
             try:
-                run = train(cfg_path, run_dir, [*overrides, flag], cuda)
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other run still tells its figures
+                run = train(cfg_path, run_dir, [*overrides, *spec.overrides, flag], cuda)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other runs still tell their figures
                 results["not_run"][name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
                 print(f"gpu_check: {name} failed: {results['not_run'][name]}", flush=True)
                 continue
             finally:
                 shutil.rmtree(run_dir, ignore_errors=True)  # each run's checkpoints: 12 bytes per parameter
-            results["runs"][name] = {"run": run, "figures": figures_of(run)}
+            results["runs"][name] = {"run": run, "figures": figures_of(spec, run)}
             write(out, results)
             print(f"gpu_check: {name} done in {run['wall_s']:.0f} s (exit {run['exit_code']})\n{table(results)}",
                   flush=True)
@@ -261,6 +311,20 @@ def run_both(args: argparse.Namespace, cfg_path: Path, overrides: list[str], fig
         shutil.rmtree(work, ignore_errors=True)
         results["missing"] = missing(results)
         write(out, results)
+
+
+def planned(cfg: Config, cuda: bool, hw: Accelerator | None) -> MemoryBreakdown:
+    """The planner's figure for this model, batch, loss and layout on this device (a CPU adds its host copies)."""
+    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
+    return memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"),
+                  Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint),
+                  hw or by_key("h100" if cuda else "cpu"))
+
+
+def sizes(cfg: Config, plan: MemoryBreakdown) -> dict:
+    """What a run's figures are measured against: its parameters, FLOPs per token and the planner's memory."""
+    return {"parameters": param_count(cfg.model), "active_parameters": active_param_count(cfg.model),
+            "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len), "predicted_bytes": plan.total}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path = REPO / "configs" / "tiny.toml" if args.cpu_dry_run else GPU_CONFIG
     overrides = [*COMMON, f"data.dir={args.data_dir}", *(DRY_RUN if args.cpu_dry_run else []),
                  *([f"train.steps={args.steps}"] if args.steps else [])]
+    specs, left_out = run_specs(args)
     try:
         cfg = load_config(cfg_path, overrides)
+        configs = {spec.name: load_config(cfg_path, [*overrides, *spec.overrides]) for spec in specs}
     except KeelError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
@@ -287,21 +353,22 @@ def main(argv: list[str] | None = None) -> int:
             return code
     device, hw = device_entry(cuda)
     peak = hw.peak_flops.get("bf16") if hw else None
-    # The planner's figure for this model, batch, loss and layout on this device (a CPU adds its host copies).
-    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
-    plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"),
-                  Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint),
-                  hw or by_key("h100" if cuda else "cpu"))
-    head = [*context(cfg, device, hw, cuda), f"planner: {plan.explain()}"]
+    plans = {name: planned(c, cuda, hw) for name, c in configs.items()}
+    head = [*context(cfg, device, hw, cuda), f"planner: {planned(cfg, cuda, hw).explain()}",
+            *[moe_context(configs[s.name], plans[s.name]) for s in specs if s.overrides]]
     print("\n".join(f"gpu_check: {line}" for line in head), flush=True)
     results: dict = {"benchmark": "gpu_check", "mode": "gpu" if cuda else "cpu-dry-run", "device": device,
                      "peak_flops": peak, "parameters": param_count(cfg.model),
                      "config": str(cfg_path.relative_to(REPO)), "overrides": overrides, "context": head,
-                     "runs": {}, "not_run": {}, "torch": torch.__version__, "machine": platform.platform(),
+                     "sizes": {name: sizes(c, plans[name]) for name, c in configs.items()},
+                     "runs": {}, "not_run": left_out, "torch": torch.__version__, "machine": platform.platform(),
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    flops = flops_per_token(cfg.model, cfg.train.seq_len)
-    run_both(args, cfg_path, overrides, lambda run: figures(run, flops, peak, plan.total, no_cuda), results, out,
-             cuda)
+
+    def figures_of(spec: RunSpec, run: dict) -> dict:
+        size = results["sizes"][spec.name]
+        return figures(run, size["flops_per_token"], peak, size["predicted_bytes"], no_cuda, spec.saves)
+
+    run_all(args, cfg_path, specs, overrides, figures_of, results, out, cuda)
     print(f"gpu_check: wrote {out}")
     if results["missing"]:
         print("gpu_check: missing figures: " + "; ".join(results["missing"]), flush=True)

@@ -34,10 +34,21 @@ def test_the_dry_run_measures_what_a_cpu_can_and_names_the_cuda_figures_missing(
     for figure in ("mfu", "peak_allocated_bytes", "measured_over_predicted", "peak_reserved_bytes",
                    "fragmentation", "nvml/gpu_utilization_ratio", "nvml/gpu_power_watts"):
         assert got[figure] is None and got["missing"][figure]
+    # The MoE run (compile off): measured on active FLOPs; it saves once, at the end, so no later save is missing.
+    moe, sizes = results["runs"]["moe, compile off"], results["sizes"]["moe, compile off"]
+    assert moe["run"]["exit_code"] == 0
+    assert moe["figures"]["tokens_per_s"] > 0 and moe["figures"]["keel_mfu"] > 0
+    assert sizes["active_parameters"] < sizes["parameters"]
+    assert sizes["flops_per_token"] > results["sizes"]["compile off"]["flops_per_token"]  # its routers
+    assert "checkpoint_later_blocking_s" not in moe["figures"]
+    assert not any(m.startswith("moe, compile off: checkpoint") for m in results["missing"])
     assert "compile on: not run (--compile off)" in results["missing"]
     assert any(m.startswith("compile off: peak_allocated_bytes") for m in results["missing"])
     table = printed[printed.rindex("figure "):]
     assert "tokens/s (steady)" in table and "checkpoint blocking, later save" in table
+    assert "moe, compile off" in table.splitlines()[0]
+    later = next(line for line in table.splitlines() if line.startswith("checkpoint blocking, later save"))
+    assert later.split()[-1] == "-"  # not a figure of the MoE run, rather than a missing one
     assert f"{got['tokens_per_s']:,.0f}" in table and "MISSING" in table
     assert "33% to 39% MFU" in printed  # torchtitan's figure as context
     assert "the CUDA figures are missing" in printed.splitlines()[-1]
