@@ -53,6 +53,12 @@ def context_parallel() -> str:
     return markdown(_results("context_parallel"))
 
 
+def moe() -> str:
+    from bench.moe import markdown
+
+    return markdown(_results("moe"))
+
+
 def parallel_layouts() -> str:
     r = _results("parallel_layouts")
     first = r["rows"][0]["layout"].upper()
@@ -292,7 +298,7 @@ def config_reference() -> str:
 
 
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
-    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, checkpoint,
+    BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, moe, checkpoint,
                                           detection_matrix, guard_overhead, recovery, nonstop_recovery,
                                           telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
