@@ -54,6 +54,12 @@ def context_parallel() -> str:
     return markdown(_results("context_parallel"))
 
 
+def moe() -> str:
+    from bench.moe import markdown
+
+    return markdown(_results("moe"))
+
+
 def parallel_layouts() -> str:
     r = _results("parallel_layouts")
     first = r["rows"][0]["layout"].upper()
@@ -275,12 +281,6 @@ def stability() -> str:
     from bench.stability import markdown
 
     return markdown(_results("stability"))
-
-
-def moe() -> str:
-    from bench.moe import markdown
-
-    return markdown(_results("moe"))
 
 
 def float8() -> str:
