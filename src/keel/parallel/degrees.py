@@ -69,8 +69,11 @@ def resolve_degrees(cfg: Config, world_size: int) -> Degrees:
     degrees = Degrees(p.dp_replicate, dp_shard, p.tp, p.pp, microbatches, p.cp, p.ep)
     if degrees.world_size != world_size:
         dims, values = _product(cfg, dp_shard)
+        others = degrees.world_size // dp_shard
+        fill = f"; parallel.dp_shard = {world_size // others} would fill them" if world_size % others == 0 else ""
+        borrowed = " (parallel.ep is no factor: its ranks are borrowed from dp_shard × cp)" if p.ep > 1 else ""
         raise ConfigError(f"parallel degrees {dims} = {values} = {degrees.world_size}, but there are {world_size} "
-                          f"processes; the product must equal them")
+                          f"processes; the product must equal them{fill}{borrowed}")
     if (dp_shard * p.cp) % p.ep:
         lender = f"dp_shard × cp = {dp_shard} × {p.cp}" if p.cp > 1 else f"dp_shard = {dp_shard}"
         raise ConfigError(f"parallel.ep = {p.ep} must divide {lender}: the expert-parallel ranks are borrowed "

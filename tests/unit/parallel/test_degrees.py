@@ -13,6 +13,7 @@ from keel.parallel.degrees import Degrees, resolve_degrees
 
 BASE = ["model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=256", "train.global_batch=32",
         "train.micro_batch=4", "eval.sequences=64"]
+MOE = ["model.moe.experts=8", "model.moe.top_k=2"]
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
@@ -71,7 +72,11 @@ def test_what_context_parallelism_cannot_run_with_is_one_line(overrides: list[st
     (4, ["parallel.tp=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × -1 × 3 do not divide the 4 processes"),
     (4, ["parallel.dp_shard=3"], "pp × dp_replicate × dp_shard × tp = 1 × 1 × 3 × 1 do not divide the 4 processes"),
     (8, ["parallel.dp_shard=2", "parallel.tp=2"],
-     "pp × dp_replicate × dp_shard × tp = 1 × 1 × 2 × 2 = 4, but there are 8 processes"),
+     "pp × dp_replicate × dp_shard × tp = 1 × 1 × 2 × 2 = 4, but there are 8 processes; the product must equal "
+     "them; parallel.dp_shard = 4 would fill them"),
+    (4, [*MOE, "parallel.ep=2", "parallel.dp_shard=2"],
+     "= 2, but there are 4 processes; the product must equal them; parallel.dp_shard = 4 would fill them "
+     "(parallel.ep is no factor: its ranks are borrowed from dp_shard × cp)"),
     (4, ["parallel.dp_shard=0"], "parallel.dp_shard = 0: expected a positive degree or -1"),
     (4, ["parallel.tp=4", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must divide by parallel.tp = 4"),
     (8, ["parallel.tp=8", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=2"],
@@ -126,8 +131,6 @@ def test_resolve_degrees() -> None:
         resolve_degrees(cfg, 3)
     assert "eval.sequences = 64 must divide by the data-parallel degree = 3" in str(info.value)
 
-
-MOE = ["model.moe.experts=8", "model.moe.top_k=2"]
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
