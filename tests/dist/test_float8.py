@@ -1,5 +1,6 @@
 """train.precision = fp8 (torchao's float8, emulated on a CPU) in real `keel train` runs: a SIGKILLed run resumes
-bitwise, and a checkpoint moves between fp8 and bf16 runs (it holds the high-precision weights)."""
+bitwise, a checkpoint moves between fp8 and bf16 runs (it holds the high-precision weights), and a mixture of
+experts' float8 experts split over expert-parallel ranks train as on one process."""
 
 from __future__ import annotations
 
@@ -12,23 +13,28 @@ import pytest
 from keel.checkpoint.inspect import state_sha256
 from keel.rundir.events import read_jsonl
 from tests.dist.test_layouts import STEPS, losses, train
+from tests.dist.test_moe import MOE
 
 pytest.importorskip("torchao")
 pytestmark = pytest.mark.dist
 
 PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"],
               "tensorwise": ["train.precision=fp8", "train.float8_recipe=tensorwise"]}
-NPROC = {"tensorwise_dp2": 2}  # FSDP: its weights all-gathered in float8
+RUNS = {**{name: (1, overrides) for name, overrides in PRECISIONS.items()},
+        "tensorwise_dp2": (2, PRECISIONS["tensorwise"]),  # FSDP: its weights all-gathered in float8
+        "moe": (1, [*PRECISIONS["fp8"], *MOE]),  # routed experts in float8 grouped GEMMs
+        "moe_ep2": (2, [*PRECISIONS["fp8"], *MOE, "parallel.ep=2"])}
 
 
 @pytest.fixture(scope="module")
 def runs(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("float8")
 
-    names = [*PRECISIONS, *NPROC]
+    names = list(RUNS)
 
     def run(name: str) -> Path:
-        train(small_corpus, root / name, NPROC.get(name, 1), *PRECISIONS[name.removesuffix("_dp2")])
+        nproc, overrides = RUNS[name]
+        train(small_corpus, root / name, nproc, *overrides)
         return root / name
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -64,3 +70,11 @@ def test_a_checkpoint_moves_between_float8_and_bf16_runs(saved: str, into: str, 
     got, continued = losses(resumed), losses(runs[saved])
     assert sorted(got) == list(range(6, STEPS + 1))
     assert all(math.isclose(got[s], continued[s], rel_tol=0.01) for s in got)
+
+
+def test_float8_experts_split_over_expert_parallel_ranks_train_as_on_one_process(runs: dict[str, Path]) -> None:
+    """A float8 scale is per token row, or per expert's weight row or its tokens: the same whichever rank
+    computes the expert, so only the order of sums differs."""
+    got, want = losses(runs["moe_ep2"]), losses(runs["moe"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in want), (got, want)

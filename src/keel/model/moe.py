@@ -12,6 +12,7 @@ the backward pass (`AuxLoss`) so that the model still returns only its logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -59,9 +60,12 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                   align: int = GROUP_ALIGN) -> torch.Tensor:
-    """expert_swiglu as one grouped GEMM per projection (torch.nn.functional.grouped_mm) in x's dtype. Each
+                   align: int = GROUP_ALIGN, mm: GroupedMM | None = None) -> torch.Tensor:
+    """expert_swiglu as one grouped GEMM per projection (`mm`: torch.nn.functional.grouped_mm) in x's dtype. Each
     expert's rows are copied into a zero-padded buffer at a multiple of `align`; the buffer is sized for any
     counts (rows + experts · align), so nothing waits for the counts to reach the host, and its last group takes
     the slack rows, zeros, so that every row has a defined output."""
@@ -74,8 +78,9 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     rows = n + experts * align
     offs = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
     buffer = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)
-    hidden = F.silu(F.grouped_mm(buffer, w1.mT, offs=offs)) * F.grouped_mm(buffer, w3.mT, offs=offs)
-    return F.grouped_mm(hidden, w2.mT, offs=offs).index_select(0, place)
+    mm = mm or (lambda a, b, offs: F.grouped_mm(a, b, offs=offs))
+    hidden = F.silu(mm(buffer, w1.mT, offs)) * mm(buffer, w3.mT, offs)
+    return mm(hidden, w2.mT, offs).index_select(0, place)
 
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -103,11 +108,17 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+ExpertSwiGLU = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Experts(nn.Module):
     """The routed experts' weights as 3-D parameters, experts first: expert parallelism shards dimension 0, and
     this rank computes with its own experts' rows (`local`). Under expert parallelism a rank's experts take tokens
     from every rank of its group, so their gradient holds `grad_scale`⁻¹ = ep ranks' shares where data
-    parallelism averages one rank's: it is scaled back as it leaves the weights."""
+    parallelism averages one rank's: it is scaled back as it leaves the weights. `swiglu` computes them
+    (expert_swiglu; keel.model.float8 puts its float8 one in its place)."""
+
+    swiglu: ExpertSwiGLU
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -117,12 +128,13 @@ class Experts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=0.02)  # keel.model.init replaces it by the name-seeded value
         self.grad_scale = 1.0
+        self.swiglu = expert_swiglu
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        return expert_swiglu(x, counts, w1, w2, w3)
+        return self.swiglu(x, counts, w1, w2, w3)
 
 
 class ExpertDispatch(Protocol):
