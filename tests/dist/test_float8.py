@@ -20,8 +20,10 @@ pytestmark = pytest.mark.dist
 
 PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"],
               "tensorwise": ["train.precision=fp8", "train.float8_recipe=tensorwise"]}
+TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
 RUNS = {**{name: (1, overrides) for name, overrides in PRECISIONS.items()},
         "tensorwise_dp2": (2, PRECISIONS["tensorwise"]),  # FSDP: its weights all-gathered in float8
+        "tp2": (2, [*PRECISIONS["fp8"], *TP2]), "tensorwise_tp2": (2, [*PRECISIONS["tensorwise"], *TP2]),
         "moe": (1, [*PRECISIONS["fp8"], *MOE]),  # routed experts in float8 grouped GEMMs
         "moe_ep2": (2, [*PRECISIONS["fp8"], *MOE, "parallel.ep=2"])}
 
@@ -60,6 +62,15 @@ def test_a_float8_run_sharded_by_fsdp_with_float8_all_gathers_trains_as_one_proc
     got, want = losses(runs["tensorwise_dp2"]), losses(runs["tensorwise"])
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(math.isclose(got[s], want[s], rel_tol=2e-3) for s in want), (got, want)
+
+
+@pytest.mark.parametrize(("split", "whole"), [("tp2", "fp8"), ("tensorwise_tp2", "tensorwise")])
+def test_float8_layers_split_by_tensor_parallelism_train_as_on_one_process(split: str, whole: str,
+                                                                        runs: dict[str, Path]) -> None:
+    """Each scale is a whole row's or the whole tensor's, computed on the gathered input as on one process."""
+    got, want = losses(runs[split]), losses(runs[whole])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in want), (got, want)
 
 
 @pytest.mark.parametrize(("saved", "into"), [("bf16", "fp8"), ("fp8", "bf16")])

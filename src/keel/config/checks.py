@@ -13,7 +13,6 @@ def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
     _check_moe(cfg.model, cfg.parallel)
-    _check_precision(cfg.train, cfg.parallel)
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")
@@ -99,12 +98,6 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
                           "model.tie_embeddings = false")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
-
-
-def _check_precision(t: TrainConfig, p: ParallelConfig) -> None:
-    if t.precision == "fp8" and p.tp > 1:
-        raise ConfigError(f"train.precision = fp8 with parallel.tp = {p.tp}: float8 tensor-parallel plans are not "
-                          f"applied yet; use parallel.tp = 1 or train.precision = bf16")
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:

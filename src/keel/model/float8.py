@@ -126,6 +126,14 @@ def is_float8(module: nn.Module) -> bool:
     return linear is not None and isinstance(module, linear.Float8Linear)
 
 
+def tensorwise(module: nn.Module) -> bool:
+    """Whether a float8 linear layer scales its input by one amax for the whole tensor."""
+    from torchao.float8.config import ScalingGranularity
+
+    config: Any = module.config
+    return bool(config.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE)
+
+
 @torch.no_grad()
 def float8_reading(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """What casting `x` to float8 e4m3 with dynamic scaling does to it, as torchao scales (amax to the format's

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from keel.config import ParallelConfig
 from keel.core.torch_private import checkpoint_wrapper
+from keel.model.float8 import is_float8, tensorwise
 from keel.model.parallelizable import Parallelizable
 from keel.parallel.experts import ExpertShard, shard_experts
 from keel.parallel.layout import Layout
@@ -49,7 +50,26 @@ def apply_tensor_parallel(model: Parallelizable, tp_mesh: DeviceMesh) -> None:
     plan = model.parallel_plan()
     parallelize_module(module_of(model), tp_mesh, plan.top)
     for key, block in model.blocks().items():
-        parallelize_module(block, tp_mesh, {**plan.block, **plan.by_block.get(key, {})})
+        styles = {**plan.block, **plan.by_block.get(key, {})}
+        if tp_mesh.device_type == "cuda":  # gloo moves no float8 tensors
+            styles = {name: float8_style(block, name, style) for name, style in styles.items()}
+        parallelize_module(block, tp_mesh, styles)
+
+
+def float8_style(block: nn.Module, name: str, style: ParallelStyle) -> ParallelStyle:
+    """`style`, or torchao's float8 counterpart for a float8 linear layer with tensorwise scales: it casts the
+    layer's input to float8 before the all-gather, half the bytes of bf16, with one scale computed over the shards,
+    which is the whole tensor's as without it. Rowwise float8 layers take the plain styles: their scales, per row,
+    are computed on the gathered input."""
+    module = block.get_submodule(name)
+    if not isinstance(style, ColwiseParallel | RowwiseParallel) or type(style) not in (
+            ColwiseParallel, RowwiseParallel) or not is_float8(module) or not tensorwise(module):
+        return style
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    float8 = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+    return float8(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                  use_local_output=style.use_local_output)
 
 
 def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -> None:
