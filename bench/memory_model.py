@@ -2,7 +2,8 @@
 entropy saves.
 
 Each configuration is a real `keel train` run on this CPU: layouts (one process, FSDP, TP, PP), activation
-checkpointing modes, both cross entropies, two model sizes. A run reports, per rank, its peak resident
+checkpointing modes, both cross entropies, two model sizes, a mixture of experts (whole, FSDP-sharded and
+split over 2 expert-parallel ranks). A run reports, per rank, its peak resident
 memory above what the rank held before building its model (`memory/above_runtime_bytes_max_rank`, the
 largest rank's); `keel.plan.memory.check_run` predicts the same from the run's config and layout. Runs
 last 5 steps, with a checkpoint and an in-memory snapshot every 2, so that the host copies of the state
@@ -39,6 +40,7 @@ RUN = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads
        "model.max_seq_len=512", "train.seq_len=512", "train.global_batch=8", "train.micro_batch=4", "train.steps=5",
        "optim.warmup_steps=1", "monitor.interval=1", "eval.interval=0", "eval.sequences=8", "checkpoint.interval=2",
        "guard.snapshot_interval=2", "health.preflight_probe_mib=4"]
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.dense_layers=1"]
 CONFIGS: dict[str, tuple[int, list[str]]] = {
     "one": (1, []),
     "fused_ce": (1, ["train.cross_entropy=fused"]),
@@ -48,6 +50,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "pp2": (2, ["parallel.pp=2"]),
     "wider": (1, ["model.dim=384", "model.n_layers=6", "train.seq_len=256", "train.micro_batch=8"]),
+    # A mixture of experts (2.2x the dense model's parameters): all experts on each rank, FSDP-sharded, or split.
+    "moe": (1, MOE),
+    "moe_fsdp2": (2, MOE),
+    "moe_ep2": (2, [*MOE, "parallel.ep=2"]),
 }
 # The fused cross entropy before and after, where the logits are most of the peak.
 VOCABS = (32768, 65536)
