@@ -187,6 +187,27 @@ def test_a_rollback_goes_to_the_newest_verified_state_whether_in_memory_or_on_di
     assert final_state(run_dir) == final_state(clean("dp2_replicated")), "the flip left no trace"
 
 
+@pytest.mark.parametrize(("target", "tensor", "bit"), [("params", 3, 0), ("exp_avg_sq", 2, 23)])
+def test_a_bit_flipped_at_rest_in_a_sharded_layout_is_caught_at_the_next_step_and_its_rank_named(
+        target: str, tensor: int, bit: int, clean, small_corpus: Path, tmp_path: Path) -> None:
+    """No replica holds rank 1's shard: its own seal, taken after the update of step 25, no longer matches before the
+    update of step 26. The lowest mantissa bit of a parameter, or an exponent bit of a second moment: flips that
+    nothing else in the run notices."""
+    run_dir = tmp_path / "flipped"
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.at_rest_interval=1",
+                           f'drill.inject=["bitflip:step=25,rank=1,target={target},tensor={tensor},element=5,'
+                           f'bit={bit}"]'),
+             lambda: clean("fsdp2"))
+    decided = events(run_dir)
+    assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (26, "quarantine", "at_rest")
+    assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["sealed_step"] == 25
+    [flipped] = [e["detail"]["param"] for e in events(run_dir, "drill")]
+    assert decided[0]["detail"]["tensors"] == {"1": [flipped if target == "params" else f"{flipped}/{target}"]}
+    assert decided[1]["action"] == "rolled_back" and decided[1]["detail"]["to_step"] == 20
+    assert json.loads((run_dir / "quarantine.json").read_text())[0]["ranks"] == [1]
+    assert final_state(run_dir) == final_state(clean("fsdp2")), "the flip left no trace"
+
+
 def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "flipped"
     together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",

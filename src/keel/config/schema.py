@@ -447,6 +447,9 @@ class SdcConfig:
                                        "before checkpoints", ge=0)
     replay_interval: int = option(100, "steps between step replays (forward/backward recomputed and compared "
                                   "bitwise; also whenever the numerics or spike guards fire); 0: only then", ge=0)
+    at_rest_interval: int = option(0, "steps between checks of the state at rest: each rank seals a checksum of "
+                                   "its own shards of parameters and optimizer state after the update and verifies "
+                                   "it before the next one (also after every restore and rollback); 0: off", ge=0)
     response: str = option("rollback", "on a suspect rank: roll back and go on, or also exit with code 76 so "
                            "that the launcher restarts without its node", choices=("rollback", "exit"))
 

@@ -40,13 +40,21 @@ class StepSync:
     def __init__(self, loss_divisor: int) -> None:
         self.loss_divisor = loss_divisor
         self.contributions: dict[str, Callable[[], float]] = {}
+        self.on_device: dict[str, Callable[[torch.device], torch.Tensor]] = {}  # values computed where the loss is
         self._staging: torch.Tensor | None = None  # pinned host memory the contributions go to a GPU from
 
     def contribute(self, name: str, value: Callable[[], float]) -> None:
         """`value()` is this rank's part of `name`, read just before each step's reduction."""
-        if name in self.contributions:
+        if name in self.contributions or name in self.on_device:
             raise ValueError(f"step sync value {name!r} is contributed twice")
         self.contributions[name] = value
+
+    def contribute_on_device(self, name: str, value: Callable[[torch.device], torch.Tensor]) -> None:
+        """`value(device)` is this rank's part of `name`, a 0-d tensor computed on the step's device just before
+        each step's reduction: it reaches the host with the step's one synchronisation, not one of its own."""
+        if name in self.contributions or name in self.on_device:
+            raise ValueError(f"step sync value {name!r} is contributed twice")
+        self.on_device[name] = value
 
     def reduce(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite_here: Callable[[], bool],
                data_s: float = 0.0, step_s: float = 0.0) -> StepReport:
@@ -57,7 +65,9 @@ class StepSync:
         world = dist.get_world_size()
         loss = loss.detach().float().reshape(1)
         grad_norm = grad_norm.detach().float().reshape(1)
-        local = torch.cat([loss, grad_norm / world, self._on_device(names, loss.device)])
+        device = [value(loss.device).float().reshape(1) for value in self.on_device.values()]
+        local = torch.cat([loss, grad_norm / world, self._on_device(names, loss.device), *device])
+        names += list(self.on_device)
         shared = local.clone()
         dist.all_reduce(shared)
         both = torch.cat([local, shared]).tolist()  # the one host synchronisation of the step

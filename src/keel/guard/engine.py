@@ -1,13 +1,14 @@
 """The guards of a run decide: continue, skip, roll back, stop, quarantine (keel.train.rollback carries
 out what they decide).
 
-They are asked twice per step. `inspect` runs after the backward, on the step report: keel's own guards
-(each registered by its module of keel.guard, see keel.guard.registry), users' guards (callbacks with an
-`inspect` method) and, when due, the step replay. `check` runs after the update: the replica fingerprints when
-due, on the steps that computed the instability signals the guards that read them (the spike guard: the
-attention logits), then the in-memory snapshot when due. The strongest action wins. Every input to a decision
-is reduced or gathered over all ranks, so every rank takes the same branch. Each decision is an event with its
-evidence and a counter in the metrics.
+They are asked twice per step. `inspect` runs after the backward, on the step report: first whether the state
+is as the last update wrote it (the at-rest check), then keel's own guards (each registered by its module of
+keel.guard, see keel.guard.registry), users' guards (callbacks with an `inspect` method) and, when due, the step
+replay. `check` runs after the update: the replica fingerprints when due, on the steps that computed the
+instability signals the guards that read them (the spike guard: the attention logits), then the at-rest seal and
+the in-memory snapshot when due. The strongest action wins. Every input to a decision is reduced or gathered over
+all ranks, so every rank takes the same branch. Each decision is an event with its evidence and a counter in the
+metrics.
 """
 
 from __future__ import annotations
@@ -32,17 +33,20 @@ from keel.guard.snapshots import SnapshotRing
 from keel.parallel.layout import Layout
 from keel.rundir.events import EventLog
 
+AT_REST = "sdc/changed_at_rest"  # the step sync's sum of the tensors changed since their seal
+
 
 class Guards:
     def __init__(self, cfg: GuardConfig, deterministic: bool, layout: Layout, optimizers: list[torch.optim.Optimizer],
-                 params: list[torch.nn.Parameter], user_guards: Sequence[Guard], events: EventLog,
+                 params: dict[torch.nn.Parameter, str], user_guards: Sequence[Guard], events: EventLog,
                  say: Callable[[str], None]) -> None:
+        """`params`: the model's parameters and their names."""
         self.g, self.events = cfg, events
         self.rank0 = dist.get_rank() == 0
         on = self.g.enabled
         self.builtin: dict[str, BuiltinGuard] = build_guards(self.g) if on else {}
         self.guards: list[Guard] = [*self.builtin.values(), *user_guards]  # users' keep their state as callbacks
-        self.sdc = SdcGuard(self.g, layout, optimizers, params, deterministic) if on else None
+        self.sdc = SdcGuard(self.g, layout, optimizers, list(params), deterministic, params) if on else None
         if on and not deterministic:
             say("note: step replays are off: with train.deterministic = false a recomputed step may differ by rounding")
         self.ring = (SnapshotRing(optimizers, self.g.snapshots, pin_memory=torch.cuda.is_available())
@@ -72,11 +76,16 @@ class Guards:
         """At the start (fresh or resumed): the state is trusted, and the first snapshot is taken."""
         if self.sdc is not None:
             self.sdc.last_verified = max(self.sdc.last_verified, state.step)
+            self.sdc.seal(state.step, force=True)
         if self.ring is not None:
             self._snapshot(state)
 
     def inspect(self, state: TrainState, report: StepReport,
                 recompute: Callable[[], tuple[torch.Tensor, list]]) -> Action:
+        if self.sdc is not None and report.values.get(AT_REST, 0.0) > 0:
+            changed = self.sdc.at_rest(report.step)
+            self._record(changed, report.step)  # state corrupted at rest explains whatever else this step shows
+            return self._exiting(changed)
         actions = [self._escalate(guard.inspect(report), report.step) for guard in self.guards]
         for action in actions:
             if action is not None and action.reason:
@@ -114,6 +123,8 @@ class Guards:
                     if found is not None:
                         self._record(found, state.step)
                         action = stronger(action, found)
+        if action.kind == "continue" and self.sdc is not None:
+            self.sdc.seal(state.step)
         if action.kind == "continue" and self.ring is not None and state.step % self.g.snapshot_interval == 0:
             self._snapshot(state)
         return self._exiting(action)
@@ -145,10 +156,13 @@ class Guards:
             guard.load_state_dict(saved.get("guards", {}).get(name, {}))
         if self.sdc is not None:
             self.sdc.rolled_back(step)
+            self.sdc.seal(step, force=True)
 
     def resnapshot(self, state: TrainState) -> None:
         """Drop the in-memory snapshots and take one of the state now, kept as the verified one: replica groups
         do it when a group joins with a ring of its own, so that every group's rollback finds the same snapshots."""
+        if self.sdc is not None:
+            self.sdc.seal(state.step, force=True)
         if self.ring is not None:
             self.ring.clear()
             self.keep_verified(state)
@@ -182,6 +196,7 @@ class Guards:
         out: dict[str, float] = {f"guard/{name}_total": n for name, n in sorted(self.counts.items())}
         if self.sdc is not None:
             out.update({"guard/fingerprint_s": self.sdc.check_s, "guard/replay_s": self.sdc.replay_s,
+                        "guard/at_rest_s": self.sdc.at_rest_s,
                         "guard/last_verified_step": self.sdc.last_verified})
         if self.ring is not None:
             out["guard/snapshot_s"] = self.snapshot_s

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,12 @@ from keel.parallel.layout import Layout
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def fingerprint(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """One int64 per tensor: the sum of its elements' bit patterns read as integers. Any single flipped
-    bit, in any position, changes it; so does any change of one element. Computed where the tensors
-    are and read back once."""
+def fingerprint(tensors: Sequence[torch.Tensor | None], host: bool = True) -> torch.Tensor:
+    """One int64 per tensor: the sum of its elements' bit patterns read as integers of their own width, wrapping
+    around (a flip of bit k moves it by 2^k modulo 2^width: never by nothing). Any single flipped bit, in any
+    position, changes it; so does any change of one element. Integer sums are the same in any order, and
+    wrapping ones run at memory bandwidth (no widening). Computed where the tensors are and read back once
+    (`host`), or left there."""
     present = [local(t).detach() for t in tensors if t is not None]
     if not present:
         return torch.zeros(len(tensors), dtype=torch.int64)
@@ -47,8 +49,22 @@ def fingerprint(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
             continue
         t = local(t).detach()
         bits = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
-        sums.append(bits.sum(dtype=torch.int64))
-    return torch.stack(sums).cpu()
+        sums.append(bits.sum(dtype=bits.dtype).long() if t.is_floating_point() else bits.sum(dtype=torch.int64))
+    return torch.stack(sums).cpu() if host else torch.stack(sums)
+
+
+def tensor_names(optimizers: list[torch.optim.Optimizer], names: Mapping[torch.nn.Parameter, str]) -> list[str]:
+    """The name of each tensor of live_tensors, in its order: the parameter's (from `names`, else its place)
+    and `NAME/exp_avg` for its optimizer state's."""
+    out: list[str] = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(p, f"parameter {len(out)}")
+                state = optimizer.state.get(p, {})
+                out += [name] + [f"{name}/{k}" for k in sorted(k for k, v in state.items()
+                                                                if isinstance(v, torch.Tensor))]
+    return out
 
 
 DECISIVE = 4.0  # how much further one replica must have moved than the other to be named alone
@@ -69,7 +85,8 @@ class SdcGuard:
     name = "sdc"
 
     def __init__(self, cfg: GuardConfig, layout: Layout, optimizers: list[torch.optim.Optimizer],
-                 params: list[torch.nn.Parameter], deterministic: bool) -> None:
+                 params: list[torch.nn.Parameter], deterministic: bool,
+                 names: Mapping[torch.nn.Parameter, str] | None = None) -> None:
         self.cfg, self.optimizers, self.params = cfg.sdc, optimizers, params
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = layout.replicas.get_group() if layout.replicas is not None else None
@@ -79,7 +96,9 @@ class SdcGuard:
         self.losses: dict[int, float] = {}  # this rank's own loss at each step since then
         self.pending: dict | None = None  # a two-replica disagreement, waiting for its re-execution
         self.disputed: dict[int, torch.Tensor] = {}  # this rank's copy of the tensors in dispute
-        self.check_s = self.replay_s = 0.0  # cost of the last check and replay
+        self.check_s = self.replay_s = self.at_rest_s = 0.0  # cost of the last check, replay, seal and verify
+        self.sealed: tuple[int, torch.Tensor] | None = None  # the step sealed and its fingerprint
+        self.names = names or {}  # each parameter's name, for the events
 
     # ------------------------------------------------------------ step replay (before the update)
 
@@ -111,6 +130,53 @@ class SdcGuard:
         return Action("quarantine", self.name, f"step {report.step} computed differently when replayed on rank(s) "
                       f"{', '.join(map(str, suspects))}", evidence, ranks=suspects, to_step=report.step - 1,
                       verified_only=True)
+
+    # ------------------------------------------------------------ state at rest (sealed after, verified before)
+
+    def seal(self, step: int, force: bool = False) -> None:
+        """After the update of `step` (every `at_rest_interval` steps), a restore, rollback or heal (`force`):
+        this rank's fingerprint of its own shards of parameters and optimizer state as written, kept where they
+        are (a GPU's reduction at memory bandwidth, no copy to the host)."""
+        interval = self.cfg.at_rest_interval
+        if force or (interval and step % interval == 0):
+            started = time.perf_counter()
+            self.sealed = (step, fingerprint(live_tensors(self.optimizers)[0], host=False))
+            self.at_rest_s = time.perf_counter() - started
+        else:
+            self.sealed = None  # an update since: unsealed until the next sealed step
+
+    def changed_at_rest(self, step: int, device: torch.device) -> torch.Tensor:
+        """Before the update of `step`, on the device: how many of this rank's tensors no longer match their seal
+        (0 when the state was not sealed after the previous step, or was replaced since, by a peer's). The step's
+        reduction sums it over the ranks: no synchronisation of its own."""
+        if self.sealed is None or self.sealed[0] != step - 1:
+            return torch.zeros((), device=device)
+        started = time.perf_counter()
+        now = fingerprint(live_tensors(self.optimizers)[0], host=False)
+        sealed = self.sealed[1]
+        changed = (now != sealed).sum() if now.shape == sealed.shape else torch.ones((), device=now.device)
+        self.at_rest_s += time.perf_counter() - started
+        return changed.float().to(device)
+
+    def at_rest(self, step: int) -> Action:
+        """The state changed at rest on some rank (the step's reduction said so): a tensor whose fingerprint moved
+        was changed by nothing the run did (the forward and backward read it; the update has not run). With no
+        replica to vote, its own seal names the rank and the tensor; the run goes back to the state sealed."""
+        assert self.sealed is not None
+        sealed_at, sealed = self.sealed
+        now = fingerprint(live_tensors(self.optimizers)[0])
+        names = tensor_names(self.optimizers, self.names)
+        changed = ([names[i] for i in (now != sealed.cpu()).nonzero().flatten().tolist()]
+                   if now.shape == sealed.shape else ["the optimizer state's layout"])
+        found: list = [None] * self.world
+        dist.all_gather_object(found, changed)
+        suspects = tuple(r for r, tensors in enumerate(found) if tensors)
+        evidence = {"detector": "at_rest", "ranks": list(suspects), "sealed_step": sealed_at,
+                    "tensors": {r: found[r] for r in suspects}}
+        return Action("quarantine", self.name, f"rank(s) {', '.join(map(str, suspects))} hold state that changed at "
+                      f"rest after step {sealed_at}: " + "; ".join(f"rank {r}: {', '.join(found[r][:3])}"
+                                                                  for r in suspects),
+                      evidence, ranks=suspects, to_step=sealed_at)
 
     # ------------------------------------------------------------ replica fingerprints (after the update)
 

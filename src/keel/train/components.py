@@ -25,7 +25,7 @@ from keel.core.sync import StepSync
 from keel.data.loader import GlobalOrderLoader
 from keel.data.tokenizer import bits_per_byte
 from keel.errors import StorageError
-from keel.guard.engine import Guards
+from keel.guard.engine import AT_REST, Guards
 from keel.health.signals import StopRequests
 from keel.health.straggler import StragglerDetector
 from keel.health.watchdog import Watchdog
@@ -86,11 +86,15 @@ class GuardInspection(Builtin):
     priority = 140  # after the signals it may read, before anything acts on the step
 
     def __init__(self, guards: Guards, monitor: RunMonitor, stepper: Stepper,
-                 replayed: Callable[[Step], None]) -> None:
+                 replayed: Callable[[Step], None], sync: StepSync) -> None:
         self.guards, self.monitor, self.stepper, self.replayed = guards, monitor, stepper, replayed
         self.seconds = 0.0
+        self.number = 0  # the step being made
+        if (sdc := guards.sdc) is not None and guards.g.sdc.at_rest_interval:  # the state checked where it rests
+            sync.contribute_on_device(AT_REST, lambda device: sdc.changed_at_rest(self.number, device))
 
     def on_step_start(self, step: Step) -> None:
+        self.number = step.number
         step.lr *= self.guards.lr_factor(step.state.step)
 
     def after_backward(self, step: Step) -> Action | None:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from keel.core.dtensor import local, plain
 from keel.core.torch_private import norms as grad_norms
+from keel.model.init import canonical_name
 from keel.model.loss import TORCH_CROSS_ENTROPY, Objective
 from keel.model.moe import scale_auxiliary_losses
 
@@ -80,7 +81,9 @@ class Stepper:
         self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
         self.grad_clip, self.autocast_dtype = grad_clip, autocast_dtype
         self.objective = objective
-        self.params = [p for part in parts for p in part.parameters()]
+        # Each parameter once, by its name in the model (a pipeline stage's are the whole model's).
+        self.names = {p: canonical_name(n) for part in parts for n, p in part.named_parameters()}
+        self.params = list(self.names)
         self.groups = by_mesh(self.params)  # fixed once parallelised: the norm and the clip go mesh by mesh
         self.pp_group = pipeline.pp_group if pipeline is not None else None
         self.sequences = 0  # of the last step on this rank: what the auxiliary losses are averaged over

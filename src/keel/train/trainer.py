@@ -93,7 +93,7 @@ class Trainer:
         self.loader, self.loader_state = self.data.loader, self.data.loader_state
         # Step replays compare a rank's own gradients, which the replica groups' average replaces.
         replays = cfg.train.deterministic and cfg.fault_tolerance.replica_groups == 1
-        self.guards = Guards(cfg.guard, replays, self.layout, self.optimizers, self.stepper.params,
+        self.guards = Guards(cfg.guard, replays, self.layout, self.optimizers, self.stepper.names,
                              [cb for cb in users if hasattr(cb, "inspect")], self.events, self.say)
         self.hosts = setup.gather_hosts(ctx.world_size)
         self._attach(users)
@@ -157,7 +157,7 @@ class Trainer:
             self.layout.dp, monitor, self.run_dir, self.events, self.say, self.rank0,
             cfg.guard.sdc.fingerprint_interval if cfg.guard.enabled else 0)
         inspection = c.GuardInspection(self.guards, monitor, self.stepper,
-                                       lambda step: hooks.notify("on_backward", step, True))
+                                       lambda step: hooks.notify("on_backward", step, True), self.sync)
         pause = c.PauseRequests(self.requests, straggler, self.sync)
         self.metrics = c.IntervalMetrics(cfg.train.steps, monitor, metering, self.loader, self.optimizers,
                                          self.layout.degrees.pp, ckpt,

@@ -33,3 +33,13 @@ def test_a_name_contributed_twice_is_refused() -> None:
     sync.contribute("pause/asked", lambda: 0.0)
     with pytest.raises(ValueError, match="'pause/asked' is contributed twice"):
         sync.contribute("pause/asked", lambda: 1.0)
+
+
+def test_a_value_contributed_on_the_device_joins_the_one_reduction(group: None) -> None:
+    sync, devices = StepSync(loss_divisor=1), []
+    sync.contribute("host", lambda: 1.0)
+    sync.contribute_on_device("device", lambda device: devices.append(device) or torch.tensor(3, device=device))
+    report = sync.reduce(1, torch.tensor(2.0), torch.tensor(1.0), lambda: False)
+    assert report.values == {"host": 1.0, "device": 3.0} and devices == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="'host' is contributed twice"):
+        sync.contribute_on_device("host", lambda device: torch.zeros(()))

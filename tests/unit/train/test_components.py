@@ -89,7 +89,7 @@ def test_a_step_runs_under_the_profiler_only_at_the_profile_interval(build: Buil
 
 def test_guard_inspection_scales_the_lr_and_skips_a_nonfinite_step(build: Build) -> None:
     trainer = build()
-    inspection = GuardInspection(trainer.guards, trainer.monitor, trainer.stepper, lambda step: None)
+    inspection = GuardInspection(trainer.guards, trainer.monitor, trainer.stepper, lambda step: None, StepSync(1))
     trainer.guards.lr_scale, trainer.guards.lr_scale_until = 0.5, 3
     scaled, after = Step(3, trainer.state, last=False, lr=1.0), Step(4, trainer.state, last=False, lr=1.0)
     trainer.state.step = 2
