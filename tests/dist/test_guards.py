@@ -221,6 +221,24 @@ def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, t
     assert final_state(run_dir) == final_state(clean("fsdp2"))
 
 
+def test_an_update_computed_wrong_is_caught_by_its_re_execution_and_its_rank_named(clean, small_corpus: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Rank 1's update of step 25 writes a parameter with a flipped bit, as a fault in its arithmetic would. The
+    replay of step 25 finds its gradients right, and the update re-executed into scratch before it tells it
+    apart: no replica is needed."""
+    run_dir = tmp_path / "flipped"
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.replay_interval=5",
+                           'drill.inject=["bitflip:step=25,rank=1,target=update,tensor=3,element=5,bit=1"]'),
+             lambda: clean("fsdp2"))
+    decided = events(run_dir)
+    [flipped] = [e["detail"]["param"] for e in events(run_dir, "drill")]
+    assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (
+        25, "quarantine", "update_replay")
+    assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["tensors"] == {"1": [flipped]}
+    assert decided[1]["action"] == "rolled_back" and decided[1]["detail"]["to_step"] == 20
+    assert final_state(run_dir) == final_state(clean("fsdp2")), "the wrong update left no trace"
+
+
 def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_nothing(
         clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "hsdp"
@@ -246,13 +264,14 @@ def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_no
 
 def test_no_false_positives_from_every_detector_at_every_step_of_three_layouts(small_corpus: Path,
                                                                                tmp_path: Path) -> None:
-    """Default thresholds, a replay and a replica comparison after every step, three layouts: not one guard
-    action. That is 400 replays and 120 fingerprint comparisons, as many as 2,000 steps with the detectors
+    """Default thresholds, a replay (its update re-executed), a replica comparison and an at-rest check after every
+    step, three layouts: not one guard action. That is 400 replays and 120 fingerprint comparisons, as many as 2,000 steps with the detectors
     every 5 steps make: a replay recomputes its own step, and a comparison after every step sees a replica
     depart in the step it departs (the steps of a longer run are the same kernels and collectives). The spike guard,
     whose decision depends only on the history of losses and gradient norms, makes its decisions of those
     2,000 steps on their recorded values (tests/unit/guard/test_guards.py); here it makes its 400 live."""
-    stress = ["guard.sdc.fingerprint_interval=1", "guard.sdc.replay_interval=1", "checkpoint.interval=500",
+    stress = ["guard.sdc.fingerprint_interval=1", "guard.sdc.replay_interval=1", "guard.sdc.at_rest_interval=1",
+              "checkpoint.interval=500",
               "eval.interval=0", "monitor.interval=50"]
     default_spike = ["guard.spike.warmup=50", "guard.spike.window=100"]
     # No step runs under the profiler to measure the time in collectives (a measurement, not a guard). The

@@ -447,6 +447,8 @@ class SdcConfig:
                                        "before checkpoints", ge=0)
     replay_interval: int = option(100, "steps between step replays (forward/backward recomputed and compared "
                                   "bitwise; also whenever the numerics or spike guards fire); 0: only then", ge=0)
+    update_replay: bool = option(True, "on a replayed step whose gradients replay the same, also re-execute its "
+                                 "optimizer update into scratch memory and compare it bitwise with the update made")
     at_rest_interval: int = option(0, "steps between checks of the state at rest: each rank seals a checksum of "
                                    "its own shards of parameters and optimizer state after the update and verifies "
                                    "it before the next one (also after every restore and rollback); 0: off", ge=0)

@@ -473,14 +473,15 @@ class PoisonedBatch(Injector):
             targets.copy_(tokens[:, 1:])
 
 
-BIT_FLIP_TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
+BIT_FLIP_TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq", "update")
 
 
 class BitFlip(Injector):
     """Flip bit `bit` (0 = lowest mantissa bit; 31 = sign of a float32) of element `element` of tensor
     `tensor` of `rank`'s `target`: its parameters or optimizer moments after step `step`'s update, or
-    its gradients of step `step` before the update (once: a replay computes them right). With `name`, a
-    glob over parameter names (`layers.1.moe.experts.w2`, `*.experts.*`), `tensor` counts only the
+    its gradients of step `step` before the update (once: a replay computes them right), or (`update`) the
+    parameter as the optimizer writes it, inside step `step`'s update: what an update computed wrong leaves.
+    With `name`, a glob over parameter names (`layers.1.moe.experts.w2`, `*.experts.*`), `tensor` counts only the
     parameters it matches; the element is one of this rank's own shard of the parameter."""
 
     def __init__(self, step: int, rank: int = 1, target: str = "params", tensor: int = 0, element: int = 0,
@@ -492,6 +493,7 @@ class BitFlip(Injector):
         self.params: list = []
         self.names: list[str] = []
         self.optimizers: list = []
+        self.making = 0  # the step being made
 
     def on_build(self, build: Build) -> None:
         from keel.model.init import canonical_name  # the names without activation checkpointing's or compile's
@@ -508,6 +510,15 @@ class BitFlip(Injector):
                               f"a tensor between 0 and {len(chosen) - 1}")
         self.names, self.params = [n for n, _ in chosen], [p for _, p in chosen]
         self.optimizers = build.optimizers
+        if self.target == "update" and build.rank == self.rank:
+            param = self.params[self.tensor]
+            next(o for o in self.optimizers if any(param is p for g in o.param_groups for p in g["params"])
+                 ).register_step_post_hook(lambda optimizer, args, kwargs: self._in_update())
+
+    def _in_update(self) -> None:
+        if self._mine(self.making):
+            self.fire(self.step, target=self.target, param=self.names[self.tensor])
+            self._flip(self.params[self.tensor])
 
     def _flip(self, t: torch.Tensor) -> None:
         from keel.core.dtensor import local
@@ -523,13 +534,14 @@ class BitFlip(Injector):
                 and self.group in (-1, replica_group()))
 
     def on_backward(self, step: Step, replaying: bool) -> None:
+        self.making = step.number
         if self.target == "grads" and not replaying and self._mine(step.number):
             self.fire(self.step, target=self.target, param=self.names[self.tensor])
             self._flip(self.params[self.tensor].grad)
 
     def on_step_end(self, step: Step) -> None:
         state = step.state
-        if self.target == "grads" or not self._mine(state.step):
+        if self.target in ("grads", "update") or not self._mine(state.step):
             return
         self.fire(self.step, target=self.target, param=self.names[self.tensor])
         if self.target == "params":

@@ -4,7 +4,8 @@ out what they decide).
 They are asked twice per step. `inspect` runs after the backward, on the step report: first whether the state
 is as the last update wrote it (the at-rest check), then keel's own guards (each registered by its module of
 keel.guard, see keel.guard.registry), users' guards (callbacks with an `inspect` method) and, when due, the step
-replay. `check` runs after the update: the replica fingerprints when due, on the steps that computed the
+replay (and, before a replayed step's update, its re-execution into scratch). `check` runs after the update:
+whether a re-executed update wrote what it computed, the replica fingerprints when due, on the steps that computed the
 instability signals the guards that read them (the spike guard: the attention logits), then the at-rest seal and
 the in-memory snapshot when due. The strongest action wins. Every input to a decision is reduced or gathered over
 all ranks, so every rank takes the same branch. Each decision is an event with its evidence and a counter in the
@@ -94,9 +95,11 @@ class Guards:
             self.sdc.record(report)
             fired = any(a is not None and a.kind != "continue" for a in actions)
             found: list[Action | None] = []
+            self.sdc.update_due = False
             if self.sdc.wants_replay(report.step, fired):
                 self.counts["sdc_replays"] += 1
                 found.append(self.sdc.replay(report, recompute))
+                self.sdc.update_due = found[-1] is None and self.g.sdc.update_replay  # and then its update
             if fired and self.sdc.group is not None:  # is the trouble in a corrupted replica, not in the data?
                 self.counts["sdc_checks"] += 1
                 found.append(self.sdc.check(report.step - 1))
@@ -108,8 +111,17 @@ class Guards:
                         self._record(action, report.step)
         return self._exiting(strongest(actions))
 
+    def before_update(self) -> None:
+        """The optimizers are about to step: a replayed step's update is first re-executed into scratch."""
+        if self.sdc is not None and self.sdc.update_due:
+            self.sdc.update_due = False
+            self.sdc.reexecute_update()
+
     def check(self, state: TrainState, save_due: bool, signals: dict[str, float] | None = None) -> Action:
         """After the update of `state.step`; `signals`: the instability signals when this step computed them."""
+        if self.sdc is not None and (wrong := self.sdc.check_update(state.step)) is not None:
+            self._record(wrong, state.step)
+            return self._exiting(wrong)
         action = CONTINUE
         if self.sdc is not None and self.sdc.wants_check(state.step, save_due):
             self.counts["sdc_checks"] += 1
@@ -196,7 +208,7 @@ class Guards:
         out: dict[str, float] = {f"guard/{name}_total": n for name, n in sorted(self.counts.items())}
         if self.sdc is not None:
             out.update({"guard/fingerprint_s": self.sdc.check_s, "guard/replay_s": self.sdc.replay_s,
-                        "guard/at_rest_s": self.sdc.at_rest_s,
+                        "guard/at_rest_s": self.sdc.at_rest_s, "guard/update_replay_s": self.sdc.update_s,
                         "guard/last_verified_step": self.sdc.last_verified})
         if self.ring is not None:
             out["guard/snapshot_s"] = self.snapshot_s

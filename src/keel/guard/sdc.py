@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw
 
 from keel.config import GuardConfig
 from keel.core.actions import Action
@@ -51,6 +52,25 @@ def fingerprint(tensors: Sequence[torch.Tensor | None], host: bool = True) -> to
         bits = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
         sums.append(bits.sum(dtype=bits.dtype).long() if t.is_floating_point() else bits.sum(dtype=torch.int64))
     return torch.stack(sums).cpu() if host else torch.stack(sums)
+
+
+def adamw_into_scratch(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, foreach: bool) -> torch.Tensor:
+    """The fingerprints of `p` and its AdamW state (in live_tensors' order) after the update `optimizer.step()`
+    is about to make, computed on copies by the same functional kernels (foreach as the group steps)."""
+    state = optimizer.state.get(p, {})
+    if p.grad is None:  # not updated: stays as it is
+        return fingerprint([p, *(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))])
+    if not state:  # the first update: AdamW starts from zeros, as its own initialisation does
+        state = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                 "step": torch.zeros((), dtype=torch.float32)}
+    scratch = {k: v.clone() for k, v in state.items()}
+    param = p.detach().clone()
+    adamw(foreach=foreach, capturable=group["capturable"], differentiable=False, fused=group["fused"],
+          params=[param], grads=[p.grad], exp_avgs=[scratch["exp_avg"]], exp_avg_sqs=[scratch["exp_avg_sq"]],
+          max_exp_avg_sqs=[], state_steps=[scratch["step"]], amsgrad=group["amsgrad"], beta1=group["betas"][0],
+          beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+          maximize=group["maximize"])
+    return fingerprint([param, *(scratch[k] for k in sorted(scratch))])
 
 
 def tensor_names(optimizers: list[torch.optim.Optimizer], names: Mapping[torch.nn.Parameter, str]) -> list[str]:
@@ -98,6 +118,9 @@ class SdcGuard:
         self.disputed: dict[int, torch.Tensor] = {}  # this rank's copy of the tensors in dispute
         self.check_s = self.replay_s = self.at_rest_s = 0.0  # cost of the last check, replay, seal and verify
         self.sealed: tuple[int, torch.Tensor] | None = None  # the step sealed and its fingerprint
+        self.update_due = False  # the coming update is re-executed (its step's replay passed)
+        self.expected: torch.Tensor | None = None  # the re-executed update's fingerprints
+        self.update_s = 0.0
         self.names = names or {}  # each parameter's name, for the events
 
     # ------------------------------------------------------------ step replay (before the update)
@@ -130,6 +153,46 @@ class SdcGuard:
         return Action("quarantine", self.name, f"step {report.step} computed differently when replayed on rank(s) "
                       f"{', '.join(map(str, suspects))}", evidence, ranks=suspects, to_step=report.step - 1,
                       verified_only=True)
+
+    # ------------------------------------------------------------ the update, re-executed on replayed steps
+
+    def reexecute_update(self) -> None:
+        """Just before the optimizers step on a step whose replay passed (`update_due`): each parameter's update
+        computed from the same inputs into scratch memory, one parameter at a time, by the kernels the optimizer
+        runs (AdamW is elementwise and deterministic on a given device); its fingerprints are what the update must
+        write (`check_update`)."""
+        started = time.perf_counter()
+        expected = []
+        for optimizer in self.optimizers:
+            # ScaledAdamW steps a group that mixes DTensors and plain tensors one tensor at a time
+            stepwise = getattr(optimizer, "fused", [True] * len(optimizer.param_groups))
+            for group, fused in zip(optimizer.param_groups, stepwise, strict=True):
+                for p in group["params"]:
+                    expected.append(adamw_into_scratch(optimizer, group, p, group["foreach"] and fused))
+        self.expected = torch.cat(expected)
+        self.update_s = time.perf_counter() - started
+
+    def check_update(self, step: int) -> Action | None:
+        """After the update of a step re-executed: does every rank's state match its re-execution bitwise?"""
+        if self.expected is None:
+            return None
+        started = time.perf_counter()
+        expected, self.expected = self.expected, None
+        now = fingerprint(live_tensors(self.optimizers)[0])
+        names = tensor_names(self.optimizers, self.names)
+        differs = ([names[i] for i in (now != expected).nonzero().flatten().tolist()]
+                   if now.shape == expected.shape else ["the optimizer state's layout"])
+        found: list = [None] * self.world
+        dist.all_gather_object(found, differs)
+        self.update_s += time.perf_counter() - started
+        suspects = tuple(r for r, tensors in enumerate(found) if tensors)
+        if not suspects:
+            return None
+        evidence = {"detector": "update_replay", "ranks": list(suspects), "tensors": {r: found[r] for r in suspects}}
+        return Action("quarantine", self.name, f"the update of step {step} computed differently when re-executed on "
+                      f"rank(s) {', '.join(map(str, suspects))}: " + "; ".join(
+                          f"rank {r}: {', '.join(found[r][:3])}" for r in suspects),
+                      evidence, ranks=suspects, to_step=step - 1, verified_only=True)
 
     # ------------------------------------------------------------ state at rest (sealed after, verified before)
 

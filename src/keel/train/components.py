@@ -90,6 +90,7 @@ class GuardInspection(Builtin):
         self.guards, self.monitor, self.stepper, self.replayed = guards, monitor, stepper, replayed
         self.seconds = 0.0
         self.number = 0  # the step being made
+        stepper.before_step = guards.before_update
         if (sdc := guards.sdc) is not None and guards.g.sdc.at_rest_interval:  # the state checked where it rests
             sync.contribute_on_device(AT_REST, lambda device: sdc.changed_at_rest(self.number, device))
 

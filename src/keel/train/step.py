@@ -87,6 +87,7 @@ class Stepper:
         self.groups = by_mesh(self.params)  # fixed once parallelised: the norm and the clip go mesh by mesh
         self.pp_group = pipeline.pp_group if pipeline is not None else None
         self.sequences = 0  # of the last step on this rank: what the auxiliary losses are averaged over
+        self.before_step: Callable[[], None] = lambda: None  # with the gradients clipped, before the optimizers step
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         sequences = sum(len(inputs) for inputs, _ in micro_batches)
@@ -113,6 +114,7 @@ class Stepper:
         """Clip with the norm already computed, step, clear the gradients."""
         set_lr(self.optimizers, lr)
         self.clip(total_norm)
+        self.before_step()
         for optimizer in self.optimizers:
             optimizer.step()
         self.drop()
