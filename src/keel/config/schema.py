@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from keel.config.sections import takes_sections, with_sections
+
 INT_MAX = 2**63 - 1  # an integer field's bound unless it has its own: what torch and numpy hold as int64
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 64 bits
 YEAR_S = 365 * 24 * 3600  # bound of every duration: longer ones overflow the timers that wait on them
@@ -362,6 +364,9 @@ class TrackerQueueConfig:
                                     le=3600)
 
 
+# Each experiment tracker's section, [monitor.NAME], is declared by the tracker's own module of
+# keel.monitor.tracking (`@tracker(NAME, config=...)`), so that a tracker is added by its file alone.
+@takes_sections("keel.monitor.tracking", "tracker section")
 @dataclass
 class MonitorConfig:
     interval: int = option(10, "steps between metric reductions across ranks: metrics.jsonl records, progress "
@@ -561,7 +566,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    monitor: MonitorConfig = field(default_factory=lambda: with_sections(MonitorConfig)())
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
