@@ -15,12 +15,14 @@ from keel.core.registry import Registry
 
 
 @contextlib.contextmanager
-def added_module(package: str, name: str, source: str, where: Path, registry: Registry) -> Iterator[str]:
+def added_module(package: str, name: str, source: str, where: Path, *registries: Registry) -> Iterator[str]:
     """`source` as the file of the module PACKAGE.NAME, under `where`; yields the module's full name. On
-    leaving, the package's path, `registry`'s entries and the imported modules are as they were."""
+    leaving, the package's path, the entries of `registries` (those the package's modules register in) and
+    the imported modules are as they were."""
     pkg = importlib.import_module(package)
-    registry.all()  # the package's own modules register first: the entries restored are theirs
-    kept_path, kept_entries = list(pkg.__path__), dict(registry.entries)
+    for registry in registries:
+        registry.all()  # the package's own modules register first: the entries restored are theirs
+    kept_path, kept_entries = list(pkg.__path__), [dict(registry.entries) for registry in registries]
     (where / f"{name}.py").write_text(textwrap.dedent(source))
     pkg.__path__.append(str(where))
     importlib.invalidate_caches()
@@ -28,7 +30,8 @@ def added_module(package: str, name: str, source: str, where: Path, registry: Re
         yield f"{package}.{name}"
     finally:
         pkg.__path__[:] = kept_path
-        registry.entries = kept_entries
+        for registry, entries in zip(registries, kept_entries, strict=True):
+            registry.entries = entries
         sys.modules.pop(f"{package}.{name}", None)
         if hasattr(pkg, name):
             delattr(pkg, name)

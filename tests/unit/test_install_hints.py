@@ -13,8 +13,10 @@ from keel.monitor.tracking.registry import BACKENDS
 from tests.conftest import REPO
 
 HINT = re.compile(r"pip install\s+'?(?P<dist>[A-Za-z0-9_.-]+)(?:\[(?P<extra>\{[^}]*\}|[^\]]*)\])?")
-# The extras that an f-string's placeholder stands for, by the placeholder's source.
-PLACEHOLDERS = {"kind.extra": {kind.extra for kind in BACKENDS.all().values()}}
+# The extras that an f-string's placeholder stands for, by the placeholder's source: a tracker's name, where
+# keel-pretrain has an extra of that name (elsewhere the hint names the tracker's own client package).
+PLACEHOLDERS = {"name": set(BACKENDS.all()) & set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+                                               ["optional-dependencies"])}
 
 
 def text_of(node: ast.Constant | ast.JoinedStr) -> str:

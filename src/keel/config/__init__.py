@@ -20,7 +20,6 @@ from keel.config.schema import (
     GuardConfig,
     HealthConfig,
     MixturePhase,
-    MlflowConfig,
     ModelConfig,
     MoEConfig,
     MonitorConfig,
@@ -33,7 +32,6 @@ from keel.config.schema import (
     StragglerConfig,
     TrackerQueueConfig,
     TrainConfig,
-    WandbConfig,
     WatchdogConfig,
     option,
 )
@@ -41,10 +39,10 @@ from keel.config.schema import (
 __all__ = [
     "INT_MAX", "SEED_MAX", "YEAR_S", "AlertsConfig", "CallbackSpec", "CheckpointConfig", "CleanConfig", "Config",
     "DataConfig", "DecontamConfig", "DedupConfig", "DrillConfig", "EvalConfig", "FaultToleranceConfig", "GuardConfig",
-    "HealthConfig", "MixturePhase", "MlflowConfig", "ModelConfig", "MoEConfig", "MonitorConfig", "NumericsConfig",
+    "HealthConfig", "MixturePhase", "ModelConfig", "MoEConfig", "MonitorConfig", "NumericsConfig",
     "OptimConfig", "ParallelConfig",
     "SdcConfig", "SourceConfig", "SpikeConfig", "StragglerConfig", "TrackerQueueConfig", "TrainConfig",
-    "WandbConfig", "WatchdogConfig", "option",
+    "WatchdogConfig", "option",
     "check_vocab_size", "ffn_hidden_dim", "head_size", "load_config", "parse_override", "reference",
     "to_toml",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 from keel.config.checks import check_consistency
 from keel.config.hf import fill_from_hf, given_fields
 from keel.config.schema import INT_MAX, Config, SourceConfig
+from keel.config.sections import with_sections
 from keel.errors import ConfigError
 from keel.paths import check_input, shown
 
@@ -110,6 +111,7 @@ def _build_tables(cls: type, value: Any, path: str) -> dict:
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} = {data!r}: expected a table")
+    cls = with_sections(cls)  # [monitor.NAME]: the sections registered by the modules above keel.config
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -151,6 +153,7 @@ def _apply_override(data: dict, keys: list[str], value: Any, text: str) -> None:
 def _apply_override_in(data: dict, cls: type, keys: list[str], value: Any, text: str, path: str) -> None:
     node = data
     for i, key in enumerate(keys):
+        cls = with_sections(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if key not in fields:
             raise _unknown_key(path, key, list(fields))
@@ -247,6 +250,7 @@ def reference() -> list[tuple[str, str, str, str]]:
     rows = []
 
     def walk(cls: type, prefix: str) -> None:
+        cls = with_sections(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]

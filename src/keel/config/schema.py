@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from keel.config.sections import takes_sections, with_sections
+
 INT_MAX = 2**63 - 1  # an integer field's bound unless it has its own: what torch and numpy hold as int64
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 64 bits
 YEAR_S = 365 * 24 * 3600  # bound of every duration: longer ones overflow the timers that wait on them
@@ -328,33 +330,6 @@ class AlertsConfig:
 
 
 @dataclass
-class MlflowConfig:
-    enabled: bool = option(False, "log the run to MLflow (needs the mlflow extra): the resolved config as "
-                           "parameters, every metric under keel's names, events as tags, the final checkpoint's "
-                           "path and the report; a resumed run continues the same MLflow run")
-    tracking_uri: str = option("", "the tracking server, e.g. http://mlflow:5000 (empty: MLFLOW_TRACKING_URI, else "
-                               "MLflow's own default)")
-    experiment: str = option("keel", "experiment the run is logged under (created if missing)")
-    run_name: str = option("", "the MLflow run's name (empty: the run directory's name)")
-    tags: list[str] = option([], "tags of the MLflow run, each `KEY=VALUE` (or `KEY`, set to true)")
-    timeout_s: float = option(10.0, "seconds one request to the server may take before it is retried or given "
-                              "up; training never waits for the tracker", gt=0, le=3600)
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = option(False, "log the run to Weights & Biases (needs the wandb extra): the resolved config, "
-                           "every metric under keel's names, event kinds as tags, the final checkpoint's path and "
-                           "the report; a resumed run continues the same W&B run")
-    project: str = option("keel", "the W&B project")
-    entity: str = option("", "the W&B team or user (empty: the account's default)")
-    run_name: str = option("", "the W&B run's name (empty: the run directory's name)")
-    tags: list[str] = option([], "tags of the W&B run")
-    mode: str = option("online", "online (sent as it runs), offline (written under RUN_DIR/wandb, `wandb sync` "
-                       "uploads it later)", choices=("online", "offline"))
-
-
-@dataclass
 class TrackerQueueConfig:
     queue: int = option(10000, "records held for a slow or unreachable tracker; beyond this they are dropped and "
                         "counted, training never waits", ge=1)
@@ -362,6 +337,9 @@ class TrackerQueueConfig:
                                     le=3600)
 
 
+# Each experiment tracker's section, [monitor.NAME], is declared by the tracker's own module of
+# keel.monitor.tracking (`@tracker(NAME, config=...)`), so that a tracker is added by its file alone.
+@takes_sections("keel.monitor.tracking", "tracker section")
 @dataclass
 class MonitorConfig:
     interval: int = option(10, "steps between metric reductions across ranks: metrics.jsonl records, progress "
@@ -387,8 +365,6 @@ class MonitorConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files to RUN_DIR/tensorboard (needs the "
                                "tensorboard extra)")
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
     trackers: TrackerQueueConfig = field(default_factory=TrackerQueueConfig)
 
 
@@ -566,7 +542,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    monitor: MonitorConfig = field(default_factory=lambda: with_sections(MonitorConfig)())
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     health: HealthConfig = field(default_factory=HealthConfig)

@@ -20,6 +20,7 @@ from keel.config import (
     reference,
     to_toml,
 )
+from keel.config.sections import with_sections
 from keel.errors import ConfigError
 from keel.parallel.degrees import resolve_degrees
 from tests.conftest import REPO
@@ -320,8 +321,10 @@ def test_to_toml_round_trips_characters_outside_the_bmp(tmp_path: Path) -> None:
 
 
 def _leaf_options(cls: type, prefix: str = "") -> dict[str, Any]:
-    """Independent walk of the config tree: every leaf key and its default."""
+    """Independent walk of the config tree: every leaf key and its default (a section's registered sections,
+    [monitor.NAME], among its own)."""
     leaves: dict[str, Any] = {}
+    cls = with_sections(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]

@@ -1,6 +1,6 @@
-"""MLflow as an experiment tracker (`monitor.mlflow`): a run of the tracking server's experiment, the config as
-its parameters, every metric under keel's names, events as tags. The client is imported on the tracker's
-thread, only where the tracker is enabled (the mlflow extra)."""
+"""MLflow as an experiment tracker (its section `[monitor.mlflow]`: MlflowConfig): a run of the tracking server's
+experiment, the config as its parameters, every metric under keel's names, events as tags. The client is
+imported on the tracker's thread, only where the tracker is enabled (the mlflow extra)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from keel.checkpoint.identity import flat_config as settings
-from keel.config import Config, MlflowConfig
+from keel.config import Config, option
 from keel.monitor.tracking.registry import tracker
 
 # MLflow's limits per log_batch call, and on a key's characters.
@@ -20,6 +21,20 @@ MLFLOW_PARAMS_PER_CALL, MLFLOW_METRICS_PER_CALL, MLFLOW_TAG_CHARS = 100, 1000, 5
 _MLFLOW_KEY = re.compile(r"[^\w./\- :]")
 # The state a keel run ended in → MLflow's run status (a paused run is resumed later into the same MLflow run).
 MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = option(False, "log the run to MLflow (needs the mlflow extra): the resolved config as "
+                           "parameters, every metric under keel's names, events as tags, the final checkpoint's "
+                           "path and the report; a resumed run continues the same MLflow run")
+    tracking_uri: str = option("", "the tracking server, e.g. http://mlflow:5000 (empty: MLFLOW_TRACKING_URI, else "
+                               "MLflow's own default)")
+    experiment: str = option("keel", "experiment the run is logged under (created if missing)")
+    run_name: str = option("", "the MLflow run's name (empty: the run directory's name)")
+    tags: list[str] = option([], "tags of the MLflow run, each `KEY=VALUE` (or `KEY`, set to true)")
+    timeout_s: float = option(10.0, "seconds one request to the server may take before it is retried or given "
+                              "up; training never waits for the tracker", gt=0, le=3600)
 
 
 def flat_config(cfg: Config) -> dict[str, str]:
@@ -33,7 +48,7 @@ def mlflow_key(key: str) -> str:
     return _MLFLOW_KEY.sub("_", key)
 
 
-@tracker("mlflow", client="mlflow")
+@tracker("mlflow", config=MlflowConfig, client="mlflow")
 class MlflowBackend:
 
     def __init__(self, mc: MlflowConfig, run_name: str, config_name: str, run_dir: Path) -> None:

@@ -1,19 +1,26 @@
-"""The experiment trackers keel logs to, each registered by its own module of this package with
-`@tracker(NAME)` on its backend class: every module of the package is imported to find them, so that a
-tracker is added by its file alone. A tracker is configured by the config's section `monitor.NAME` (its
-`enabled` switches it on); its client library is imported only where the tracker is enabled, on the
-tracker's thread, so that a disabled tracker costs nothing and needs nothing installed.
+"""The experiment trackers keel logs to, each declared by its own module of this package: its config section
+(a dataclass with `enabled` and its options, each declared with `keel.config.option`) and its backend class,
+registered together by `@tracker(NAME, config=SECTION)` on the class. Every module of the package is imported
+to find them, by keel.config too whenever a config is made, so that a tracker is added by its file alone: its
+section is `[monitor.NAME]` of the config (`monitor.NAME.enabled` switches it on). Its client library is
+imported only where the tracker is enabled, on the tracker's thread, so that a disabled tracker costs nothing
+and needs nothing installed; an enabled one whose client is missing is refused before any worker starts, with
+what to install.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import importlib.util
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from keel.config import Config
+from keel.config import Config, MonitorConfig
+from keel.config.sections import add_section
 from keel.core.registry import Registry
 from keel.errors import ConfigError
 
@@ -44,7 +51,7 @@ class BackendClass(Protocol):
 class Kind:
     make: BackendClass
     client: str | None  # the module of its client library, checked before any worker starts (None: none needed)
-    extra: str  # keel-pretrain's extra that installs the client
+    package: str  # what `pip install` installs the client from
 
 
 B = TypeVar("B", bound=BackendClass)
@@ -52,13 +59,16 @@ B = TypeVar("B", bound=BackendClass)
 BACKENDS: Registry[Kind] = Registry("keel.monitor.tracking", "tracker")
 
 
-def tracker(name: str, client: str | None = None, extra: str | None = None) -> Callable[[B], B]:
-    """Registers a backend class as the tracker `name`, configured by `monitor.NAME`; `client` is the module of
-    its client library, if it has one, and `extra` (`client` unless given) keel-pretrain's extra that installs
-    it."""
+def tracker(name: str, config: type, client: str | None = None, package: str | None = None) -> Callable[[B], B]:
+    """Registers a backend class as the tracker `name`, configured by the section `monitor.NAME` that the
+    dataclass `config` declares (its `enabled` switches the tracker on); `client` is the module of its client
+    library, if it has one, and `package` (`client` unless given) the distribution that installs it."""
+    if not dataclasses.is_dataclass(config) or typing.get_type_hints(config).get("enabled") is not bool:
+        raise TypeError(f"the section of the tracker {name!r}, {config.__name__}, needs a field `enabled: bool`")
 
     def register(cls: B) -> B:
-        BACKENDS.add(name, Kind(cls, client, extra or client or ""))
+        add_section(MonitorConfig, name, config)
+        BACKENDS.add(name, Kind(cls, client, package or client or ""))
         return cls
 
     return register
@@ -79,8 +89,18 @@ def check_trackers(cfg: Config) -> None:
     for name in enabled_trackers(cfg):
         kind = kinds[name]
         if kind.client is not None and importlib.util.find_spec(kind.client) is None:
-            raise ConfigError(f"monitor.{name}.enabled = true needs the {kind.client} package: pip install "
-                              f"'keel-pretrain[{kind.extra}]', or set monitor.{name}.enabled = false")
+            raise ConfigError(f"monitor.{name}.enabled = true needs the {kind.client} package: "
+                              f"{install_hint(name, kind.package)}, or set monitor.{name}.enabled = false")
+
+
+def install_hint(name: str, package: str) -> str:
+    """What installs a tracker's client: keel-pretrain's extra of the tracker's name where the installed keel
+    has one (it holds the versions keel is tested with), else the client's own package."""
+    try:
+        extras = importlib.metadata.metadata("keel-pretrain").get_all("Provides-Extra") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        extras = []
+    return f"pip install 'keel-pretrain[{name}]'" if name in extras else f"pip install {package}"
 
 
 def make_backend(name: str, cfg: Config, run_dir: Path) -> Backend:

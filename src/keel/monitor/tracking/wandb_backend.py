@@ -1,20 +1,34 @@
-"""Weights & Biases as an experiment tracker (`monitor.wandb`): a run of the project, online or written offline
-under the run directory, the config, every metric under keel's names, event kinds as tags. The client is
-imported on the tracker's thread, only where the tracker is enabled (the wandb extra)."""
+"""Weights & Biases as an experiment tracker (its section `[monitor.wandb]`: WandbConfig): a run of the project,
+online or written offline under the run directory, the config, every metric under keel's names, event kinds as
+tags. The client is imported on the tracker's thread, only where the tracker is enabled (the wandb extra)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from keel.config import Config, WandbConfig
+from keel.config import Config, option
 from keel.monitor.tracking.registry import tracker
 
 WANDB_TAG_CHARS = 64
 
 
-@tracker("wandb", client="wandb")
+@dataclass
+class WandbConfig:
+    enabled: bool = option(False, "log the run to Weights & Biases (needs the wandb extra): the resolved config, "
+                           "every metric under keel's names, event kinds as tags, the final checkpoint's path and "
+                           "the report; a resumed run continues the same W&B run")
+    project: str = option("keel", "the W&B project")
+    entity: str = option("", "the W&B team or user (empty: the account's default)")
+    run_name: str = option("", "the W&B run's name (empty: the run directory's name)")
+    tags: list[str] = option([], "tags of the W&B run")
+    mode: str = option("online", "online (sent as it runs), offline (written under RUN_DIR/wandb, `wandb sync` "
+                       "uploads it later)", choices=("online", "offline"))
+
+
+@tracker("wandb", config=WandbConfig, client="wandb")
 class WandbBackend:
 
     def __init__(self, wc: WandbConfig, run_name: str, config_name: str, run_dir: Path) -> None:
