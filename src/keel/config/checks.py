@@ -33,6 +33,7 @@ def check_consistency(cfg: Config) -> None:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
     _check_context_parallel(cfg)
+    _check_fast_path(cfg)
     if cfg.monitor.alerts.moe_collapse_share >= 1:
         raise ConfigError(f"monitor.alerts.moe_collapse_share = {cfg.monitor.alerts.moe_collapse_share:g}: at 1 "
                           f"or more, experts of any layer not perfectly balanced count as collapsed; expected a "
@@ -63,6 +64,14 @@ def _check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
                           f"parallel.cp = {p.cp} splits over ranks by train.seq_len; evaluate its checkpoints "
                           f"with `keel eval` instead")
+
+
+def _check_fast_path(cfg: Config) -> None:
+    """The options that trade memory or speed on a GPU: each only where it means something."""
+    p = cfg.parallel
+    if p.compile_mode != "default" and not p.compile:
+        raise ConfigError(f"parallel.compile_mode = {p.compile_mode!r} is torch.compile's mode, but "
+                          f"parallel.compile = false; set parallel.compile = true or parallel.compile_mode = 'default'")
 
 
 def _check_fault_tolerance(cfg: Config) -> None:

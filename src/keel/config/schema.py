@@ -289,6 +289,11 @@ class ParallelConfig:
                                         choices=("none", "full", "selective"))
     ac_every: int = option(2, "selective activation checkpointing: checkpoint one block in this many", ge=1)
     compile: bool = option(False, "torch.compile each transformer block")
+    compile_mode: str = option("default", "parallel.compile = true: torch.compile's mode for each block: default, "
+                               "reduce-overhead (CUDA graphs: fewer kernel launches, more memory), max-autotune "
+                               "(benchmarks kernel choices while compiling, and CUDA graphs) or "
+                               "max-autotune-no-cudagraphs", choices=("default", "reduce-overhead", "max-autotune",
+                                                                      "max-autotune-no-cudagraphs"))
     reduce_dtype: str = option("fp32", "dtype of FSDP gradient reduction (parameters and compute follow "
                                "train.precision)", choices=("fp32", "bf16"))
 

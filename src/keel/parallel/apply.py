@@ -28,8 +28,7 @@ def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, para
         apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)
     if cfg.compile:
-        for block in model.blocks().values():
-            block.compile()  # in place: parameter names stay the same
+        compile_blocks(model, cfg.compile_mode)
     if layout.shards_parameters:
         reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -62,6 +61,12 @@ def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -
     for i, (name, block) in enumerate(blocks.items()):
         if i % every == 0:
             blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def compile_blocks(model: Parallelizable, mode: str) -> None:
+    """torch.compile each block in `mode` (parallel.compile_mode), in place: parameter names stay the same."""
+    for block in model.blocks().values():
+        block.compile(mode=mode)
 
 
 def apply_fsdp(model: Parallelizable, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:

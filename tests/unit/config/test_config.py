@@ -382,3 +382,11 @@ def test_an_unset_option_stays_unset_through_the_written_config(tmp_path: Path) 
     assert roundtrip(given, tmp_path).monitor.prometheus_port == 9400, "a port set is not the unset default"
     with pytest.raises(ConfigError, match="expected an integer"):
         load_config(None, ["monitor.prometheus_port='x'"])
+
+
+def test_a_compile_mode_without_compile_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.compile_mode=max-autotune"])
+    assert "parallel.compile = true" in message and "'default'" in message
+    assert load_config(None, ["parallel.compile=true", "parallel.compile_mode=reduce-overhead"]
+                       ).parallel.compile_mode == "reduce-overhead"
+    assert "max-autotune-no-cudagraphs" in config_error(["parallel.compile=true", "parallel.compile_mode=fast"])
