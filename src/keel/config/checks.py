@@ -72,6 +72,10 @@ def _check_fast_path(cfg: Config) -> None:
     if p.compile_mode != "default" and not p.compile:
         raise ConfigError(f"parallel.compile_mode = {p.compile_mode!r} is torch.compile's mode, but "
                           f"parallel.compile = false; set parallel.compile = true or parallel.compile_mode = 'default'")
+    if p.ac_selective != "layer" and p.activation_checkpoint != "selective":
+        raise ConfigError(f"parallel.ac_selective = {p.ac_selective!r} chooses what selective checkpointing keeps, "
+                          f"but parallel.activation_checkpoint = {p.activation_checkpoint!r}; set "
+                          f"activation_checkpoint = 'selective' or ac_selective = 'layer'")
 
 
 def _check_fault_tolerance(cfg: Config) -> None:

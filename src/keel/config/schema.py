@@ -288,6 +288,10 @@ class ParallelConfig:
                                         "full (every block) or selective (every ac_every-th block)",
                                         choices=("none", "full", "selective"))
     ac_every: int = option(2, "selective activation checkpointing: checkpoint one block in this many", ge=1)
+    ac_selective: str = option("layer", "what activation_checkpoint = selective recomputes: layer (one whole block in "
+                               "ac_every) or op (every block, keeping the outputs of its attention and of every "
+                               "other matrix multiplication and recomputing the rest: less memory than none, less "
+                               "recomputation than full; ac_every does not apply)", choices=("layer", "op"))
     compile: bool = option(False, "torch.compile each transformer block")
     compile_mode: str = option("default", "parallel.compile = true: torch.compile's mode for each block: default, "
                                "reduce-overhead (CUDA graphs: fewer kernel launches, more memory), max-autotune "

@@ -4,6 +4,8 @@ that declares its blocks, tensor-parallel plan and experts (`keel.model.parallel
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,6 +17,7 @@ from keel.core.torch_private import checkpoint_wrapper
 from keel.model.parallelizable import Parallelizable
 from keel.parallel.experts import ExpertShard, shard_experts
 from keel.parallel.layout import Layout
+from keel.parallel.selective import op_contexts
 
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
@@ -52,15 +55,18 @@ def apply_tensor_parallel(model: Parallelizable, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -> None:
-    """Recompute the activations of every block (`full`) or of one block in `ac_every` (`selective`).
+    """Recompute the activations of every block (`full`), of one block in `ac_every` (`selective`), or of every
+    block all but its attention and every other matmul (`selective` with ac_selective = op: keel.parallel.selective).
     The wrapper's prefix is left out of state-dict and init names, so checkpoints move between settings."""
     if cfg.activation_checkpoint == "none":
         return
-    every = 1 if cfg.activation_checkpoint == "full" else cfg.ac_every
+    by_op = cfg.activation_checkpoint == "selective" and cfg.ac_selective == "op"
+    every = cfg.ac_every if cfg.activation_checkpoint == "selective" and not by_op else 1
+    options: dict[str, Any] = {"context_fn": op_contexts} if by_op else {}
     blocks = model.blocks()
     for i, (name, block) in enumerate(blocks.items()):
         if i % every == 0:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
 
 
 def compile_blocks(model: Parallelizable, mode: str) -> None:

@@ -390,3 +390,11 @@ def test_a_compile_mode_without_compile_is_refused_in_one_line() -> None:
     assert load_config(None, ["parallel.compile=true", "parallel.compile_mode=reduce-overhead"]
                        ).parallel.compile_mode == "reduce-overhead"
     assert "max-autotune-no-cudagraphs" in config_error(["parallel.compile=true", "parallel.compile_mode=fast"])
+
+
+def test_op_level_selection_without_selective_checkpointing_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.ac_selective=op", "parallel.activation_checkpoint=full"])
+    assert "activation_checkpoint = 'selective'" in message
+    assert load_config(None, ["parallel.activation_checkpoint=selective", "parallel.ac_selective=op"]
+                       ).parallel.ac_selective == "op"
+    assert "layer, op" in config_error(["parallel.activation_checkpoint=selective", "parallel.ac_selective=matmul"])

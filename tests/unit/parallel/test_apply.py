@@ -3,13 +3,21 @@ activation checkpointing."""
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from typing import Any
+
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from keel.config import ModelConfig, ParallelConfig
-from keel.model.init import init_weights
+from keel.model.flops import ffn_hidden_dim
+from keel.model.init import canonical_name, init_weights
 from keel.model.llama import Llama
-from keel.parallel.apply import compile_blocks
+from keel.parallel.apply import apply_activation_checkpointing, compile_blocks
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=16, max_seq_len=16)
 
@@ -53,3 +61,75 @@ def test_blocks_compiled_with_max_autotune_train_to_the_eager_gradients_on_a_cpu
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+DEEP = dataclasses.replace(TINY, dim=64, n_layers=4, max_seq_len=64)
+
+
+class LiveTensors(TorchDispatchMode):
+    """Every tensor the operations under it produce; `bytes()`: the storage still held of those alive now."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def bytes(self) -> int:
+        storages = {}
+        for ref in self.made:
+            if (t := ref()) is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+
+def checkpointed(ac: str, selective: str = "layer") -> Llama:
+    model = build(DEEP)
+    apply_activation_checkpointing(model, ParallelConfig(activation_checkpoint=ac, ac_selective=selective))
+    return model
+
+
+def held_for_backward(model: Llama, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of the activations the blocks hold between their forward and backward (fp32), and the loss."""
+    with LiveTensors() as live:
+        rope, _ = model.attention_inputs(x, x.shape[1])
+        h = model.tok_embeddings(x)
+        for block in model.blocks().values():
+            h = block(h, rope)
+        loss = h.square().mean()
+    return live.bytes(), loss
+
+
+def test_op_level_checkpointing_holds_attention_and_every_other_matmul_of_each_block() -> None:
+    x = tokens(2, 64)
+    held = {(ac, sel): held_for_backward(checkpointed(ac, sel), x)[0]
+            for ac, sel in [("none", "layer"), ("full", "layer"), ("selective", "layer"), ("selective", "op")]}
+    # In the order a block runs them the matmuls are wq, wk, wv, wo, w1, w3, w2: it keeps wq, wv, w1 and w2, and
+    # the attention's output and log-sum-exp; besides, every block's input, the last block's output and the loss.
+    batch, seq, dim, heads, hidden = 2, 64, DEEP.dim, DEEP.n_heads, ffn_hidden_dim(DEEP)
+    kv = DEEP.n_kv_heads * dim // heads
+    kept = 4 * batch * seq * (dim + kv + hidden + dim + dim + heads)
+    assert held["selective", "op"] == DEEP.n_layers * (kept + 4 * batch * seq * dim) + 4 * batch * seq * dim + 4
+    assert held["full", "layer"] < held["selective", "op"] < held["selective", "layer"] < held["none", "layer"]
+
+
+@pytest.mark.parametrize(("ac", "selective"), [("full", "layer"), ("selective", "layer"), ("selective", "op")])
+def test_checkpointed_blocks_give_the_gradients_of_the_plain_model_bitwise(ac: str, selective: str) -> None:
+    x = tokens(2, 64)
+    plain, wrapped = build(DEEP), checkpointed(ac, selective)
+    expected = grads(plain, x)
+    got = {canonical_name(name): g for name, g in grads(wrapped, x).items()}
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_op_level_checkpointing_wraps_every_block_whatever_ac_every() -> None:
+    model = build(DEEP)
+    apply_activation_checkpointing(model, ParallelConfig(activation_checkpoint="selective", ac_selective="op",
+                                                         ac_every=3))
+    assert all(isinstance(block, CheckpointWrapper) for block in model.blocks().values())
