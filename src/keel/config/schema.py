@@ -94,6 +94,10 @@ class ModelConfig:
                                   "output logits x base_dim/dim, attention scale sqrt(base head size)/head size; "
                                   "the same model as sp at dim = base_dim", choices=("sp", "mup"))
     base_dim: int = option(0, "mup: the base width the hyper-parameters were tuned at (0: model.dim)", ge=0)
+    sdpa_backend: str = option("auto", "the SDPA kernel of the attention: auto (torch's choice, named in the "
+                               "run's events at start), flash, cudnn, efficient or math; one the device cannot run "
+                               "for the run's shapes and dtype is refused at start (on a CPU: flash or math)",
+                               choices=("auto", "flash", "cudnn", "efficient", "math"))
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
                             "Hugging Face Llama, Qwen3 or Qwen3-MoE directory (config.json + model.safetensors), "
                             "whose config.json sets the other model.* fields")

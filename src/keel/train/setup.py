@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,8 +27,9 @@ from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
 from keel.errors import DataError, KeelError
 from keel.health.preflight import run_preflight, verdict
+from keel.model.attention import probe, resolve_backend
 from keel.model.float8 import convert_to_float8
-from keel.model.flops import param_count
+from keel.model.flops import head_size, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
 from keel.parallel.apply import parallelize
@@ -102,6 +103,21 @@ def gather_hosts(world_size: int) -> list[str]:
 
 def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.train.compute_precision(device.type) == "bf16" else torch.float32
+
+
+PROBE_SEQ = 4096  # the attention's kernel is chosen on at most this many positions: its mask stays small
+
+
+def attention_kernel(cfg: Config, layout: Layout, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The attention's kernel as the start names it (model.sdpa_backend, or torch's pick for auto, for this rank's
+    heads, the run's dtype and mask); one the device cannot run is a one-line ConfigError, raised at start."""
+    if layout.degrees.cp > 1:  # keel's own attention: SDPA's CPU flash kernel per block, else an fp32 computation
+        return {"backend": "context-parallel", "blocks": "flash" if device.type == "cpu" else "math (fp32)"}
+    m, tp = cfg.model, layout.degrees.tp
+    q, k, v, mask = probe(1, m.n_heads // tp, m.n_kv_heads // tp, min(cfg.train.seq_len, PROBE_SEQ), head_size(m),
+                          dtype, device, cfg.data.document_mask)
+    return {"backend": resolve_backend(m.sdpa_backend, q, k, v, mask), "asked": m.sdpa_backend,
+            "dtype": str(dtype).removeprefix("torch."), "device": device.type, "masked": mask is not None}
 
 
 def mask_documents(cfg: Config, parts: list[nn.Module], corpus: Corpus) -> None:

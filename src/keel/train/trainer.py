@@ -100,6 +100,8 @@ class Trainer:
         self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                          config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                          **times)
+        if self.rank0:
+            self.events.emit("attention", 0, **self.attention)
         # A group that joins live peers further on receives their state instead of reading storage.
         healed = self.replicas is not None and self.replicas.join()
         if (code := self._resume(resume, accepted, restore=not healed)) is not None:
@@ -117,6 +119,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, layout = self.cfg, self.layout
         self.dtype = setup.precision_dtype(cfg, self.ctx.device)
+        self.attention = setup.attention_kernel(cfg, layout, self.ctx.device, self.dtype)  # refused now if unrunnable
         autocast = self.dtype if self.dtype != torch.float32 else None
         objective = layout.objective(cfg.train)
         parts, stages = setup.build_model_parts(cfg, layout, self.dtype)

@@ -398,3 +398,9 @@ def test_op_level_selection_without_selective_checkpointing_is_refused_in_one_li
     assert load_config(None, ["parallel.activation_checkpoint=selective", "parallel.ac_selective=op"]
                        ).parallel.ac_selective == "op"
     assert "layer, op" in config_error(["parallel.activation_checkpoint=selective", "parallel.ac_selective=matmul"])
+
+
+def test_an_sdpa_backend_with_context_parallel_attention_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.cp=2", "model.sdpa_backend=flash"])
+    assert "model.sdpa_backend = 'auto'" in message and "parallel.cp = 1" in message
+    assert "auto, flash, cudnn, efficient, math" in config_error(["model.sdpa_backend=fast"])
