@@ -76,6 +76,13 @@ def _check_fast_path(cfg: Config) -> None:
     if p.compile_mode != "default" and not p.compile:
         raise ConfigError(f"parallel.compile_mode = {p.compile_mode!r} is torch.compile's mode, but "
                           f"parallel.compile = false; set parallel.compile = true or parallel.compile_mode = 'default'")
+    t = cfg.train
+    if t.param_dtype == "bf16" and t.precision not in ("bf16", "fp8"):
+        raise ConfigError(f"train.param_dtype = 'bf16' computes on bf16 weights, but train.precision = "
+                          f"{t.precision!r}; set train.precision = 'bf16' (or 'fp8') or train.param_dtype = 'fp32'")
+    if t.param_dtype == "bf16" and cfg.fault_tolerance.replica_groups > 1:
+        raise ConfigError("train.param_dtype = 'bf16' is for one process, not replica groups; set "
+                          "train.param_dtype = 'fp32' or fault_tolerance.replica_groups = 1")
     if p.ac_selective != "layer" and p.activation_checkpoint != "selective":
         raise ConfigError(f"parallel.ac_selective = {p.ac_selective!r} chooses what selective checkpointing keeps, "
                           f"but parallel.activation_checkpoint = {p.activation_checkpoint!r}; set "

@@ -217,6 +217,10 @@ class TrainConfig:
     precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA; fp8: bf16 with the blocks' "
                             "linear layers in float8 through torchao, emulated on a CPU: numerics only)",
                             choices=("auto", "fp32", "bf16", "fp8"))
+    param_dtype: str = option("fp32", "the dtype the model's parameters and gradients compute in: fp32, or bf16 "
+                              "(with precision bf16 or fp8, one process: the forward and backward on bf16 weights, "
+                              "bf16 gradients, the update on fp32 master weights that checkpoints hold as with "
+                              "fp32)", choices=("fp32", "bf16"))
     float8_recipe: str = option("rowwise", "train.precision = fp8: torchao's scaling recipe, rowwise (a scale per "
                                 "row) or tensorwise (one per tensor; with FSDP the all-gather is in float8)",
                                 choices=("rowwise", "tensorwise"))

@@ -38,6 +38,7 @@ from keel.train import components, setup
 from keel.train.callbacks import load_callbacks
 from keel.train.downstream import downstream_evaluation
 from keel.train.experts import expert_balance
+from keel.train.master import Bf16Params
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.replicas import ReplicaGroups
 from keel.train.reuse import job_key, measured_peak
@@ -131,11 +132,13 @@ class Trainer:
             from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo
 
             self.pipeline = Pipeline(cfg, layout, parts, stages, self.optimizers, objective)
+        bf16 = Bf16Params(self.parts) if cfg.train.param_dtype == "bf16" else None
         self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
-                               autocast_dtype=autocast, objective=objective)
+                               autocast_dtype=autocast, objective=objective, bf16_params=bf16)
         self.sync = StepSync(layout.loss_divisor)
         self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
-                         partial(evaluate, self.parts[0], autocast_dtype=autocast, objective=objective))
+                         partial(evaluate, self.parts[0], autocast_dtype=autocast, objective=objective,
+                                 bf16_params=bf16))
 
     def _attach(self, users: list[Callback]) -> None:
         """The components (each declares where its hooks run: keel.core.callbacks), and the state each saves."""

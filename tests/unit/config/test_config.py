@@ -404,3 +404,14 @@ def test_an_sdpa_backend_with_context_parallel_attention_is_refused_in_one_line(
     message = config_error(["parallel.cp=2", "model.sdpa_backend=flash"])
     assert "model.sdpa_backend = 'auto'" in message and "parallel.cp = 1" in message
     assert "auto, flash, cudnn, efficient, math" in config_error(["model.sdpa_backend=fast"])
+
+
+def test_bf16_parameters_without_bf16_compute_or_on_several_processes_are_refused_in_one_line() -> None:
+    assert "train.precision = 'bf16'" in config_error(["train.param_dtype=bf16"])
+    assert "replica_groups = 1" in config_error(["train.param_dtype=bf16", "train.precision=bf16",
+                                                 "fault_tolerance.replica_groups=2"])
+    cfg = load_config(None, ["train.param_dtype=bf16", "train.precision=fp8"])
+    assert resolve_degrees(cfg, 1).world_size == 1
+    with pytest.raises(ConfigError, match="with 2 processes FSDP's mixed precision") as e:
+        resolve_degrees(cfg, 2)
+    assert "\n" not in str(e.value)
