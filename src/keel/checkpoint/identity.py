@@ -29,7 +29,8 @@ from keel.errors import ConfigError
 
 # key → what it stands for (docs/resuming.md's table of identity fields is checked against these keys)
 IDENTITY: dict[str, str] = {
-    **{f"model.{f.name}": "model shape" for f in dataclasses.fields(ModelConfig) if f.name != "init_from"},
+    **{f"model.{f.name}": "model shape" for f in dataclasses.fields(ModelConfig)
+       if f.name not in ("init_from", "sdpa_backend")},  # the kernel computes the same model
     "train.seq_len": "sequence length", "train.global_batch": "global batch", "train.seed": "initialisation and "
     "data order", "data.tokenizer": "the corpus tokenizer", "data.corpus": "the corpus fingerprint",
     "data.mixture": "source weights", "data.schedule": "mixture phases begun by the checkpoint's step",

@@ -96,6 +96,10 @@ class ModelConfig:
                                   "output logits x base_dim/dim, attention scale sqrt(base head size)/head size; "
                                   "the same model as sp at dim = base_dim", choices=("sp", "mup"))
     base_dim: int = option(0, "mup: the base width the hyper-parameters were tuned at (0: model.dim)", ge=0)
+    sdpa_backend: str = option("auto", "the SDPA kernel of the attention: auto (torch's choice, named in the "
+                               "run's events at start), flash, cudnn, efficient or math; one the device cannot run "
+                               "for the run's shapes and dtype is refused at start (on a CPU: flash or math)",
+                               choices=("auto", "flash", "cudnn", "efficient", "math"))
     init_from: str = option("", "start a fresh run from these weights instead of random ones: `hf:PATH`, a "
                             "Hugging Face Llama, Qwen3 or Qwen3-MoE directory (config.json + model.safetensors), "
                             "whose config.json sets the other model.* fields")
@@ -215,6 +219,10 @@ class TrainConfig:
     precision: str = option("auto", "compute precision (auto: fp32 on CPU, bf16 on CUDA; fp8: bf16 with the blocks' "
                             "linear layers in float8 through torchao, emulated on a CPU: numerics only)",
                             choices=("auto", "fp32", "bf16", "fp8"))
+    param_dtype: str = option("fp32", "the dtype the model's parameters and gradients compute in: fp32, or bf16 "
+                              "(with precision bf16 or fp8, one process: the forward and backward on bf16 weights, "
+                              "bf16 gradients, the update on fp32 master weights that checkpoints hold as with "
+                              "fp32)", choices=("fp32", "bf16"))
     float8_recipe: str = option("rowwise", "train.precision = fp8: torchao's scaling recipe, rowwise (a scale per "
                                 "row) or tensorwise (one per tensor; with FSDP the all-gather is in float8)",
                                 choices=("rowwise", "tensorwise"))
@@ -290,7 +298,16 @@ class ParallelConfig:
                                         "full (every block) or selective (every ac_every-th block)",
                                         choices=("none", "full", "selective"))
     ac_every: int = option(2, "selective activation checkpointing: checkpoint one block in this many", ge=1)
+    ac_selective: str = option("layer", "what activation_checkpoint = selective recomputes: layer (one whole block in "
+                               "ac_every) or op (every block, keeping the outputs of its attention and of every "
+                               "other matrix multiplication and recomputing the rest: less memory than none, less "
+                               "recomputation than full; ac_every does not apply)", choices=("layer", "op"))
     compile: bool = option(False, "torch.compile each transformer block")
+    compile_mode: str = option("default", "parallel.compile = true: torch.compile's mode for each block: default, "
+                               "reduce-overhead (CUDA graphs: fewer kernel launches, more memory), max-autotune "
+                               "(benchmarks kernel choices while compiling, and CUDA graphs) or "
+                               "max-autotune-no-cudagraphs", choices=("default", "reduce-overhead", "max-autotune",
+                                                                      "max-autotune-no-cudagraphs"))
     reduce_dtype: str = option("fp32", "dtype of FSDP gradient reduction (parameters and compute follow "
                                "train.precision)", choices=("fp32", "bf16"))
 

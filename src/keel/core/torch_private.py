@@ -20,7 +20,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 
 __all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "fsspec_checkpoint_io",
-           "in_backward", "norms", "pin_by_registering", "process_groups", "set_group_timeout", "set_local_tensor"]
+           "in_backward", "norms", "pin_by_registering", "process_groups", "sdp_choice", "set_group_timeout",
+           "set_local_tensor"]
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -78,6 +79,14 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) ->
     """A one-dimensional mesh regrouped into several dimensions of the same ranks (expert parallelism splits the
     parameter-sharding ranks into expert groups and the ranks left over); DeviceMesh's unflattening is private."""
     return mesh._unflatten(0, sizes, names)
+
+
+def sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               gqa: bool) -> int:
+    """The SDPA kernel (an SDPBackend value) torch picks for these inputs under the kernels enabled now: what a
+    run names at start for model.sdpa_backend = auto. CUDA has public checks per kernel, but not torch's order
+    of preference among them, and a CPU none at all."""
+    return int(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, scale=None, enable_gqa=gqa))
 
 
 def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from keel.config import ModelConfig
+from keel.model.attention import sdpa_context
 from keel.model.context import ContextParallel
 from keel.model.flops import ffn_hidden_dim, head_size
 from keel.model.moe import ExpertDispatch, MoE, SwiGLU, is_moe_layer
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.context: ContextParallel | None = None  # the sequence split over ranks (Llama.split_context)
+        self.backend = cfg.sdpa_backend  # which SDPA kernel runs (keel.model.attention)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask`: which keys each query may attend to (batch, 1, seq, seq) — under context parallelism each
@@ -115,8 +117,9 @@ class Attention(nn.Module):
             out = self.context.attention(q, k, v, query_docs=None if mask is None else self.context.split(mask),
                                          key_docs=mask, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
+            with sdpa_context(self.backend):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                     enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -4,6 +4,8 @@ that declares its blocks, tensor-parallel plan and experts (`keel.model.parallel
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,6 +18,7 @@ from keel.model.float8 import is_float8, tensorwise
 from keel.model.parallelizable import Parallelizable
 from keel.parallel.experts import ExpertShard, shard_experts
 from keel.parallel.layout import Layout
+from keel.parallel.selective import op_contexts
 
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
@@ -29,8 +32,7 @@ def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, para
         apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)
     if cfg.compile:
-        for block in model.blocks().values():
-            block.compile()  # in place: parameter names stay the same
+        compile_blocks(model, cfg.compile_mode)
     if layout.shards_parameters:
         reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -73,15 +75,24 @@ def float8_style(block: nn.Module, name: str, style: ParallelStyle) -> ParallelS
 
 
 def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -> None:
-    """Recompute the activations of every block (`full`) or of one block in `ac_every` (`selective`).
+    """Recompute the activations of every block (`full`), of one block in `ac_every` (`selective`), or of every
+    block all but its attention and every other matmul (`selective` with ac_selective = op: keel.parallel.selective).
     The wrapper's prefix is left out of state-dict and init names, so checkpoints move between settings."""
     if cfg.activation_checkpoint == "none":
         return
-    every = 1 if cfg.activation_checkpoint == "full" else cfg.ac_every
+    by_op = cfg.activation_checkpoint == "selective" and cfg.ac_selective == "op"
+    every = cfg.ac_every if cfg.activation_checkpoint == "selective" and not by_op else 1
+    options: dict[str, Any] = {"context_fn": op_contexts} if by_op else {}
     blocks = model.blocks()
     for i, (name, block) in enumerate(blocks.items()):
         if i % every == 0:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
+
+
+def compile_blocks(model: Parallelizable, mode: str) -> None:
+    """torch.compile each block in `mode` (parallel.compile_mode), in place: parameter names stay the same."""
+    for block in model.blocks().values():
+        block.compile(mode=mode)
 
 
 def apply_fsdp(model: Parallelizable, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:

@@ -74,6 +74,10 @@ def resolve_degrees(cfg: Config, world_size: int) -> Degrees:
         borrowed = " (parallel.ep is no factor: its ranks are borrowed from dp_shard × cp)" if p.ep > 1 else ""
         raise ConfigError(f"parallel degrees {dims} = {values} = {degrees.world_size}, but there are {world_size} "
                           f"processes; the product must equal them{fill}{borrowed}")
+    if t.param_dtype == "bf16" and world_size > 1:
+        raise ConfigError(f"train.param_dtype = 'bf16' is for one process; with {world_size} processes FSDP's mixed "
+                          f"precision already computes on bf16 weights gathered from fp32 shards: set "
+                          f"train.param_dtype = 'fp32'")
     if (dp_shard * p.cp) % p.ep:
         lender = f"dp_shard × cp = {dp_shard} × {p.cp}" if p.cp > 1 else f"dp_shard = {dp_shard}"
         raise ConfigError(f"parallel.ep = {p.ep} must divide {lender}: the expert-parallel ranks are borrowed "

@@ -235,7 +235,7 @@ def parse_layout(text: str, gpus: int) -> Layout:
 
 
 # Settings of [parallel] the planner's models do not represent: named in its answer, never silently dropped.
-UNMODELLED = ("pp_schedule", "compile", "reduce_dtype", "ac_every")
+UNMODELLED = ("pp_schedule", "compile", "compile_mode", "reduce_dtype", "ac_every", "ac_selective")
 
 
 def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,16 +27,20 @@ from keel.data.shards import Corpus
 from keel.data.tokenizer import open_tokenizer
 from keel.errors import DataError, KeelError
 from keel.health.preflight import run_preflight, verdict
+from keel.model.attention import probe, resolve_backend
 from keel.model.float8 import convert_to_float8
-from keel.model.flops import param_count
+from keel.model.flops import head_size, param_count
 from keel.model.init import init_weights
 from keel.model.llama import Llama
+from keel.model.loss import Objective
 from keel.parallel.apply import parallelize
 from keel.parallel.layout import Layout
 from keel.parallel.mesh import Dist
 from keel.rundir.events import EventLog, host
 from keel.rundir.lock import RunLock
+from keel.train.master import Bf16Params
 from keel.train.reuse import remember, reused
+from keel.train.step import Stepper, evaluate
 
 
 def attempt_started() -> float:
@@ -104,11 +108,37 @@ def precision_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.train.compute_precision(device.type) == "bf16" else torch.float32
 
 
+PROBE_SEQ = 4096  # the attention's kernel is chosen on at most this many positions: its mask stays small
+
+
+def attention_kernel(cfg: Config, layout: Layout, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The attention's kernel as the start names it (model.sdpa_backend, or torch's pick for auto, for this rank's
+    heads, the run's dtype and mask); one the device cannot run is a one-line ConfigError, raised at start."""
+    if layout.degrees.cp > 1:  # keel's own attention: SDPA's CPU flash kernel per block, else an fp32 computation
+        return {"backend": "context-parallel", "blocks": "flash" if device.type == "cpu" else "math (fp32)"}
+    m, tp = cfg.model, layout.degrees.tp
+    q, k, v, mask = probe(1, m.n_heads // tp, m.n_kv_heads // tp, min(cfg.train.seq_len, PROBE_SEQ), head_size(m),
+                          dtype, device, cfg.data.document_mask)
+    return {"backend": resolve_backend(m.sdpa_backend, q, k, v, mask), "asked": m.sdpa_backend,
+            "dtype": str(dtype).removeprefix("torch."), "device": device.type, "masked": mask is not None}
+
+
 def mask_documents(cfg: Config, parts: list[nn.Module], corpus: Corpus) -> None:
     """With data.document_mask, every part attends within documents, each starting with the corpus's BOS."""
     if cfg.data.document_mask:
         for part in parts:
             cast(Llama, part).mask_documents(int(corpus.manifest["tokenizer"]["bos"]), cfg.data.document_positions)
+
+
+def stepper(cfg: Config, parts: Sequence[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any,
+            autocast: torch.dtype | None, objective: Objective) -> tuple[Stepper, Callable[..., Any]]:
+    """What makes a training step, and what evaluates the validation batches, on these parts."""
+    bf16 = Bf16Params(list(parts)) if cfg.train.param_dtype == "bf16" else None
+    made = Stepper(list(parts), optimizers, pipeline, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast,
+                   objective=objective, bf16_params=bf16)
+    if pipeline is not None:
+        return made, partial(pipeline.evaluate)
+    return made, partial(evaluate, parts[0], autocast_dtype=autocast, objective=objective, bf16_params=bf16)
 
 
 def build_model_parts(cfg: Config, layout: Layout, param_dtype: torch.dtype) -> tuple[list[Llama], list[int]]:

@@ -16,6 +16,7 @@ from keel.core.torch_private import norms as grad_norms
 from keel.model.init import canonical_name
 from keel.model.loss import TORCH_CROSS_ENTROPY, Objective
 from keel.model.moe import scale_auxiliary_losses
+from keel.train.master import Bf16Params
 
 
 def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -77,8 +78,9 @@ class Stepper:
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], pipeline: Any, *,
                  grad_clip: float, autocast_dtype: torch.dtype | None,
-                 objective: Objective = TORCH_CROSS_ENTROPY) -> None:
+                 objective: Objective = TORCH_CROSS_ENTROPY, bf16_params: Bf16Params | None = None) -> None:
         self.parts, self.optimizers, self.pipeline = parts, optimizers, pipeline
+        self.bf16_params = bf16_params  # train.param_dtype = bf16: the passes compute on bf16 parameters
         self.grad_clip, self.autocast_dtype = grad_clip, autocast_dtype
         self.objective = objective
         # Each parameter once, by its name in the model (a pipeline stage's are the whole model's).
@@ -97,8 +99,9 @@ class Stepper:
                 scale_auxiliary_losses(part, sequences)
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
-        return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
-                                objective=self.objective)
+        with self.bf16_params.computing() if self.bf16_params is not None else nullcontext():
+            return forward_backward(self.parts[0], micro_batches, autocast_dtype=self.autocast_dtype,
+                                    objective=self.objective)
 
     def grad_norm(self) -> torch.Tensor:
         return grad_norm(self.groups, self.pp_group)
@@ -149,9 +152,16 @@ class Stepper:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             autocast_dtype: torch.dtype | None = None,
-             objective: Objective = TORCH_CROSS_ENTROPY) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed token loss and token count of this rank's validation batches (its share of them)."""
+             autocast_dtype: torch.dtype | None = None, objective: Objective = TORCH_CROSS_ENTROPY,
+             bf16_params: Bf16Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and token count of this rank's validation batches (its share of them), on the weights
+    training computes with (bf16 ones with `bf16_params`)."""
+    with bf16_params.computing() if bf16_params is not None else nullcontext():
+        return _evaluate(model, batches, autocast_dtype, objective)
+
+
+def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast_dtype: torch.dtype | None,
+              objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     was_training = model.training

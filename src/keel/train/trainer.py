@@ -43,7 +43,6 @@ from keel.train.replicas import ReplicaGroups
 from keel.train.reuse import job_key, measured_peak
 from keel.train.rollback import Recovery
 from keel.train.signals import InstabilitySignals
-from keel.train.step import Stepper, evaluate
 from keel.train.stopping import (
     Stopping,
     already_finished,
@@ -100,6 +99,8 @@ class Trainer:
         self.events.emit("start", 0, pid=os.getpid(), host=host(), world_size=ctx.world_size, device=str(ctx.device),
                          config_digest=cfg.digest(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                          **times)
+        if self.rank0:
+            self.events.emit("attention", 0, **self.attention)
         # A group that joins live peers further on receives their state instead of reading storage.
         healed = self.replicas is not None and self.replicas.join()
         if (code := self._resume(resume, accepted, restore=not healed)) is not None:
@@ -117,6 +118,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, layout = self.cfg, self.layout
         self.dtype = setup.precision_dtype(cfg, self.ctx.device)
+        self.attention = setup.attention_kernel(cfg, layout, self.ctx.device, self.dtype)  # refused now if unrunnable
         autocast = self.dtype if self.dtype != torch.float32 else None
         objective = layout.objective(cfg.train)
         parts, stages = setup.build_model_parts(cfg, layout, self.dtype)
@@ -128,11 +130,8 @@ class Trainer:
             from keel.parallel.pipeline import Pipeline  # torch's pipelining loads torch._dynamo
 
             self.pipeline = Pipeline(cfg, layout, parts, stages, self.optimizers, objective)
-        self.stepper = Stepper(self.parts, self.optimizers, self.pipeline, grad_clip=cfg.optim.grad_clip,
-                               autocast_dtype=autocast, objective=objective)
+        self.stepper, self.evaluate = setup.stepper(cfg, parts, self.optimizers, self.pipeline, autocast, objective)
         self.sync = StepSync(layout.loss_divisor)
-        self.evaluate = (partial(self.pipeline.evaluate) if self.pipeline else
-                         partial(evaluate, self.parts[0], autocast_dtype=autocast, objective=objective))
 
     def _attach(self, users: list[Callback]) -> None:
         """The components (each declares where its hooks run: keel.core.callbacks), and the state each saves."""

@@ -385,3 +385,36 @@ def test_an_unset_option_stays_unset_through_the_written_config(tmp_path: Path) 
     assert roundtrip(given, tmp_path).monitor.prometheus_port == 9400, "a port set is not the unset default"
     with pytest.raises(ConfigError, match="expected an integer"):
         load_config(None, ["monitor.prometheus_port='x'"])
+
+
+def test_a_compile_mode_without_compile_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.compile_mode=max-autotune"])
+    assert "parallel.compile = true" in message and "'default'" in message
+    assert load_config(None, ["parallel.compile=true", "parallel.compile_mode=reduce-overhead"]
+                       ).parallel.compile_mode == "reduce-overhead"
+    assert "max-autotune-no-cudagraphs" in config_error(["parallel.compile=true", "parallel.compile_mode=fast"])
+
+
+def test_op_level_selection_without_selective_checkpointing_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.ac_selective=op", "parallel.activation_checkpoint=full"])
+    assert "activation_checkpoint = 'selective'" in message
+    assert load_config(None, ["parallel.activation_checkpoint=selective", "parallel.ac_selective=op"]
+                       ).parallel.ac_selective == "op"
+    assert "layer, op" in config_error(["parallel.activation_checkpoint=selective", "parallel.ac_selective=matmul"])
+
+
+def test_an_sdpa_backend_with_context_parallel_attention_is_refused_in_one_line() -> None:
+    message = config_error(["parallel.cp=2", "model.sdpa_backend=flash"])
+    assert "model.sdpa_backend = 'auto'" in message and "parallel.cp = 1" in message
+    assert "auto, flash, cudnn, efficient, math" in config_error(["model.sdpa_backend=fast"])
+
+
+def test_bf16_parameters_without_bf16_compute_or_on_several_processes_are_refused_in_one_line() -> None:
+    assert "train.precision = 'bf16'" in config_error(["train.param_dtype=bf16"])
+    assert "replica_groups = 1" in config_error(["train.param_dtype=bf16", "train.precision=bf16",
+                                                 "fault_tolerance.replica_groups=2"])
+    cfg = load_config(None, ["train.param_dtype=bf16", "train.precision=fp8"])
+    assert resolve_degrees(cfg, 1).world_size == 1
+    with pytest.raises(ConfigError, match="with 2 processes FSDP's mixed precision") as e:
+        resolve_degrees(cfg, 2)
+    assert "\n" not in str(e.value)

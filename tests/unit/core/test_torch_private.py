@@ -24,6 +24,7 @@ from keel.core.torch_private import (
     norms,
     pin_by_registering,
     process_groups,
+    sdp_choice,
     set_group_timeout,
     set_local_tensor,
     unflatten_mesh,
@@ -109,3 +110,12 @@ def test_cpu_flash_attention_returns_the_log_sum_exp_and_its_backward_the_gradie
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(grad)
     assert all(torch.allclose(a, b.grad, atol=1e-6) for a, b in zip((dq, dk, dv), leaves, strict=True))
+
+
+def test_sdp_choice_names_the_kernel_torch_runs_under_the_kernels_enabled() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+    assert sdp_choice(q, k, k, None, causal=True, gqa=True) == SDPBackend.FLASH_ATTENTION.value  # the CPU's flash
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdp_choice(q, k, k, None, causal=True, gqa=True) == SDPBackend.MATH.value
