@@ -7,7 +7,11 @@ and the outcome is compared with a clean run of the same layout:
 
   replicated  two data-parallel replicas: fingerprints every 5 steps, replays every 5 (not at 13)
   4 replicas  four data-parallel replicas (4 processes), the same intervals: a majority can outvote
-  sharded     FSDP over two ranks, no replicas: a replay at every step is the only SDC detector
+  sharded     FSDP over two ranks, no replicas: a replay at every step
+  HSDP        2 replicas × 2 shards (4 processes): fingerprints and replays every 5 steps
+
+In every layout each rank's state is also sealed after every update and checked before the next one
+(`guard.sdc.at_rest_interval = 1`), and a replayed step's update is re-executed and compared (on by default).
 
 A cell reads `detector +latency, outcome`: the first guard that acted and how many steps after the
 flip; `exact` = rolled back and finished bitwise equal to the clean run; `recovered` = rolled back,
@@ -47,7 +51,10 @@ LAYOUTS = {  # name: (processes, overrides)
     "4 replicas": (4, ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.global_batch=16",
                        "guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5"]),
     "sharded": (2, ["parallel.dp_shard=2", "guard.sdc.replay_interval=1"]),
+    "HSDP": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16",
+                 "guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5"]),
 }
+AT_REST = ["guard.sdc.at_rest_interval=1"]  # every layout
 TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
 BITS = {31: "sign", 30: "exponent (top)", 23: "exponent (lowest)", 22: "mantissa (top)", 0: "mantissa (lowest)"}
 TENSOR, ELEMENT = 3, 5  # the first block's attention wq weight (2-D, sharded or replicated), element 5
@@ -64,7 +71,7 @@ def subprocess_runner(args: list[str], cwd: Path) -> int:
 def train(runner: Runner, corpus: Path, run_dir: Path, layout: str, *extra: str) -> None:
     nproc, overrides = LAYOUTS[layout]
     code = runner(["train", "--nproc", str(nproc), "--run-dir", str(run_dir), f"data.dir={corpus}", *MODEL,
-                   *overrides, *extra], run_dir.parent)
+                   *overrides, *AT_REST, *extra], run_dir.parent)
     if code != 0:
         raise RuntimeError(f"{run_dir.name}: keel train exited {code}")
 

@@ -53,8 +53,8 @@ def test_replicas_catch_every_flip_and_recover_exactly(small_corpus: Path, tmp_p
         assert 1 in c["named"], f"{where}: the flipped rank is named (alone, unless the two cannot be told apart)"
 
 
-def test_without_replicas_replays_catch_gradient_flips_and_state_flips_go_unseen(small_corpus: Path,
-                                                                                 tmp_path: Path) -> None:
+def test_without_replicas_replays_catch_gradient_flips_and_the_at_rest_check_state_flips(small_corpus: Path,
+                                                                                         tmp_path: Path) -> None:
     documented = documented_matrix()
     cells = run_matrix(runner, small_corpus, tmp_path, layouts=("sharded",), targets=("grads", "params"),
                        bits=(31, 0), concurrent=CONCURRENT)
@@ -62,7 +62,7 @@ def test_without_replicas_replays_catch_gradient_flips_and_state_flips_go_unseen
         where = f"{c['target']} bit {c['bit']}"
         assert c["flipped"], f"{where}: the bit was flipped"
         assert describe(c) == documented[(c["target"], c["bit"])]["sharded"], where
-        if c["target"] == "grads":
-            assert (c["detector"], c["latency"], c["outcome"], c["named"]) == ("replay", 0, "exact", [1]), where
-        else:  # a replay recomputes from the corrupted state and agrees with it: only its effects could show
-            assert c["detector"] is None and c["outcome"] == "missed", where
+        # A replay recomputes the gradients in the step they were flipped; a flip in the stored state no longer
+        # matches the rank's own seal before the next update. Either way the rank is named and nothing is lost.
+        detector, latency = ("replay", 0) if c["target"] == "grads" else ("at_rest", 1)
+        assert (c["detector"], c["latency"], c["outcome"], c["named"]) == (detector, latency, "exact", [1]), where
