@@ -52,9 +52,6 @@ def _check_context_parallel(cfg: Config) -> None:
     p = cfg.parallel
     if p.cp == 1:
         return
-    if p.compile:
-        raise ConfigError(f"parallel.cp = {p.cp} runs keel's own context-parallel attention, which torch.compile "
-                          f"does not trace (its collectives); set parallel.compile = false or parallel.cp = 1")
     if cfg.monitor.signals_interval:
         raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} reads whole attention rows, "
                           f"which parallel.cp = {p.cp} splits over ranks; set monitor.signals_interval = 0 or "

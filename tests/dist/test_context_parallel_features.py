@@ -1,0 +1,51 @@
+"""What runs beside context parallelism computes what it computes without it: real `keel train` runs (torchrun,
+gloo, fp32) attending within documents, cp = 2 against cp = 2 eager. Compiled blocks train as eager ones
+(the ring attention runs eagerly between their graphs)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_keel
+from tests.dist.test_context_parallel import DOCUMENTS
+from tests.dist.test_layouts import CONCURRENT, RUN, losses, short_documents
+
+pytestmark = pytest.mark.dist
+
+__all__ = ["short_documents"]  # the fixture
+
+COMPILED_STEPS = 3  # a compiled run spends its seconds compiling: a few steps show it trains alike
+RUNS = {
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp2_compiled": (2, ["parallel.cp=2", "parallel.compile=true", f"train.steps={COMPILED_STEPS}"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("context_features")
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        nproc, overrides = RUNS[name]
+        return run_keel(["train", "--nproc", str(nproc), "--run-dir", str(root / name), *RUN, *DOCUMENTS,
+                         f"data.dir={short_documents}", *overrides], cwd=root, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        results = dict(zip(RUNS, pool.map(run, RUNS), strict=True))
+    for name, result in results.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    return {name: root / name for name in RUNS}
+
+
+def test_compiled_blocks_train_like_eager_under_context_parallelism(runs: dict[str, Path]) -> None:
+    """Losses within rtol 1e-5: fused kernels round differently, nothing else differs."""
+    got, want = losses(runs["cp2_compiled"]), losses(runs["cp2"])
+    assert sorted(got) == list(range(1, COMPILED_STEPS + 1))
+    for step, loss in got.items():
+        assert math.isclose(loss, want[step], rel_tol=1e-5), (step, loss, want[step])
+
