@@ -1,6 +1,8 @@
 """What runs beside context parallelism computes what it computes without it: real `keel train` runs (torchrun,
-gloo, fp32) attending within documents, cp = 2 against cp = 2 eager. Compiled blocks train as eager ones
-(the ring attention runs eagerly between their graphs)."""
+gloo, fp32) attending within documents, cp = 2 against one process or against cp = 2 eager. Compiled blocks
+train as eager ones (the ring attention runs eagerly between their graphs); the instability signals of the
+sampled steps, the attention logits among them (the whole sequence's keys gathered at their true positions),
+equal the one-process run's."""
 
 from __future__ import annotations
 
@@ -11,17 +13,21 @@ from pathlib import Path
 
 import pytest
 
+from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 from tests.dist.test_context_parallel import DOCUMENTS
-from tests.dist.test_layouts import CONCURRENT, RUN, losses, short_documents
+from tests.dist.test_layouts import CONCURRENT, RUN, STEPS, losses, short_documents
 
 pytestmark = pytest.mark.dist
 
 __all__ = ["short_documents"]  # the fixture
 
+SIGNALS = ["monitor.signals_interval=2"]  # every other step: the logits grow over the 10 steps
+SAMPLED = range(2, STEPS + 1, 2)
 COMPILED_STEPS = 3  # a compiled run spends its seconds compiling: a few steps show it trains alike
 RUNS = {
-    "cp2": (2, ["parallel.cp=2"]),
+    "one": (1, SIGNALS),
+    "cp2": (2, ["parallel.cp=2", *SIGNALS]),
     "cp2_compiled": (2, ["parallel.cp=2", "parallel.compile=true", f"train.steps={COMPILED_STEPS}"]),
 }
 
@@ -42,10 +48,26 @@ def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return {name: root / name for name in RUNS}
 
 
+def record(run_dir: Path, step: int, prefix: str) -> dict[str, float]:
+    """The metrics of `step` whose names start with `prefix`."""
+    return {k: v for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == step
+            for k, v in r.items() if k.startswith(prefix)}
+
+
 def test_compiled_blocks_train_like_eager_under_context_parallelism(runs: dict[str, Path]) -> None:
     """Losses within rtol 1e-5: fused kernels round differently, nothing else differs."""
     got, want = losses(runs["cp2_compiled"]), losses(runs["cp2"])
     assert sorted(got) == list(range(1, COMPILED_STEPS + 1))
     for step, loss in got.items():
         assert math.isclose(loss, want[step], rel_tol=1e-5), (step, loss, want[step])
+
+
+def test_instability_signals_under_context_parallelism_equal_one_process(runs: dict[str, Path]) -> None:
+    """Every signal of every sampled step within rtol 1e-4 (as the layouts' are), the attention logits among them:
+    cp = 2 scores each rank's queries against the keys of the whole sequence, causally and within documents."""
+    for step in SAMPLED:
+        got, want = record(runs["cp2"], step, "signals/"), record(runs["one"], step, "signals/")
+        assert got.keys() == want.keys() and "signals/attn_logit_max/layer_3" in want, sorted(want)
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-4), (step, key, got[key], value)
 

@@ -52,10 +52,6 @@ def _check_context_parallel(cfg: Config) -> None:
     p = cfg.parallel
     if p.cp == 1:
         return
-    if cfg.monitor.signals_interval:
-        raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} reads whole attention rows, "
-                          f"which parallel.cp = {p.cp} splits over ranks; set monitor.signals_interval = 0 or "
-                          f"parallel.cp = 1")
     if cfg.eval.downstream_tasks:
         raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
                           f"parallel.cp = {p.cp} splits over ranks by train.seq_len; evaluate its checkpoints "
