@@ -2,7 +2,8 @@
 gloo, fp32) attending within documents, cp = 2 against one process or against cp = 2 eager. Compiled blocks
 train as eager ones (the ring attention runs eagerly between their graphs); the instability signals of the
 sampled steps, the attention logits among them (the whole sequence's keys gathered at their true positions),
-equal the one-process run's."""
+equal the one-process run's; the downstream scores of the last step equal the one-process run's (every rank
+scores the texts whole)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ pytestmark = pytest.mark.dist
 
 __all__ = ["short_documents"]  # the fixture
 
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SIGNALS = ["monitor.signals_interval=2"]  # every other step: the logits grow over the 10 steps
 SAMPLED = range(2, STEPS + 1, 2)
+# Perplexity over windows of the model's context and multiple choice after contexts longer than it: texts of
+# lengths that no 2 × cp divides. Scored once, at the last step.
+DOWNSTREAM = ['eval.downstream_tasks=["keel_stdlib_heldout", "keel_stdlib_next_line"]', "eval.downstream_limit=3"]
 COMPILED_STEPS = 3  # a compiled run spends its seconds compiling: a few steps show it trains alike
 RUNS = {
-    "one": (1, SIGNALS),
-    "cp2": (2, ["parallel.cp=2", *SIGNALS]),
+    "one": (1, [*SIGNALS, *DOWNSTREAM]),
+    "cp2": (2, ["parallel.cp=2", *SIGNALS, *DOWNSTREAM]),
     "cp2_compiled": (2, ["parallel.cp=2", "parallel.compile=true", f"train.steps={COMPILED_STEPS}"]),
 }
 
@@ -39,7 +44,7 @@ def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     def run(name: str) -> subprocess.CompletedProcess:
         nproc, overrides = RUNS[name]
         return run_keel(["train", "--nproc", str(nproc), "--run-dir", str(root / name), *RUN, *DOCUMENTS,
-                         f"data.dir={short_documents}", *overrides], cwd=root, timeout=600)
+                         f"data.dir={short_documents}", *overrides], cwd=root, timeout=600, env=OFFLINE)
 
     with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
         results = dict(zip(RUNS, pool.map(run, RUNS), strict=True))
@@ -71,3 +76,11 @@ def test_instability_signals_under_context_parallelism_equal_one_process(runs: d
         for key, value in want.items():
             assert math.isclose(got[key], value, rel_tol=1e-4), (step, key, got[key], value)
 
+
+def test_downstream_scores_under_context_parallelism_equal_one_process(runs: dict[str, Path]) -> None:
+    """The last step's scores within rtol 1e-4: the model trained alike, and scored the same texts whole."""
+    got, want = record(runs["cp2"], STEPS, "eval/keel_stdlib"), record(runs["one"], STEPS, "eval/keel_stdlib")
+    assert got.keys() == want.keys() and {"eval/keel_stdlib_heldout/byte_perplexity",
+                                          "eval/keel_stdlib_next_line/acc"} <= want.keys(), sorted(want)
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-4), (key, got[key], value)

@@ -32,7 +32,6 @@ def check_consistency(cfg: Config) -> None:
     if cfg.guard.spike.attn_logit_threshold and not cfg.monitor.signals_interval:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
-    _check_context_parallel(cfg)
     if cfg.monitor.alerts.moe_collapse_share >= 1:
         raise ConfigError(f"monitor.alerts.moe_collapse_share = {cfg.monitor.alerts.moe_collapse_share:g}: at 1 "
                           f"or more, experts of any layer not perfectly balanced count as collapsed; expected a "
@@ -46,16 +45,6 @@ def check_consistency(cfg: Config) -> None:
     for i, cb in enumerate(cfg.callbacks):
         if ":" not in cb.path:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
-
-
-def _check_context_parallel(cfg: Config) -> None:
-    p = cfg.parallel
-    if p.cp == 1:
-        return
-    if cfg.eval.downstream_tasks:
-        raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
-                          f"parallel.cp = {p.cp} splits over ranks by train.seq_len; evaluate its checkpoints "
-                          f"with `keel eval` instead")
 
 
 def _check_fault_tolerance(cfg: Config) -> None:
