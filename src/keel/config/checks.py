@@ -31,7 +31,6 @@ def check_consistency(cfg: Config) -> None:
     if cfg.guard.spike.attn_logit_threshold and not cfg.monitor.signals_interval:
         raise ConfigError(f"guard.spike.attn_logit_threshold = {cfg.guard.spike.attn_logit_threshold:g} reads the "
                           f"instability signals; set monitor.signals_interval (e.g. 10) or the threshold to 0")
-    _check_context_parallel(cfg)
     _check_fast_path(cfg)
     if cfg.monitor.alerts.moe_collapse_share >= 1:
         raise ConfigError(f"monitor.alerts.moe_collapse_share = {cfg.monitor.alerts.moe_collapse_share:g}: at 1 "
@@ -48,33 +47,16 @@ def check_consistency(cfg: Config) -> None:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
 
 
-def _check_context_parallel(cfg: Config) -> None:
-    p = cfg.parallel
-    if p.cp == 1:
-        return
-    if p.compile:
-        raise ConfigError(f"parallel.cp = {p.cp} runs keel's own context-parallel attention, which torch.compile "
-                          f"does not trace (its collectives); set parallel.compile = false or parallel.cp = 1")
-    if cfg.model.sdpa_backend != "auto":
-        raise ConfigError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} chooses SDPA's kernel, but parallel.cp = "
-                          f"{p.cp} runs keel's own context-parallel attention; set model.sdpa_backend = 'auto' or "
-                          f"parallel.cp = 1")
-    if cfg.monitor.signals_interval:
-        raise ConfigError(f"monitor.signals_interval = {cfg.monitor.signals_interval} reads whole attention rows, "
-                          f"which parallel.cp = {p.cp} splits over ranks; set monitor.signals_interval = 0 or "
-                          f"parallel.cp = 1")
-    if cfg.eval.downstream_tasks:
-        raise ConfigError(f"eval.downstream_tasks scores texts of any length with the whole model, which "
-                          f"parallel.cp = {p.cp} splits over ranks by train.seq_len; evaluate its checkpoints "
-                          f"with `keel eval` instead")
-
-
 def _check_fast_path(cfg: Config) -> None:
     """The options that trade memory or speed on a GPU: each only where it means something."""
     p = cfg.parallel
     if p.compile_mode != "default" and not p.compile:
         raise ConfigError(f"parallel.compile_mode = {p.compile_mode!r} is torch.compile's mode, but "
                           f"parallel.compile = false; set parallel.compile = true or parallel.compile_mode = 'default'")
+    if p.cp > 1 and cfg.model.sdpa_backend != "auto":
+        raise ConfigError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} chooses SDPA's kernel, but parallel.cp = "
+                          f"{p.cp} runs keel's own context-parallel attention; set model.sdpa_backend = 'auto' or "
+                          f"parallel.cp = 1")
     t = cfg.train
     if t.param_dtype == "bf16" and t.precision not in ("bf16", "fp8"):
         raise ConfigError(f"train.param_dtype = 'bf16' computes on bf16 weights, but train.precision = "

@@ -1,5 +1,6 @@
 """What a model needs of context parallelism (keel.parallel.context implements it): which positions of each
-sequence this rank computes, and attention over the whole sequence's keys from this rank's queries."""
+sequence this rank computes, attention over the whole sequence's keys from this rank's queries, and the whole
+sequence of what every rank computed at its positions."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ class ContextParallel(Protocol):
 
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """`x`'s entries at this rank's positions along `dim`."""
+        ...
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local, d) of every rank of the group → (batch, heads, seq, d) in sequence order (a
+        collective: every rank of the group calls it)."""
         ...
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_docs: torch.Tensor | None = None,

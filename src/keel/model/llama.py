@@ -252,9 +252,10 @@ class Llama(nn.Module):
         """Attend within documents from now on: `start` is the token each document begins with."""
         self.document_start, self.document_positions = start, positions
 
-    def split_context(self, context: ContextParallel) -> None:
+    def split_context(self, context: ContextParallel | None) -> None:
         """Context parallelism: from now on this rank computes its share of every sequence (`context.positions`),
-        its attention exchanging keys and values with the other ranks of the group."""
+        its attention exchanging keys and values with the other ranks of the group; None: whole sequences again
+        (what the downstream evaluation scores)."""
         self.context = context
         for module in self.modules():
             if isinstance(module, Attention):

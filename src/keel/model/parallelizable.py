@@ -41,9 +41,9 @@ class Parallelizable(Protocol):
         """The tensor-parallel plan of the model as it is now (its options, the modules it holds)."""
         ...
 
-    def split_context(self, context: ContextParallel) -> None:
+    def split_context(self, context: ContextParallel | None) -> None:
         """From now on compute this rank's share of every sequence (`context.positions`), attention through
-        `context.attention`."""
+        `context.attention`; None: whole sequences again."""
         ...
 
     def split_experts(self, dispatch: ExpertDispatch) -> list[nn.Module]:

@@ -23,6 +23,8 @@ from keel.parallel.selective import op_contexts
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
     if layout.context is not None:
+        if cfg.compile:
+            layout.context.run_eagerly()
         model.split_context(layout.context)
     experts: list[nn.Module] = []
     if layout.expert_parallel:

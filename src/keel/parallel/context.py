@@ -62,11 +62,17 @@ class ContextShard:
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return x.index_select(dim, self.positions(x.shape[dim], x.device))
 
+    def run_eagerly(self) -> None:
+        """Compiled blocks call `attention` as an eager function between their graphs: dynamo does not trace its
+        collectives. Marked only when blocks compile, since marking it loads dynamo."""
+        self.attention = torch.compiler.disable(self.attention)  # type: ignore[method-assign]
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_docs: torch.Tensor | None = None,
                   key_docs: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, local, head_dim) over the whole sequence's keys
         and values, this rank's (batch, kv_heads, local, head_dim) gathered with the others'; within documents
-        when given each position's document (`query_docs` (batch, local) and `key_docs` (batch, seq))."""
+        when given each position's document (`query_docs` (batch, local) and `key_docs` (batch, seq)). Under
+        parallel.compile the rest of the block compiles, this runs eagerly between its graphs."""
         out: torch.Tensor = _ContextAttention.apply(q, k, v, query_docs, key_docs, scale, self)
         return out
 

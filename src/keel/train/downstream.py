@@ -2,9 +2,10 @@
 trained, every eval.downstream_interval steps and at the last, logged as eval/TASK/METRIC.
 
 Every rank runs the same requests in the same order, so that the collectives of a sharded model (FSDP's
-gathers, tensor parallel's) match; rank 0 publishes the scores. lm-eval seeds Python's, NumPy's and
-torch's generators: their states are put back afterwards, so that a run with evaluations computes what
-it would without them.
+gathers, tensor parallel's) match; rank 0 publishes the scores. Under context parallelism every rank runs the
+texts whole (the model's attention not split for them), as a data-parallel rank does. lm-eval seeds Python's,
+NumPy's and torch's generators: their states are put back afterwards, so that a run with evaluations computes
+what it would without them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import os
 import random
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from keel.data.tokenizer import open_tokenizer
 from keel.downstream.scoring import Scorer
 from keel.downstream.tasks import check_tasks, run_tasks
 from keel.health.watchdog import Watchdog
+from keel.model.parallelizable import Parallelizable
 from keel.monitor.run_monitor import RunMonitor
 from keel.train.components import Builtin
 
@@ -46,7 +48,7 @@ def downstream_evaluation(cfg: Config, model: torch.nn.Module, corpus: Corpus, d
     def logits(tokens: torch.Tensor) -> torch.Tensor:
         training = model.training
         model.eval()
-        with torch.no_grad(), autocast or contextlib.nullcontext():
+        with torch.no_grad(), autocast or contextlib.nullcontext(), whole_sequences(model):
             out = model(tokens)
         model.train(training)
         return out
@@ -54,6 +56,23 @@ def downstream_evaluation(cfg: Config, model: torch.nn.Module, corpus: Corpus, d
     tokenizer = open_tokenizer(corpus.dir, corpus.manifest["tokenizer"])
     lm = KeelLM(Scorer(logits, tokenizer, cfg.model.max_seq_len, device, cfg.eval.downstream_batch))
     return [DownstreamEvaluation(cfg.eval, lm, watchdog, monitor, say, device)]
+
+
+@contextlib.contextmanager
+def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
+    """The model attending over whole texts while it scores them: context parallelism (the model's `context`)
+    splits sequences of train.seq_len over the ranks of a group, each of which then runs the same texts whole, as
+    a data-parallel rank does."""
+    context = getattr(model, "context", None)
+    if context is None:
+        yield
+        return
+    split = cast(Parallelizable, model).split_context
+    split(None)
+    try:
+        yield
+    finally:
+        split(context)
 
 
 @contextlib.contextmanager

@@ -47,24 +47,41 @@ def _recomputing() -> bool:
 def largest_attention_logit(attention: Attention, x: torch.Tensor, rope: torch.Tensor,
                             mask: torch.Tensor | None = None) -> torch.Tensor:
     """The largest attention logit (q·k times the attention's scale, 1/√d by default) over this rank's heads
-    and every (query, key) pair of `x` that attends: causal, or as `mask` (batch, 1, seq, seq) says."""
+    and every (query, key) pair of `x` that attends: causal, or as `mask` (batch, 1, seq, seq) says. Under context
+    parallelism `x` holds this rank's positions and `mask` each position's document (batch, seq): the keys of the
+    whole sequence are gathered from the group (a collective) and each query sees those its true position may."""
     batch, seq = x.shape[0], x.shape[1]
     q = attention.wq(x).view(batch, seq, -1, attention.head_dim)
     k = attention.wk(x).view(batch, seq, -1, attention.head_dim)
     if attention.q_norm is not None and attention.k_norm is not None:
         q, k = attention.q_norm(q), attention.k_norm(k)
     q, k = apply_rope(q, rope).float(), apply_rope(k, rope).float()
+    context = attention.context
+    if context is not None:
+        k = context.gather(k.transpose(1, 2)).transpose(1, 2)
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    keys = torch.arange(seq, device=x.device)
+    keys = torch.arange(k.shape[1], device=x.device)
+    queries = keys if context is None else context.positions(k.shape[1], x.device)
     largest = torch.tensor(-math.inf, device=x.device)
     scale = attention.scale or 1 / math.sqrt(attention.head_dim)
     for start in range(0, seq, _QUERY_CHUNK):
         scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + _QUERY_CHUNK], k) * scale
-        queries = torch.arange(start, start + scores.shape[2], device=x.device)
-        hidden = keys[None, :] > queries[:, None] if mask is None else ~mask[:, :, start:start + scores.shape[2]]
-        scores = scores.masked_fill(hidden, -math.inf)
+        rows = slice(start, start + scores.shape[2])
+        scores = scores.masked_fill(_hidden(queries[rows], keys, mask, rows, context is not None), -math.inf)
         largest = torch.maximum(largest, scores.max())
     return largest
+
+
+def _hidden(queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, rows: slice,
+            split: bool) -> torch.Tensor:
+    """Which keys each of the query rows `rows` (at sequence positions `queries`) may not see, broadcastable to
+    (batch, heads, queries, keys); `split`: `mask` is each position's document, not the (query, key) mask."""
+    if mask is not None and not split:
+        return ~mask[:, :, rows]
+    later = keys[None, :] > queries[:, None]
+    if mask is None:
+        return later
+    return (later[None] | (mask[:, queries, None] != mask[:, None, :]))[:, None]
 
 
 class InstabilitySignals(Callback):
