@@ -1,27 +1,63 @@
-"""Everything one CUDA device can tell about keel, in one command of a few minutes.
+"""Everything one CUDA device can tell about keel, and how it stands beside a bare loop and torchtitan, in one
+command of about 9 minutes on an H200.
 
-configs/gpu_1b.toml (1.24B parameters, Llama 3.2 1B shapes, bf16) is trained by `keel train --nproc 1` (called
-in this process: with one process keel trains in the launcher's own process, so this is the command users run)
-for a few steps on the built-in corpus, four times: `parallel.compile` off, on, on with `train.precision = "fp8"`
-(the blocks' linear layers in float8, rowwise), and on as a mixture of experts of about as many active
-parameters (`moe`: 8 experts of half the dense width, 2 chosen, after one dense block; MFU on the active FLOPs).
+Two models, both Llama 3.2's shapes in bf16: configs/gpu_1b.toml (1.24B parameters) and configs/gpu_3b.toml
+(3.21B), 16 × 2048 tokens per step in micro-batches of 4, on the built-in corpus. Each is trained by, one
+after the other on the same device (the table of variants: bench/gpu_variants.py):
+  keel              `keel train --nproc 1`, called in this process (with one process keel trains in the
+                    launcher's own), compiled, in bf16 and with `train.precision = "fp8"` (the blocks' linear
+                    layers in float8, rowwise); at 1B also eager and as a mixture of experts of about as many
+                    active parameters (`moe`: 8 experts of half the dense width, 2 chosen, after one dense
+                    block; MFU on the active FLOPs)
+  bare              bench/bare_loop_cuda.py: keel's model in a hand-written compiled loop, nothing else
+  torchtitan        torchtitan 0.3.0's trainer on its Llama 3 flavour of the same shapes ("1B", "3B"), in a
+                    subprocess (bench/titan_train.py, bench/titan_run.py): same sequence, batch, micro-batches,
+                    bf16 compute over fp32 weights, per-block compile; no activation checkpointing, no checkpoint
 Of each run:
-  tokens/s          median of the logged windows after the first (compile and allocator warm-up) and
-                    without a checkpoint in them
-  MFU               those tokens/s × keel's FLOPs per token / the catalog's dense bf16 peak of the detected
-                    device (keel.core.accelerators), beside keel's own throughput/mfu metric
-  peak memory       torch.cuda.max_memory_allocated over the run, against the planner's prediction for
-                    the same model, batch and layout (keel.plan.memory.memory); the reserved peak, and
-                    the allocator's fragmentation (reserved / allocated - 1) against the planner's 5%
-  checkpoint        training blocked by the first save (its pinned buffers reserved at start-up) and a later one
-                    (buffers reused), from the run's checkpoint events
-  NVML telemetry    the gpu source's readings (utilization, memory, power, temperature, SM clock, ECC, XID)
-One table, printed as each run ends, and bench/results/gpu_check.json, rewritten after each run. The exit
-code is non-zero, naming the missing figures, when any is missing: 2 without a CUDA device.
+  tokens/s          median of the logged windows after the first (compile, CUDA graph capture, allocator warm-up)
+                    and, for keel, without a checkpoint in them
+  MFU               those tokens/s × keel's FLOPs per token (keel.model.flops; torchtitan's count for these
+                    flavours is the same) / the catalog's dense bf16 peak of the detected device
+                    (keel.core.accelerators): one FLOP count for every runner, fp8 included
+  peak memory       reserved by the caching allocator, for every runner (torchtitan logs only that: the largest
+                    of its windows); allocated, for keel and the bare loop; keel's against the planner's prediction
+                    (keel.plan.memory.memory), and the allocator's fragmentation (reserved / allocated - 1)
+  checkpoint        (keel at 1B) training blocked by the first save (pinned buffers reserved at start-up) and a
+                    later one (buffers reused), from the run's checkpoint events
+  NVML telemetry    (keel) the gpu source's readings (utilization, memory, power, temperature, SM clock, ECC, XID)
+and per model the ratios of tokens/s: keel / torchtitan, keel / bare, keel fp8 / keel bf16. One table, printed
+as each run ends, and bench/results/gpu_check.json, rewritten after each run. The exit code is non-zero,
+naming the missing figures, when any is missing (a run left out, torchtitan that could not run): 2 without a
+CUDA device.
 
-  python bench/gpu_check.py                  on a machine with one CUDA device (about 3 minutes on an H200)
-  python bench/gpu_check.py --cpu-dry-run    the same code path on the CPU at a tiny size, 3 steps per run:
-                                             proves the script; the CUDA figures are reported missing (exit 2)
+Time on one H200, estimated (nothing of this set has run on a GPU yet): from the measured 1.24B runs (48.5% MFU
+compiled, 58,410 tokens/s, about a minute a run of 30 steps with two saves), 20 steps a run at 45% MFU (1.24B:
+0.6 s a step; 3.21B, 2.6 times the FLOPs per token: 1.6 s) plus 30-60 s each of start-up, compile and keel's
+last save: about 9 minutes for the eight comparison runs (1B and 3B: keel, bare, torchtitan, keel fp8), about
+11 with the 1B eager and MoE runs. --budget-s (default 540) leaves out a run that its estimate (gpu_variants)
+says would end past the budget, reported as not run; --budget-s 0 runs all. keel's checkpoints go to /dev/shm
+when it has room (the 3B's is 41 GB), the work directory otherwise.
+
+  python bench/gpu_check.py                  on a machine with one CUDA device
+  python bench/gpu_check.py --only 1b        the 1B variants only (or names: --only "1b keel,1b torchtitan")
+  python bench/gpu_check.py --cpu-dry-run    the same code on the CPU at a tiny size, 3 steps per run, every
+                                             shape the tiny model: proves the script; torchtitan is reported not
+                                             run (it trains on CUDA only) after its spec is written from the real
+                                             configs and its log parser is checked on a line of torchtitan's
+                                             format; the CUDA figures are reported missing (exit 2)
+
+torchtitan on a machine that cannot reach a package index (its wheels travel with the repository). Here, in the
+repository's root, with a pip that can reach one:
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+      torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 tyro==1.0.17 \
+      docstring-parser==0.18.0 typeguard==4.6.1 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+(2.6 MB; .whl/ is git-ignored; torchtitan's other requirements, torch >= 2.11, tokenizers, safetensors,
+tensorboard, einops, pillow, triton, pyarrow, pandas, huggingface-hub, are in a CUDA image with PyTorch; wandb
+is imported only when enabled). There, before the check:
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+Without torchtitan the check says so in its results and runs the rest.
 """
 
 from __future__ import annotations
@@ -48,10 +84,18 @@ from keel.plan.layout import Layout, Workload
 from keel.plan.memory import memory
 from keel.train.setup import precision_dtype
 
+try:
+    from bench import bare_loop_cuda, gpu_variants, titan_run
+except ImportError:  # run as a script: bench/ is the first entry of sys.path
+    import bare_loop_cuda  # type: ignore[no-redef]
+    import gpu_variants  # type: ignore[no-redef]
+    import titan_run  # type: ignore[no-redef]
+
+Variant = gpu_variants.Variant
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_check.json"
-GPU_CONFIG = REPO / "configs" / "gpu_1b.toml"
-# Both modes: no exporter port to share with whatever else runs on the machine; telemetry often enough for
+CONFIGS = REPO / "configs"
+# Every run: no exporter port to share with whatever else runs on the machine; telemetry often enough for
 # a few readings within a short run.
 COMMON = ["monitor.prometheus_port=0", "eval.interval=0"]
 # The dry run: the tiny config at the size of the test suite's runs, checkpoints after steps 2 and 3.
@@ -62,11 +106,8 @@ DRY_RUN = ["train.device=cpu", "model.dim=64", "model.n_layers=2", "model.n_head
 TORCHTITAN = ("torchtitan, docs/performance.md: Llama 3.1 8B, FSDP on 8 or 128 H100s, bf16, selective "
               "activation checkpointing: 33% to 39% MFU")
 GIB = 2**30
-# The runs, each beside the others on the same model, batch and device: bf16 eager and compiled, fp8 compiled, and
-# a mixture of experts of about the dense model's active parameters, compiled.
-MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.expert_dim={half}",
-       "model.moe.bias_update_rate=0.001"]
-RUNS = {"compile off": [], "compile on": [], "fp8": ["train.precision=fp8"], "moe": MOE}
+BUDGET_S = 540.0
+CHECKPOINT_BYTES_PER_PARAM = 13  # fp32 weights and AdamW's two moments, and the metadata (the 1.24B's: 12.9)
 # NVML readings shown: (label, reduction over the run's samples, format, missing when absent). Clock event
 # reasons, ECC and XID counts are not read on every GPU: shown when read, never missing.
 NVML = {"gpu_utilization_ratio": ("GPU utilization, max", max, lambda v: f"{v:.0%}", True),
@@ -77,7 +118,6 @@ NVML = {"gpu_utilization_ratio": ("GPU utilization, max", max, lambda v: f"{v:.0
         "gpu_throttle_reasons": ("clock event reasons, last", lambda vs: vs[-1], lambda v: f"{int(v):#x}", False),
         "gpu_ecc_errors_total": ("ECC errors, last", lambda vs: vs[-1], lambda v: f"{v:.0f}", False),
         "gpu_xid_errors_total": ("XID errors, last", lambda vs: vs[-1], lambda v: f"{v:.0f}", False)}
-
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -138,8 +178,10 @@ def train(cfg_path: Path, run_dir: Path, overrides: list[str], cuda: bool) -> di
             "nvml_unavailable": gpu_off[0] if gpu_off else None}
 
 
-def figures(run: dict, flops: float, peak: float | None, predicted: float, why_not_cuda: str) -> dict:
-    """The figures of one run: value, or None with the reason in `missing`."""
+def figures(run: dict, flops: float, peak: float | None, predicted: float, why_not_cuda: str,
+            checkpoints: bool = True) -> dict:
+    """The figures of one keel run: value, or None with the reason in `missing`. `checkpoints`: the run saves
+    before its last step, so that its blocking is measured."""
     out: dict = {"missing": {}}
 
     def put(name: str, value: float | None, reason: str) -> None:
@@ -162,9 +204,10 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     put("peak_reserved_bytes", reserved, why_not_cuda or failed)
     put("fragmentation", reserved / measured - 1 if reserved else None, why_not_cuda or failed)
     blocking = run["checkpoint_blocking_s"]
-    put("checkpoint_first_blocking_s", blocking[0] if blocking else None, failed or "no checkpoint committed")
-    put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,
-        failed or "fewer than two checkpoints committed")
+    if checkpoints:
+        put("checkpoint_first_blocking_s", blocking[0] if blocking else None, failed or "no checkpoint committed")
+        put("checkpoint_later_blocking_s", blocking[-1] if len(blocking) > 1 else None,
+            failed or "fewer than two checkpoints committed")
     nvml = run["nvml"]
     for name, (*_, required) in NVML.items():
         if required:
@@ -172,7 +215,9 @@ def figures(run: dict, flops: float, peak: float | None, predicted: float, why_n
     return out
 
 
-def fmt(value: float | None, kind: str) -> str:
+def fmt(value: float | None, kind: str, absent: bool = False) -> str:
+    if absent:  # a figure this runner does not measure
+        return "-"
     if value is None:
         return "MISSING"
     if kind == "gib" and value < GIB:
@@ -195,89 +240,222 @@ def table(results: dict) -> str:
     names = list(runs)
     if not names:
         return "(no run finished)"
-    lines = [f"{'figure':<36}" + "".join(f"{n:>18}" for n in names)]
+    width = max(18, *(len(n) + 2 for n in names))
+    lines = [f"{'figure':<36}" + "".join(f"{n:>{width}}" for n in names)]
     for label, key, kind in ROWS:
-        lines.append(f"{label:<36}" + "".join(f"{fmt(runs[n]['figures'].get(key), kind):>18}" for n in names))
+        cells = [fmt(runs[n]["figures"].get(key), kind, key not in runs[n]["figures"]) for n in names]
+        lines.append(f"{label:<36}" + "".join(f"{c:>{width}}" for c in cells))
     for name, (label, _, show, _) in NVML.items():
-        keys = sorted({k for n in names for k in runs[n]["run"]["nvml"] if k.split(":")[0] == name})
-        for key in keys or ([name] if f"nvml/{name}" in runs[names[0]]["figures"] else []):
+        nvml = [runs[n]["run"].get("nvml") for n in names]
+        keys = sorted({k for readings in nvml if readings for k in readings if k.split(":")[0] == name})
+        for key in keys or ([name] if any(f"nvml/{name}" in runs[n]["figures"] for n in names) else []):
             suffix = f" ({key.split(':')[1]})" if ":" in key else ""
-            cells = [runs[n]["run"]["nvml"].get(key) for n in names]
-            lines.append(f"{label + suffix:<36}" + "".join(f"{'MISSING' if v is None else show(v):>18}"
-                                                            for v in cells))
-    return "\n".join(lines)
+            cells = ["-" if readings is None else "MISSING" if readings.get(key) is None else show(readings[key])
+                     for readings in nvml]
+            lines.append(f"{label + suffix:<36}" + "".join(f"{c:>{width}}" for c in cells))
+    ratios = [f"{key} {fmt(value, 'x')}" for key, value in results.get("ratios", {}).items()]
+    return "\n".join(lines + (["ratios of tokens/s: " + ", ".join(ratios)] if ratios else []))
 
 
-def context(cfg: Config, device: str, hw: Accelerator | None, cuda: bool) -> list[str]:
+def context(cfgs: dict[str, Config], device: str, hw: Accelerator | None, cuda: bool) -> list[str]:
+    """The device, and of each model its size, batch, precision and the planner's memory figure."""
     peak = hw.peak_flops.get("bf16") if hw else None
-    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
-    precision = "bf16 autocast over fp32 weights" if bf16 else "fp32"
-    return [f"device: {device}" + (f" = {hw.name}, dense bf16 peak {peak / 1e12:.1f} TFLOP/s ({hw.source})"
-                                   if hw and peak else ("" if not cuda else ", not in the accelerator catalog")),
-            f"model: {param_count(cfg.model) / 1e9:.3f}B parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
-            f"tokens per step in micro-batches of {cfg.train.micro_batch}, {precision} "
-            f"(train.precision = {cfg.train.precision}), one process (keel wraps nothing in FSDP at one rank)",
-            f"context: {TORCHTITAN}"]
+    lines = [f"device: {device}" + (f" = {hw.name}, dense bf16 peak {peak / 1e12:.1f} TFLOP/s ({hw.source})"
+                                    if hw and peak else ("" if not cuda else ", not in the accelerator catalog"))]
+    for shape, cfg in cfgs.items():
+        bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
+        precision = "bf16 autocast over fp32 weights" if bf16 else "fp32"
+        layout = Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint)
+        plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"), layout,
+                      hw or by_key("h100" if cuda else "cpu"))
+        lines += [f"model {shape}: {param_count(cfg.model) / 1e9:.3f}B parameters, {cfg.train.global_batch} × "
+                  f"{cfg.train.seq_len} tokens per step in micro-batches of {cfg.train.micro_batch}, {precision} "
+                  f"(train.precision = {cfg.train.precision}), one process (keel wraps nothing in FSDP at one "
+                  f"rank)", f"planner {shape}: {plan.explain()}"]
+    return [*lines, f"context: {TORCHTITAN}"]
 
 
 def missing(results: dict) -> list[str]:
     out = [f"{name}: {figure} ({reason})" for name, run in results["runs"].items()
            for figure, reason in run["figures"]["missing"].items()]
-    return out + [f"{name}: not run ({reason})" for name, reason in results["not_run"].items()]
+    out += [f"{name}: not run ({reason})" for name, reason in results["not_run"].items()]
+    return out + [f"{key}: ({reason})" for key, reason in results.get("ratios_missing", {}).items()]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="the tiny config on the CPU, 3 steps per run")
-    ap.add_argument("--steps", type=int, default=0, help="training steps per run (default: the config's)")
+    ap.add_argument("--steps", type=int, default=0, help="training steps per run (default: each variant's)")
     ap.add_argument("--data-dir", type=Path, default=REPO / "data" / "stdlib",
                     help="prepared corpus (prepared from the built-in sources when missing)")
     ap.add_argument("--compile", choices=("both", "off", "on"), default="both",
-                    help="off: leave out the compiled bf16 run and run fp8 and moe eager; on: leave out the eager "
+                    help="off: leave out the compiled-only runs and run the others eager; on: leave out the eager "
                          "one (a run left out is reported missing; on a CPU, compiling takes minutes)")
+    ap.add_argument("--only", default="", help="comma-separated variant names or shapes (1b, 3b); default all")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="leave out a run estimated to end past this many seconds (0: none; not on a CPU)")
     ap.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS.relative_to(REPO)}; "
                     "the dry run: gpu_check_dry_run.json beside it)")
-    ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where the runs go (default: /dev/shm when it has room for the checkpoints, else a "
+                         "temporary directory)")
     return ap.parse_args(argv)
 
 
-def run_all(args: argparse.Namespace, cfg_path: Path, overrides: list[str], figures_of, results: dict,
-            out: Path, cuda: bool, half: int) -> None:
-    """The runs, one after the other; the results file is rewritten after each. `half`: half the dense model's
-    feed-forward width, each expert's."""
-    work = Path(tempfile.mkdtemp(prefix="keel-gpu-check-", dir=args.work))
+class Session:
+    """What every run of one invocation shares: the options, the device and its peak, the results so far."""
+
+    def __init__(self, args: argparse.Namespace, cuda: bool, no_cuda: str, results: dict, work: Path) -> None:
+        self.args, self.cuda, self.no_cuda, self.results, self.work = args, cuda, no_cuda, results, work
+        self.device = torch.device("cuda" if cuda else "cpu")
+        _, self.hw = device_entry(cuda)
+        self.peak = self.hw.peak_flops.get("bf16") if self.hw else None
+        self.started = time.perf_counter()
+
+    def overrides(self, variant: Variant, compiled: bool) -> list[str]:
+        base = load_config(self.config_path(variant), DRY_RUN if self.args.cpu_dry_run else [])
+        half = ffn_hidden_dim(base.model) // 2  # each expert's width, of the model trained
+        return [*COMMON, f"data.dir={self.args.data_dir}", *(o.format(half=half) for o in variant.overrides),
+                *(DRY_RUN if self.args.cpu_dry_run else []),
+                *([f"train.steps={self.args.steps}"] if self.args.steps else []),
+                f"parallel.compile={str(compiled).lower()}"]
+
+    def config_path(self, variant: Variant) -> Path:
+        return CONFIGS / ("tiny.toml" if self.args.cpu_dry_run else gpu_variants.SHAPES[variant.shape])
+
+    def real_config(self, variant: Variant, compiled: bool) -> Config:
+        """The variant's config at its real size (the dry run's too): what torchtitan's spec is written from."""
+        real = [o for o in self.overrides(variant, compiled) if o not in DRY_RUN]
+        return load_config(CONFIGS / gpu_variants.SHAPES[variant.shape], real)
+
+    def plan_bytes(self, cfg: Config) -> float:
+        bf16 = precision_dtype(cfg, self.device) == torch.bfloat16
+        layout = Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint)
+        hw = self.hw or by_key("h100" if self.cuda else "cpu")
+        return memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"), layout, hw).total
+
+
+def run_keel(s: Session, variant: Variant, cfg_path: Path, overrides: list[str], cfg: Config) -> dict:
+    run_dir = s.work / variant.name.replace(" ", "-")
     try:
-        for name, template in RUNS.items():
-            extra = [o.format(half=half) for o in template]
-            compile_on = name != "compile off"
-            if compile_on and args.compile == "off" and name == "compile on":
-                results["not_run"][name] = f"--compile {args.compile}"
-                continue
-            if not compile_on and args.compile == "on":
-                results["not_run"][name] = f"--compile {args.compile}"
-                continue
-            # fp8 and moe compile as on a GPU they must, but run eager with --compile off (a CPU takes minutes)
-            flags = [*extra, f"parallel.compile={str(compile_on and args.compile != 'off').lower()}"]
-            print(f"gpu_check: {name}: keel train --nproc 1 --config {cfg_path.relative_to(REPO)} {' '.join(flags)} "
-                  f"...", flush=True)
-            run_dir = work / name.replace(" ", "-")
-            try:
-                run = train(cfg_path, run_dir, [*overrides, *flags], cuda)
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other run still tells its figures
-                results["not_run"][name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-                print(f"gpu_check: {name} failed: {results['not_run'][name]}", flush=True)
-                continue
-            finally:
-                shutil.rmtree(run_dir, ignore_errors=True)  # each run's checkpoints: 12 bytes per parameter
-            results["runs"][name] = {"run": run, "figures": figures_of(run, load_config(cfg_path, [*overrides,
-                                                                                              *flags]))}
-            write(out, results)
-            print(f"gpu_check: {name} done in {run['wall_s']:.0f} s (exit {run['exit_code']})\n{table(results)}",
-                  flush=True)
+        run = train(cfg_path, run_dir, overrides, s.cuda)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoints: 13 bytes per parameter
+    saves = cfg.checkpoint.interval < cfg.train.steps
+    return {"run": run, "figures": figures(run, flops_per_token(cfg.model, cfg.train.seq_len), s.peak,
+                                           s.plan_bytes(cfg), s.no_cuda, checkpoints=saves)}
+
+
+def other_figures(run: dict, flops: float, peak: float | None, why_not_cuda: str, runner: str) -> dict:
+    """tokens/s, MFU on keel's FLOPs, and the peak memory a bare or torchtitan run reports."""
+    out: dict = {"missing": {}}
+    failed = f"{runner} exited {run['exit_code']}" + (f": {run['error']}" if run.get("error") else "")
+    failed = failed if run["exit_code"] else ""
+    tps = run["tokens_per_s"]
+    keys = ["peak_reserved_bytes"] + (["peak_allocated_bytes"] if runner == "bare" else [])
+    values = {"tokens_per_s": tps, "mfu": tps * flops / peak if tps and peak else None,
+              **{k: run.get(k) for k in keys}}
+    for key, value in values.items():
+        out[key] = value
+        if value is None:
+            out["missing"][key] = failed or (why_not_cuda if key != "tokens_per_s" else "") or \
+                (f"no {runner} log window after the first" if key != "mfu" else "no catalog peak for this device")
+    return out
+
+
+def run_bare(s: Session, cfg: Config, compiled: bool) -> dict:
+    gc.collect()
+    if s.cuda:
+        torch.cuda.empty_cache()
+    started = time.perf_counter()
+    run = {**bare_loop_cuda.train(cfg, s.device, compiled), "wall_s": 0.0}
+    run["wall_s"] = time.perf_counter() - started
+    gc.collect()
+    return {"run": run, "figures": other_figures(run, flops_per_token(cfg.model, cfg.train.seq_len), s.peak,
+                                                 s.no_cuda, "bare")}
+
+
+def run_titan(s: Session, variant: Variant, compiled: bool) -> dict | str:
+    """torchtitan's run, or why it is not run. The spec is written from the real config in any case; on a
+    machine where torchtitan cannot run, its log parser is checked on the recorded line of its format."""
+    cfg = s.real_config(variant, compiled)
+    work = s.work / variant.name.replace(" ", "-")
+    try:
+        spec = titan_run.spec(cfg, work / "dump", compiled)
+    except ValueError as e:
+        return str(e)
+    checks = s.results.setdefault("torchtitan", {"version": titan_run.VERSION})
+    checks[variant.name] = {"spec": spec, "command": titan_run.command(work / "spec.json")}
+    if why := titan_run.unavailable(s.cuda):
+        checks["sample_log"] = {"line": titan_run.SAMPLE_LOG,
+                                "parsed": titan_run.windows(titan_run.SAMPLE_LOG)}
+        return why
+    gc.collect()
+    torch.cuda.empty_cache()  # what keel's runs left cached in this process is the subprocess's to use
+    started = time.perf_counter()
+    try:
+        run = {**titan_run.run(spec, work, timeout_s=600), "wall_s": time.perf_counter() - started}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return {"run": run, "figures": other_figures(run, flops_per_token(cfg.model, cfg.train.seq_len), s.peak,
+                                                 s.no_cuda, "torchtitan")}
+
+
+def run_variant(s: Session, variant: Variant, compiled: bool) -> dict | str:
+    cfg_path, overrides = s.config_path(variant), s.overrides(variant, compiled)
+    cfg = load_config(cfg_path, overrides)
+    if s.cuda and s.args.budget_s and s.peak:
+        estimate = gpu_variants.estimate_s(variant, cfg.train.steps, flops_per_token(cfg.model, cfg.train.seq_len)
+                                           * cfg.train.global_batch * cfg.train.seq_len, s.peak, compiled)
+        if (elapsed := time.perf_counter() - s.started) + estimate > s.args.budget_s:
+            return (f"--budget-s {s.args.budget_s:.0f}: {elapsed:.0f} s spent, this run estimated at "
+                    f"{estimate:.0f} s")
+    flags = " ".join(overrides[len(COMMON) + 1:])
+    print(f"gpu_check: {variant.name}: {variant.runner} on {cfg_path.relative_to(REPO)} {flags} ...", flush=True)
+    if variant.runner == "bare":
+        return run_bare(s, cfg, compiled)
+    if variant.runner == "torchtitan":
+        return run_titan(s, variant, compiled)
+    return run_keel(s, variant, cfg_path, overrides, cfg)
+
+
+def run_all(s: Session, variants: tuple[Variant, ...], out: Path) -> None:
+    """The runs, one after the other; the results file is rewritten after each."""
+    results = s.results
+    try:
+        for variant in variants:
+            compiled = variant.compiled(s.args.compile)
+            if compiled is None:
+                results["not_run"][variant.name] = f"--compile {s.args.compile}"
+                continue
+            try:
+                done = run_variant(s, variant, compiled)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the other runs still tell their figures
+                done = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            if isinstance(done, str):
+                results["not_run"][variant.name] = done
+                print(f"gpu_check: {variant.name}: not run: {done}", flush=True)
+                continue
+            results["runs"][variant.name] = done
+            results["ratios"], results["ratios_missing"] = gpu_variants.ratios(results["runs"], results["not_run"])
+            write(out, results)
+            print(f"gpu_check: {variant.name} done in {done['run']['wall_s']:.0f} s (exit "
+                  f"{done['run']['exit_code']})\n{table(results)}", flush=True)
+    finally:
+        results["ratios"], results["ratios_missing"] = gpu_variants.ratios(results["runs"], results["not_run"])
         results["missing"] = missing(results)
         write(out, results)
+
+
+def work_root(args: argparse.Namespace, variants: tuple[Variant, ...]) -> Path | None:
+    """--work, else /dev/shm when it can hold the largest checkpoint of the runs (written there in seconds, not
+    on a disk that may lack the room), else None (the temporary directory)."""
+    if args.work or args.cpu_dry_run:
+        return args.work
+    largest = max(param_count(load_config(CONFIGS / gpu_variants.SHAPES[v.shape]).model) for v in variants)
+    shm = Path("/dev/shm")
+    room = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    return shm if room > 1.2 * CHECKPOINT_BYTES_PER_PARAM * largest else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,39 +468,33 @@ def main(argv: list[str] | None = None) -> int:
               f"the rest on the CPU", flush=True)
         return 2
     out = args.out or (RESULTS.with_name("gpu_check_dry_run.json") if args.cpu_dry_run else RESULTS)
-    cfg_path = REPO / "configs" / "tiny.toml" if args.cpu_dry_run else GPU_CONFIG
-    overrides = [*COMMON, f"data.dir={args.data_dir}", *(DRY_RUN if args.cpu_dry_run else []),
-                 *([f"train.steps={args.steps}"] if args.steps else [])]
     try:
-        cfg = load_config(cfg_path, overrides)
-    except KeelError as e:
+        variants = gpu_variants.select(args.only)
+        paths = {v.shape: CONFIGS / ("tiny.toml" if args.cpu_dry_run else gpu_variants.SHAPES[v.shape])
+                 for v in variants}
+        cfgs = {shape: load_config(path, [*COMMON, f"data.dir={args.data_dir}",
+                                          *(DRY_RUN if args.cpu_dry_run else [])]) for shape, path in paths.items()}
+        first = next(iter(paths.values()))
+    except (KeelError, ValueError) as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
     if not args.data_dir.exists():  # the built-in corpus (the config's sources), as `make train` has it
         print(f"gpu_check: preparing the built-in corpus into {args.data_dir} ...", flush=True)
-        if code := keel(["data", "prepare", "--config", str(cfg_path), "--out", str(args.data_dir)]):
+        if code := keel(["data", "prepare", "--config", str(first), "--out", str(args.data_dir)]):
             return code
     device, hw = device_entry(cuda)
-    peak = hw.peak_flops.get("bf16") if hw else None
-    # The planner's figure for this model, batch, loss and layout on this device (a CPU adds its host copies).
-    bf16 = precision_dtype(cfg, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
-    layout = Layout(micro_batch=cfg.train.micro_batch, ac=cfg.parallel.activation_checkpoint)
-    plan = memory(Workload.of(cfg, param_dtype="bf16" if bf16 else "fp32"), layout, hw or by_key("h100" if cuda else
-                                                                                               "cpu"))
-    head = [*context(cfg, device, hw, cuda), f"planner: {plan.explain()}"]
+    head = context(cfgs, device, hw, cuda)
     print("\n".join(f"gpu_check: {line}" for line in head), flush=True)
     results: dict = {"benchmark": "gpu_check", "mode": "gpu" if cuda else "cpu-dry-run", "device": device,
-                     "peak_flops": peak, "parameters": param_count(cfg.model),
-                     "config": str(cfg_path.relative_to(REPO)), "overrides": overrides, "context": head,
-                     "runs": {}, "not_run": {}, "torch": torch.__version__, "machine": platform.platform(),
+                     "peak_flops": hw.peak_flops.get("bf16") if hw else None,
+                     "variants": [vars(v) for v in variants], "context": head, "runs": {}, "not_run": {},
+                     "torch": torch.__version__, "machine": platform.platform(),
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    def figures_of(run: dict, run_cfg: Config) -> dict:  # MFU on the FLOPs a token is computed with
-        predicted = plan.total if run_cfg.model == cfg.model else memory(
-            Workload.of(run_cfg, param_dtype="bf16" if bf16 else "fp32"), layout, hw or by_key("h100" if cuda else
-                                                                                              "cpu")).total
-        return figures(run, flops_per_token(run_cfg.model, run_cfg.train.seq_len), peak, predicted, no_cuda)
-
-    run_all(args, cfg_path, overrides, figures_of, results, out, cuda, ffn_hidden_dim(cfg.model) // 2)
+    work = Path(tempfile.mkdtemp(prefix="keel-gpu-check-", dir=work_root(args, variants)))
+    try:
+        run_all(Session(args, cuda, no_cuda, results, work), variants, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(f"gpu_check: wrote {out}")
     if results["missing"]:
         print("gpu_check: missing figures: " + "; ".join(results["missing"]), flush=True)
