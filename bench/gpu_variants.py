@@ -22,6 +22,18 @@ MOE = ("model.moe.experts=8", "model.moe.top_k=2", "model.moe.dense_layers=1", "
        "model.moe.bias_update_rate=0.001")
 
 
+# Options of the one-device fast path (docs/precision.md, docs/parallel.md), each a keel variant of its own.
+FAST_PATH = {
+    "bf16 params": ("train.param_dtype=bf16", "train.precision=bf16"),  # bf16 is what auto means on CUDA
+    "fused ce": ("train.cross_entropy=fused",),
+    "sdpa flash": ("model.sdpa_backend=flash",),
+    "sdpa cudnn": ("model.sdpa_backend=cudnn",),
+    "max-autotune": ("parallel.compile_mode=max-autotune-no-cudagraphs",),
+    "cuda graphs": ("parallel.compile_mode=reduce-overhead",),
+    "op ac": ("parallel.activation_checkpoint=selective", "parallel.ac_selective=op"),
+}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -51,10 +63,16 @@ VARIANTS = (
     Variant("3b keel fp8", "3b", overrides=("train.precision=fp8",)),
     Variant("1b keel eager", "1b", overrides=CHECKPOINTS_1B, compile="off"),
     Variant("1b keel moe", "1b", overrides=(*MOE, *LAST_SAVE_1B)),
+    # The one-device fast path, each option against "1b keel" (its defaults): past the 9-minute budget, so run
+    # with --only fastpath (or --budget-s 0).
+    *(Variant(f"1b keel {name}", "1b", overrides=(*options, *LAST_SAVE_1B),
+              compile="on" if "compile_mode" in options[0] else "default") for name, options in FAST_PATH.items()),
 )
+NAMES = {v.name for v in VARIANTS}
 # (label, numerator, denominator) of tokens/s, each the variant named "{shape} ..." (the same FLOPs per token:
 # the ratio of tokens/s is the ratio of MFU).
-RATIOS = (("keel/torchtitan", "keel", "torchtitan"), ("keel/bare", "keel", "bare"), ("fp8/bf16", "keel fp8", "keel"))
+RATIOS = (("keel/torchtitan", "keel", "torchtitan"), ("keel/bare", "keel", "bare"), ("fp8/bf16", "keel fp8", "keel"),
+          *((f"{name}/default", f"keel {name}", "keel") for name in FAST_PATH))
 # Seconds a run takes on an H200 beside its steps: start-up (model, optimizer, keel's pinned checkpoint buffers,
 # torchtitan's imports and CUDA graph capture), the per-block compile and keel's last save. Estimates from the
 # measured 1.24B runs (about a minute each for 30 steps and two saves), not measurements.
@@ -68,6 +86,8 @@ def select(names: str) -> tuple[Variant, ...]:
     if not names:
         return VARIANTS
     wanted = {n.strip() for n in names.split(",") if n.strip()}
+    if "fastpath" in wanted:  # the defaults and each fast-path option
+        wanted = (wanted - {"fastpath"}) | {"1b keel"} | {f"1b keel {name}" for name in FAST_PATH}
     known = {v.name for v in VARIANTS} | set(SHAPES)
     if unknown := sorted(wanted - known):
         raise ValueError(f"--only: no variant or shape {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -87,6 +107,8 @@ def ratios(runs: dict[str, dict], not_run: dict[str, str]) -> tuple[dict[str, fl
     for shape in SHAPES:
         for label, top, bottom in RATIOS:
             key, names = f"{shape} {label}", (f"{shape} {top}", f"{shape} {bottom}")
+            if not all(n in NAMES for n in names):  # the fast path is measured at 1B only
+                continue
             tps = [runs.get(n, {}).get("figures", {}).get("tokens_per_s") for n in names]
             values[key] = tps[0] / tps[1] if tps[0] and tps[1] else None
             if values[key] is None:

@@ -46,6 +46,16 @@ def test_only_selects_by_name_or_shape_and_rejects_the_unknown() -> None:
         gpu_variants.select("2b")
 
 
+def test_fastpath_selects_the_defaults_and_one_valid_run_per_option_each_with_its_ratio() -> None:
+    chosen = gpu_variants.select("fastpath")
+    assert [v.name for v in chosen] == ["1b keel", *(f"1b keel {name}" for name in gpu_variants.FAST_PATH)]
+    for v in chosen[1:]:  # each option is a valid config of the 1.24B shape, compiled as it needs
+        load_config(REPO / "configs" / "gpu_1b.toml", [*v.overrides, "parallel.compile=true"])
+    runs = {"1b keel": {"figures": {"tokens_per_s": 50.0}}, "1b keel fused ce": {"figures": {"tokens_per_s": 55.0}}}
+    values, _ = gpu_variants.ratios(runs, {})
+    assert values["1b fused ce/default"] == pytest.approx(1.1) and "3b fused ce/default" not in values
+
+
 def test_ratios_divide_tokens_per_s_of_the_same_shape_and_say_why_one_is_missing() -> None:
     runs = {name: {"figures": {"tokens_per_s": tps}} for name, tps in
             [("1b keel", 60_000.0), ("1b torchtitan", 50_000.0), ("1b bare", 64_000.0), ("1b keel fp8", 75_000.0)]}
