@@ -444,7 +444,9 @@ class SdcConfig:
                                  "optimizer update into scratch memory and compare it bitwise with the update made")
     at_rest_interval: int = option(0, "steps between checks of the state at rest: each rank seals a checksum of "
                                    "its own shards of parameters and optimizer state after the update and verifies "
-                                   "it before the next one (also after every restore and rollback); 0: off", ge=0)
+                                   "it before the next one (also after every restore and rollback); 1 watches every "
+                                   "step, N only every N-th step's (the update rewrites the state: no step is "
+                                   "checked later); 0: off", ge=0)
     response: str = option("rollback", "on a suspect rank: roll back and go on, or also exit with code 76 so "
                            "that the launcher restarts without its node", choices=("rollback", "exit"))
 
