@@ -116,8 +116,10 @@ class SdcGuard:
         self.losses: dict[int, float] = {}  # this rank's own loss at each step since then
         self.pending: dict | None = None  # a two-replica disagreement, waiting for its re-execution
         self.disputed: dict[int, torch.Tensor] = {}  # this rank's copy of the tensors in dispute
-        self.check_s = self.replay_s = self.at_rest_s = 0.0  # cost of the last check, replay, seal and verify
+        self.check_s = self.replay_s = self.at_rest_s = 0.0  # the last check, replay, at-rest check and seal
         self.sealed: tuple[int, torch.Tensor] | None = None  # the step sealed and its fingerprint
+        self.watched: list[torch.Tensor] = []  # the local shards sealed
+        self.held: list = []  # the parameters and optimizer state they are the local shards of
         self.update_due = False  # the coming update is re-executed (its step's replay passed)
         self.expected: torch.Tensor | None = None  # the re-executed update's fingerprints
         self.update_s = 0.0
@@ -203,10 +205,19 @@ class SdcGuard:
         interval = self.cfg.at_rest_interval
         if force or (interval and step % interval == 0):
             started = time.perf_counter()
-            self.sealed = (step, fingerprint(live_tensors(self.optimizers)[0], host=False))
-            self.at_rest_s = time.perf_counter() - started
+            self.sealed = (step, fingerprint(self._watched(), host=False))
+            self.at_rest_s += time.perf_counter() - started
         else:
             self.sealed = None  # an update since: unsealed until the next sealed step
+
+    def _watched(self) -> list[torch.Tensor]:
+        """live_tensors' local shards, found again only when the optimizer holds other tensors than last time (its
+        first update, a loaded state): unwrapping each DTensor costs more than summing its shard."""
+        held = [t for o in self.optimizers for g in o.param_groups for p in g["params"]
+                for t in (p, *o.state.get(p, {}).values())]
+        if len(held) != len(self.held) or any(a is not b for a, b in zip(held, self.held, strict=True)):
+            self.held, self.watched = held, live_tensors(self.optimizers)[0]  # views the updates write in place
+        return self.watched
 
     def changed_at_rest(self, step: int, device: torch.device) -> torch.Tensor:
         """Before the update of `step`, on the device: how many of this rank's tensors no longer match their seal
@@ -215,10 +226,10 @@ class SdcGuard:
         if self.sealed is None or self.sealed[0] != step - 1:
             return torch.zeros((), device=device)
         started = time.perf_counter()
-        now = fingerprint(live_tensors(self.optimizers)[0], host=False)
+        now = fingerprint(self.watched, host=False)  # the tensors sealed
         sealed = self.sealed[1]
         changed = (now != sealed).sum() if now.shape == sealed.shape else torch.ones((), device=now.device)
-        self.at_rest_s += time.perf_counter() - started
+        self.at_rest_s = time.perf_counter() - started  # a step's check, then its seal
         return changed.float().to(device)
 
     def at_rest(self, step: int) -> Action:
