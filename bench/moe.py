@@ -46,6 +46,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 from keel.core.callbacks import Build, Callback, Step
+from keel.monitor.metrics import covered
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "moe.json"
@@ -60,16 +61,6 @@ RATES = [0.0, 0.001, 0.003, 0.01]
 
 
 # ---------------------------------------------------------------- the profiled step's collectives
-
-def covered(spans: list[tuple[float, float]]) -> float:
-    """Seconds of wall time the (start, end) microsecond spans cover, overlaps counted once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e6
-
 
 class CollectiveShare(Callback):
     """Every `every` steps but the last, one step under the PyTorch profiler (as `monitor.profile_interval`

@@ -174,18 +174,23 @@ class SdcGuard:
         self.expected = torch.cat(expected)
         self.update_s = time.perf_counter() - started
 
+    def _gather_changed(self, expected: torch.Tensor) -> list[list[str]]:
+        """Every rank's names of its live tensors whose fingerprint is not `expected`'s (this rank's, on the host)."""
+        now = fingerprint(live_tensors(self.optimizers)[0])
+        names = tensor_names(self.optimizers, self.names)
+        changed = ([names[i] for i in (now != expected).nonzero().flatten().tolist()]
+                   if now.shape == expected.shape else ["the optimizer state's layout"])
+        found: list = [None] * self.world
+        dist.all_gather_object(found, changed)
+        return found
+
     def check_update(self, step: int) -> Action | None:
         """After the update of a step re-executed: does every rank's state match its re-execution bitwise?"""
         if self.expected is None:
             return None
         started = time.perf_counter()
         expected, self.expected = self.expected, None
-        now = fingerprint(live_tensors(self.optimizers)[0])
-        names = tensor_names(self.optimizers, self.names)
-        differs = ([names[i] for i in (now != expected).nonzero().flatten().tolist()]
-                   if now.shape == expected.shape else ["the optimizer state's layout"])
-        found: list = [None] * self.world
-        dist.all_gather_object(found, differs)
+        found = self._gather_changed(expected)
         self.update_s += time.perf_counter() - started
         suspects = tuple(r for r, tensors in enumerate(found) if tensors)
         if not suspects:
@@ -238,12 +243,7 @@ class SdcGuard:
         replica to vote, its own seal names the rank and the tensor; the run goes back to the state sealed."""
         assert self.sealed is not None
         sealed_at, sealed = self.sealed
-        now = fingerprint(live_tensors(self.optimizers)[0])
-        names = tensor_names(self.optimizers, self.names)
-        changed = ([names[i] for i in (now != sealed.cpu()).nonzero().flatten().tolist()]
-                   if now.shape == sealed.shape else ["the optimizer state's layout"])
-        found: list = [None] * self.world
-        dist.all_gather_object(found, changed)
+        found = self._gather_changed(sealed.cpu())
         suspects = tuple(r for r, tensors in enumerate(found) if tensors)
         evidence = {"detector": "at_rest", "ranks": list(suspects), "sealed_step": sealed_at,
                     "tensors": {r: found[r] for r in suspects}}

@@ -148,13 +148,13 @@ class CommProfiler:
                     wait.append(span)
                 if "all_to_all" in name or "alltoall" in name:
                     exchange.append(span)
-        comm_s, wait_s, exchange_s = _covered(comm), _covered(wait), _covered(exchange)
+        comm_s, wait_s, exchange_s = covered(comm), covered(wait), covered(exchange)
         self.last = {"time/comm_s": comm_s, "time/comm_share": comm_s / step_s, "time/pp_wait_s": wait_s,
                      "time/pp_wait_share": wait_s / step_s, "time/all_to_all_s": exchange_s,
                      "time/all_to_all_share": exchange_s / step_s}
 
 
-def _covered(spans: list[tuple[float, float]]) -> float:
+def covered(spans: list[tuple[float, float]]) -> float:
     """Seconds of wall time covered by the (start, end) microsecond spans: overlapping collectives
     (several in flight at once) count once."""
     total, reach = 0.0, float("-inf")

@@ -66,8 +66,7 @@ def float8_style(block: nn.Module, name: str, style: ParallelStyle) -> ParallelS
     which is the whole tensor's as without it. Rowwise float8 layers take the plain styles: their scales, per row,
     are computed on the gathered input."""
     module = block.get_submodule(name)
-    if not isinstance(style, ColwiseParallel | RowwiseParallel) or type(style) not in (
-            ColwiseParallel, RowwiseParallel) or not is_float8(module) or not tensorwise(module):
+    if not isinstance(style, ColwiseParallel | RowwiseParallel) or not is_float8(module) or not tensorwise(module):
         return style
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 

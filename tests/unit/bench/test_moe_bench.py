@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.moe import CollectiveShare, at, balancing, covered, dense_vs_moe
+from bench.moe import CollectiveShare, at, balancing, dense_vs_moe
 from keel.config import load_config
 from keel.core.callbacks import Build, Step
 from keel.core.state import TrainState
 from keel.model.flops import flops_per_token
+from keel.monitor.metrics import covered
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -32,8 +32,8 @@ def test_given_peak_is_used_as_is_and_shown(process_group: None) -> None:
 
 
 def test_overlapping_collectives_count_once() -> None:
-    from keel.monitor.metrics import _covered
+    from keel.monitor.metrics import covered
 
     # Two collectives in flight together for 1-3 ms, a third alone at 5-6 ms: 4 ms covered, not 5.
-    assert _covered([(0.0, 3000.0), (1000.0, 3000.0), (5000.0, 6000.0)]) == pytest.approx(0.004)
-    assert _covered([]) == 0.0
+    assert covered([(0.0, 3000.0), (1000.0, 3000.0), (5000.0, 6000.0)]) == pytest.approx(0.004)
+    assert covered([]) == 0.0
