@@ -4,6 +4,7 @@ run that does what the guard should have done (skip a step, omit a stretch of da
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,9 @@ STEPS = 40
 # Snapshots every 10 steps; a spike rolls back at least 5 steps and skips at least 8 batches.
 GUARDS = ["guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.skip_batches=8", "guard.spike.warmup=20",
           "guard.spike.window=40"]
+# The tests of the replicas' fingerprints and of re-execution take the at-rest check (on by default) away: it would
+# catch a flip in stored state first, at the next step.
+NO_AT_REST = "guard.sdc.at_rest_interval=0"
 LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "dp2_replicated": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
            "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16"],
            "dp4_replicated": ["parallel.dp_replicate=4", "parallel.dp_shard=1", "train.global_batch=16"]}
@@ -126,7 +130,8 @@ def test_without_snapshots_a_rollback_reads_the_checkpoint_and_lowers_the_learni
 def test_a_majority_of_replicas_names_the_odd_one_at_once(clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "four-replicas"
     together(lambda: train(small_corpus, run_dir, *LAYOUTS["dp4_replicated"], "guard.sdc.fingerprint_interval=10",
-                           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=0,element=7,bit=0"]', nproc=4),
+                           NO_AT_REST, 'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=0,element=7,bit=0"]',
+                           nproc=4),
              lambda: clean("dp4_replicated"))
     quarantine, rolled = events(run_dir)
     assert (quarantine["step"], quarantine["action"], quarantine["detail"]["outvoted"]) == (30, "quarantine", [1])
@@ -156,8 +161,8 @@ def test_bit_flip_in_replicated_parameters_is_caught_by_fingerprints(clean, smal
     # The run shares the cores with its clean reference, which slows one of its ranks or the other: the
     # straggler check (timed, not part of what is judged here) is off, so its alerts are the guards' alone.
     together(lambda: train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
-                           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]',
-                           "health.straggler.interval=0"),
+                           NO_AT_REST, "health.straggler.interval=0",
+                           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]'),
              lambda: clean("dp2_replicated"))
     decided = events(run_dir)
     assert (decided[0]["step"], decided[0]["action"]) == (30, "rollback"), "caught at the next check"
@@ -178,7 +183,7 @@ def test_a_rollback_goes_to_the_newest_verified_state_whether_in_memory_or_on_di
                                                                                     tmp_path: Path) -> None:
     # Snapshots every 50 steps, checkpoints every 10: the newest verified state is checkpoint 20, not snapshot 0.
     run_dir = tmp_path / "flipped"
-    train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10",
+    train(small_corpus, run_dir, *LAYOUTS["dp2_replicated"], "guard.sdc.fingerprint_interval=10", NO_AT_REST,
           "guard.snapshot_interval=50", "checkpoint.interval=10",
           'drill.inject=["bitflip:step=25,rank=1,target=params,tensor=3,element=5,bit=22"]')
     rolled = next(e for e in events(run_dir) if e["action"] == "rolled_back")
@@ -190,22 +195,25 @@ def test_a_rollback_goes_to_the_newest_verified_state_whether_in_memory_or_on_di
 @pytest.mark.parametrize(("target", "tensor", "bit"), [("params", 3, 0), ("exp_avg_sq", 2, 23)])
 def test_a_bit_flipped_at_rest_in_a_sharded_layout_is_caught_at_the_next_step_and_its_rank_named(
         target: str, tensor: int, bit: int, clean, small_corpus: Path, tmp_path: Path) -> None:
-    """No replica holds rank 1's shard: its own seal, taken after the update of step 25, no longer matches before the
-    update of step 26. The lowest mantissa bit of a parameter, or an exponent bit of a second moment: flips that
-    nothing else in the run notices."""
+    """No replica holds rank 1's shard: its own seal, taken after the update of a step drawn at random, no longer
+    matches before the update of the next (the default check, every step). The lowest mantissa bit of a parameter,
+    or an exponent bit of a second moment: flips that nothing else in the run notices."""
+    step = random.randint(1, STEPS - 2)
     run_dir = tmp_path / "flipped"
-    together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"], "guard.sdc.at_rest_interval=1",
-                           f'drill.inject=["bitflip:step=25,rank=1,target={target},tensor={tensor},element=5,'
+    together(lambda: train(small_corpus, run_dir, *LAYOUTS["fsdp2"],
+                           f'drill.inject=["bitflip:step={step},rank=1,target={target},tensor={tensor},element=5,'
                            f'bit={bit}"]'),
              lambda: clean("fsdp2"))
     decided = events(run_dir)
-    assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (26, "quarantine", "at_rest")
-    assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["sealed_step"] == 25
+    assert (decided[0]["step"], decided[0]["action"], decided[0]["detail"]["detector"]) == (
+        step + 1, "quarantine", "at_rest"), f"flipped after step {step}"
+    assert decided[0]["detail"]["ranks"] == [1] and decided[0]["detail"]["sealed_step"] == step
     [flipped] = [e["detail"]["param"] for e in events(run_dir, "drill")]
     assert decided[0]["detail"]["tensors"] == {"1": [flipped if target == "params" else f"{flipped}/{target}"]}
-    assert decided[1]["action"] == "rolled_back" and decided[1]["detail"]["to_step"] == 20
+    # Back to the newest snapshot (every 10 steps, taken before the flip of a step it shares).
+    assert decided[1]["action"] == "rolled_back" and decided[1]["detail"]["to_step"] == step // 10 * 10
     assert json.loads((run_dir / "quarantine.json").read_text())[0]["ranks"] == [1]
-    assert final_state(run_dir) == final_state(clean("fsdp2")), "the flip left no trace"
+    assert final_state(run_dir) == final_state(clean("fsdp2")), f"the flip after step {step} left no trace"
 
 
 def test_bit_flip_in_a_gradient_is_caught_by_replay(clean, small_corpus: Path, tmp_path: Path) -> None:
@@ -243,7 +251,7 @@ def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_no
         clean, small_corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "hsdp"
     flip = 'drill.inject=["bitflip:step=25,rank=1,target=exp_avg,tensor=2,element=0,bit=30"]'
-    common = [*LAYOUTS["hsdp2x2"], "guard.sdc.fingerprint_interval=10", "checkpoint.interval=10"]
+    common = [*LAYOUTS["hsdp2x2"], "guard.sdc.fingerprint_interval=10", "checkpoint.interval=10", NO_AT_REST]
     together(lambda: train(small_corpus, run_dir, *common, "guard.sdc.response=exit", flip, nproc=4, expect=76),
              lambda: clean("hsdp2x2"))
     # Rank 1's huge first moment blows up its replica's next update: the numerics guard fires, the check it
@@ -264,14 +272,14 @@ def test_quarantine_exit_leaves_only_verified_checkpoints_and_the_rerun_loses_no
 
 def test_no_false_positives_from_every_detector_at_every_step_of_three_layouts(small_corpus: Path,
                                                                                tmp_path: Path) -> None:
-    """Default thresholds, a replay (its update re-executed), a replica comparison and an at-rest check after every
-    step, three layouts: not one guard action. That is 400 replays and 120 fingerprint comparisons, as many as 2,000 steps with the detectors
-    every 5 steps make: a replay recomputes its own step, and a comparison after every step sees a replica
-    depart in the step it departs (the steps of a longer run are the same kernels and collectives). The spike guard,
-    whose decision depends only on the history of losses and gradient norms, makes its decisions of those
-    2,000 steps on their recorded values (tests/unit/guard/test_guards.py); here it makes its 400 live."""
-    stress = ["guard.sdc.fingerprint_interval=1", "guard.sdc.replay_interval=1", "guard.sdc.at_rest_interval=1",
-              "checkpoint.interval=500",
+    """Default thresholds, a replay (its update re-executed), a replica comparison and an at-rest check (the
+    default) after every step, three layouts: not one guard action. That is 400 replays and 120 fingerprint
+    comparisons, as many as 2,000 steps with the detectors every 5 steps make: a replay recomputes its own step,
+    and a comparison after every step sees a replica depart in the step it departs (the steps of a longer run are
+    the same kernels and collectives). The spike guard, whose decision depends only on the history of losses and
+    gradient norms, makes its decisions of those 2,000 steps on their recorded values
+    (tests/unit/guard/test_guards.py); here it makes its 400 live."""
+    stress = ["guard.sdc.fingerprint_interval=1", "guard.sdc.replay_interval=1", "checkpoint.interval=500",
               "eval.interval=0", "monitor.interval=50"]
     default_spike = ["guard.spike.warmup=50", "guard.spike.window=100"]
     # No step runs under the profiler to measure the time in collectives (a measurement, not a guard). The

@@ -438,11 +438,12 @@ class SdcConfig:
     fingerprint_interval: int = option(50, "steps between comparisons of replicas' parameter and optimizer "
                                        "fingerprints (HSDP replicas; also before every checkpoint); 0: only "
                                        "before checkpoints", ge=0)
-    replay_interval: int = option(100, "steps between step replays (forward/backward recomputed and compared "
-                                  "bitwise; also whenever the numerics or spike guards fire); 0: only then", ge=0)
+    replay_interval: int = option(200, "steps between step replays (forward/backward recomputed and compared "
+                                  "bitwise; also whenever the numerics or spike guards fire): each costs one more "
+                                  "forward and backward; 0: only then", ge=0)
     update_replay: bool = option(True, "on a replayed step whose gradients replay the same, also re-execute its "
                                  "optimizer update into scratch memory and compare it bitwise with the update made")
-    at_rest_interval: int = option(0, "steps between checks of the state at rest: each rank seals a checksum of "
+    at_rest_interval: int = option(1, "steps between checks of the state at rest: each rank seals a checksum of "
                                    "its own shards of parameters and optimizer state after the update and verifies "
                                    "it before the next one (also after every restore and rollback); 1 watches every "
                                    "step, N only every N-th step's (the update rewrites the state: no step is "

@@ -26,6 +26,7 @@ from torch.optim.adamw import adamw
 from keel.config import GuardConfig
 from keel.core.actions import Action
 from keel.core.dtensor import local
+from keel.core.replica import in_replica_group
 from keel.core.sync import StepReport
 from keel.guard.snapshots import live_tensors
 from keel.parallel.layout import Layout
@@ -112,6 +113,9 @@ class SdcGuard:
         self.group = layout.replicas.get_group() if layout.replicas is not None else None
         self.replicas = dist.get_process_group_ranks(self.group) if self.group is not None else [self.rank]
         self.can_replay = deterministic
+        # A replica group's verdicts are its own, and a rollback of one group alone would part it from the others
+        # (which averaged its gradients meanwhile): there the groups' comparison of their states covers it.
+        self.at_rest_interval = 0 if in_replica_group() else self.cfg.at_rest_interval
         self.last_verified = 0  # newest step whose state passed a check
         self.losses: dict[int, float] = {}  # this rank's own loss at each step since then
         self.pending: dict | None = None  # a two-replica disagreement, waiting for its re-execution
@@ -207,8 +211,8 @@ class SdcGuard:
         """After the update of `step` (every `at_rest_interval` steps), a restore, rollback or heal (`force`):
         this rank's fingerprint of its own shards of parameters and optimizer state as written, kept where they
         are (a GPU's reduction at memory bandwidth, no copy to the host)."""
-        interval = self.cfg.at_rest_interval
-        if force or (interval and step % interval == 0):
+        interval = self.at_rest_interval
+        if interval and (force or step % interval == 0):
             started = time.perf_counter()
             self.sealed = (step, fingerprint(self._watched(), host=False))
             self.at_rest_s += time.perf_counter() - started

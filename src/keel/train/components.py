@@ -91,7 +91,7 @@ class GuardInspection(Builtin):
         self.seconds = 0.0
         self.number = 0  # the step being made
         stepper.before_step = guards.before_update
-        if (sdc := guards.sdc) is not None and guards.g.sdc.at_rest_interval:  # the state checked where it rests
+        if (sdc := guards.sdc) is not None and sdc.at_rest_interval:  # the state checked where it rests
             sync.contribute_on_device(AT_REST, lambda device: sdc.changed_at_rest(self.number, device))
 
     def on_step_start(self, step: Step) -> None:
