@@ -11,7 +11,8 @@ and the outcome is compared with a clean run of the same layout:
   HSDP        2 replicas × 2 shards (4 processes): fingerprints and replays every 5 steps
 
 In every layout each rank's state is also sealed after every update and checked before the next one
-(`guard.sdc.at_rest_interval = 1`), and a replayed step's update is re-executed and compared (on by default).
+(`guard.sdc.at_rest_interval = 1`, the default), and a replayed step's update is re-executed and compared (on by
+default). The replays are more frequent than the default (every 200 steps) so that a gradient's flip lands on one.
 
 A cell reads `detector +latency, outcome`: the first guard that acted and how many steps after the
 flip; `exact` = rolled back and finished bitwise equal to the clean run; `recovered` = rolled back,
@@ -54,7 +55,7 @@ LAYOUTS = {  # name: (processes, overrides)
     "HSDP": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.global_batch=16",
                  "guard.sdc.fingerprint_interval=5", "guard.sdc.replay_interval=5"]),
 }
-AT_REST = ["guard.sdc.at_rest_interval=1"]  # every layout
+AT_REST = ["guard.sdc.at_rest_interval=1"]  # every layout: the default, said out loud
 TARGETS = ("params", "grads", "exp_avg", "exp_avg_sq")
 BITS = {31: "sign", 30: "exponent (top)", 23: "exponent (lowest)", 22: "mantissa (top)", 0: "mantissa (lowest)"}
 TENSOR, ELEMENT = 3, 5  # the first block's attention wq weight (2-D, sharded or replicated), element 5

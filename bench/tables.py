@@ -126,11 +126,13 @@ def guard_overhead() -> str:
         shape = (f"{param_count(cfg.model) / 1e6:.2g}M parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
                  f"tokens, {r['steps']} steps")
         repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
-        rows.append([f"{cfg.name} ({shape})", f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
-                     f"{r['ratio']:.3f} ({repeats})", f"{r['fingerprint_fraction']:.3f}",
+        fingerprint = f"{r['fingerprint_fraction']:.3f}" if r["fingerprint_fraction"] else "none (no replica)"
+        rows.append([f"{cfg.name} ({shape})", r["layout"], f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
+                     f"{r['ratio']:.3f} ({repeats})", f"{r['at_rest_fraction']:.4f}", fingerprint,
                      f"{r['replay_fraction']:.2f}", f"{r['snapshot_fraction']:.3f}"])
-    return _table(["config", "guards on, s/step", "off, s/step", "ratio on/off, median (repeats)",
-                   "one fingerprint check", "one replay", "one snapshot"], rows)
+    return _table(["config", "layout", "guards on, s/step", "off, s/step", "ratio on/off, median (repeats)",
+                   "at-rest check and seal, every step", "one fingerprint check", "one replay", "one snapshot"],
+                  rows)
 
 
 RECOVERY_PHASES = {
