@@ -11,6 +11,7 @@ import pytest
 
 from keel.drill.scenarios import QUICK, REPLICA_ATOL, catalog
 from keel.drill.scorecard import format_scorecard
+from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
@@ -62,6 +63,21 @@ def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:
     assert (nan["updates_skipped"], nan["steps_recomputed"], nan["steps_lost"]) == (1, 0, 1)
 
 
+def test_a_flipped_bit_in_a_parameter_shard_is_caught_at_rest_and_its_rank_named(quick) -> None:
+    """FSDP over 2, no replica, the defaults: rank 1's own seal of step 15 no longer matches before the update of
+    step 16; the run goes back to step 10 and makes steps 11-15 again."""
+    _, results = quick
+    flip = results["bitflip_params_sharded"]
+    assert flip["state_equal"] and flip["losses_equal"] and flip["compare"] == "bitwise"
+    assert (flip["detected_by"], flip["detect_steps"]) == ("guard/quarantine", 1)
+    events = read_jsonl(Path(flip["run_dir"]) / "events.jsonl")
+    (injected,) = [e for e in events if e["kind"] == "drill"]
+    named, rolled_back = [e["detail"] for e in events if e["kind"] == "guard"]
+    assert (named["detector"], named["ranks"], named["sealed_step"]) == ("at_rest", [1], 15)
+    assert named["tensors"] == {"1": [injected["detail"]["param"]]}
+    assert rolled_back["to_step"] == 10 and flip["steps_recomputed"] == 5
+
+
 def test_a_corrupted_checkpoint_is_skipped_and_the_previous_one_resumed(quick) -> None:
     _, results = quick
     corrupt = results["corrupt_checkpoint"]
@@ -111,7 +127,7 @@ def test_a_lost_replica_group_heals_while_the_survivor_loses_no_step(quick) -> N
     assert r["promise_kept"], (r["broken"], r["events"])
     # The survivor goes on without the lost group, which then heals; or the group, restarted within the
     # lighthouse's heartbeat timeout, is healing in the very next quorum (nothing to go on without).
-    assert r["detected_by"] in ("quorum/change", "quorum/heal") and 0 < r["detect_s"] and r["heals"] == 1
+    assert r["detected_by"] in ("quorum/change", "quorum/heal") and r["detect_s"] > 0 and r["heals"] == 1
     assert r["recover_s"] > 0 if r["detected_by"] == "quorum/change" else r["recover_s"] == 0
     assert r["steps_lost"] == 0 and r["param_max_abs_diff"] <= REPLICA_ATOL
     assert "[1] drill/inject@6" in r["events"] and "[1] quorum/heal" in " ".join(r["events"])

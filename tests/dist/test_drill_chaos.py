@@ -164,15 +164,16 @@ def test_faults_of_every_kind_together_end_in_the_promised_state_bitwise(chaos: 
 @pytest.mark.dist
 def test_a_bit_flip_no_detector_can_see_among_the_faults_is_reported_as_a_broken_promise(drill: Drill,
                                                                                          chaos: dict) -> None:
-    # The same bit flipped in both replicas' parameters: the fingerprints compare replicas and find them
-    # agreeing, no step replay looks at parameters. The run keeps the chaos run's NaN steps, so that its
-    # reference is the one already made.
+    # The same bit flipped in both replicas' parameters, with the at-rest check off: the fingerprints compare
+    # replicas and find them agreeing, no step replay looks at parameters. The run keeps the chaos run's NaN steps,
+    # so that its reference is the one already made.
     flip = "bitflip:step=15,rank={rank},target=params,tensor=3,element=5,bit=22"
     faults = [*(f for f in draw(SEED, MTBF_S, DURATION_S, STEP_S, STEPS, INTERVAL, DEFAULT) if f.kind == "nan_grads"),
               Fault("bitflip_params", 15, flip.format(rank=0)), Fault("bitflip_params", 15, flip.format(rank=1))]
     references = sorted((drill.workdir / "references").iterdir())
     faults.sort(key=lambda f: f.step)
-    result = run_faults(drill, faults, config=layout(drill, ["bitflip_params"]), name="unseen")
+    result = run_faults(drill, faults, config=layout(drill, ["bitflip_params"]),
+                        extra_tuning=("guard.sdc.at_rest_interval=0",), name="unseen")
     print(format_scorecard([result]))
     assert sorted((drill.workdir / "references").iterdir()) == references, "the chaos run's reference, reused"
     assert result["reference_dir"] == chaos["reference_dir"]

@@ -26,9 +26,10 @@ The kinds, and why each keeps a promise that composes with the others:
   drawn in adjacent steps: `guard.numerics.max_consecutive` skips in a row make the guard roll back
   instead, and a reproducible NaN would meet it again.
 - bitflip_params, bitflip_optimizer: a flipped bit in one replica's parameters or Adam moment, in a
-  layout with two replicas (REPLICATED); fingerprints, compared every checkpoint interval and before
-  every save, find the replicas disagreeing; the run rolls back to the newest verified state and
-  re-executes. Each flip hits its own element, so that two flips never cancel.
+  layout with two replicas (REPLICATED); the flipped rank's at-rest check finds it before the next update
+  (with that check off, the fingerprints, compared every checkpoint interval and before every save, find the
+  replicas disagreeing); the run rolls back to the newest verified state. Each flip hits its own element, so
+  that two flips never cancel.
 - bitflip_grads: a flipped bit in one rank's gradients, caught by the step replay in its own step
   (the fault's step is a replay step: every `replay_every(interval)` steps) and rolled back.
 - straggler: one rank made slower for a few steps; the straggler detector names it, the math is

@@ -48,7 +48,8 @@ ROUTINE = {("checkpoint", "interval"), ("preflight", "passed"), ("telemetry", "u
 OWN_KEYS = ("train.steps", "checkpoint.interval", "checkpoint.dir", "drill.inject")
 # Settings that decide only when a detector looks, never what a run computes (the scenarios' tuning is made
 # of them): clean runs that differ in them alone are the same reference.
-LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_interval"), ("health", "watchdog"))
+LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_interval"),
+             ("guard", "sdc", "at_rest_interval"), ("health", "watchdog"))
 
 
 class DrillError(RuntimeError):

@@ -103,6 +103,9 @@ SPIKE_GUARDS = ("guard.snapshot_interval=10", "guard.rollback_steps=5", "guard.s
                 "guard.spike.warmup=20", "guard.spike.window=40")
 FAST_WATCHDOG = ("health.watchdog.warmup_steps=5", "health.watchdog.min_timeout_s=4", "health.watchdog.poll_s=0.5")
 REPLICATED = ("parallel.dp_replicate=2", "parallel.dp_shard=1")
+# The scenarios that rehearse the replicas' fingerprints switch off the at-rest check, which would catch a flip in
+# stored state first, at the next step (bitflip_params_sharded rehearses it).
+NO_AT_REST = "guard.sdc.at_rest_interval=0"
 
 
 def _poisoned(steps: int = 80, snapshot: int = 10, rollback: int = 5, skip: int = 8) -> Scenario:
@@ -206,12 +209,12 @@ def _moe(plan: Plan) -> list[Scenario]:
                  "and the run ends bitwise equal, the selection biases with it",
                  inject=(f"kill:step={mid},rank={r}",), fault_step=mid, config=MOE, max_restarts=1,
                  detect=("failure", "")),
-        Scenario("moe_bitflip_expert", "ep = 2 within each of 2 HSDP replicas (4 processes): a flipped bit in one "
-                 "expert's weights on rank 1 is caught by the replicas' fingerprints, rolled back, re-executed and "
-                 "rank 1 named; the run ends bitwise equal",
+        Scenario("moe_bitflip_expert", "ep = 2 within each of 2 HSDP replicas (4 processes), the at-rest check "
+                 "off: a flipped bit in one expert's weights on rank 1 is caught by the replicas' fingerprints, "
+                 "rolled back, re-executed and rank 1 named; the run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=params,name={EXPERT_W1},element=5,bit=22",),
                  fault_step=mid, config=(*MOE, *HSDP_EP), nproc=4,
-                 tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",), detect=("guard", "rollback"),
+                 tuning=(f"guard.sdc.fingerprint_interval={plan.interval}", NO_AT_REST), detect=("guard", "rollback"),
                  recovered_by=("guard", "quarantine", {"ranks": [r]})),
         Scenario("moe_bitflip_expert_grads", "ep = 2 (no replica of an expert shard): a flipped bit in one "
                  "expert's gradients on rank 1 is caught by replay in its step and the run ends bitwise equal",
@@ -251,20 +254,25 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  reference_with=(f'drill.inject=["skip_update:step={mid}"]',), detect=("guard", "skip"),
                  recovered_by=None),
         _poisoned(),
-        Scenario("bitflip_params_replicated", "a flipped bit in one replica's parameters is caught by fingerprints, "
-                 "rolled back and re-executed; the run ends bitwise equal",
+        Scenario("bitflip_params_sharded", "FSDP, no replica: a flipped bit in one rank's parameter shard is caught "
+                 "by its own at-rest check before the next update, the rank and the tensor named, rolled back; the "
+                 "run ends bitwise equal",
+                 inject=(f"bitflip:step={mid},rank={r},target=params,tensor=3,element=5,bit=0",), fault_step=mid,
+                 detect=("guard", "quarantine"), recovered_by=("guard", "rolled_back")),
+        Scenario("bitflip_params_replicated", "the at-rest check off: a flipped bit in one replica's parameters is "
+                 "caught by fingerprints, rolled back and re-executed; the run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=params,tensor=3,element=5,bit=22",), fault_step=mid,
-                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",),
+                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}", NO_AT_REST),
                  detect=("guard", "rollback"), recovered_by=("guard", "rolled_back")),
         Scenario("bitflip_grads", "a flipped bit in one rank's gradients is caught by replay in its step and the "
                  "run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=grads,tensor=3,element=5,bit=20",), fault_step=mid,
                  tuning=(f"guard.sdc.replay_interval={plan.interval // 2}",),
                  detect=("guard", "quarantine"), recovered_by=("guard", "rolled_back")),
-        Scenario("bitflip_optimizer", "a flipped exponent bit in one replica's Adam moment is caught and rolled back; "
-                 "the run ends bitwise equal",
+        Scenario("bitflip_optimizer", "the at-rest check off: a flipped exponent bit in one replica's Adam moment is "
+                 "caught and rolled back; the run ends bitwise equal",
                  inject=(f"bitflip:step={mid},rank={r},target=exp_avg,tensor=2,element=0,bit=30",), fault_step=mid,
-                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}",),
+                 config=REPLICATED, tuning=(f"guard.sdc.fingerprint_interval={plan.interval}", NO_AT_REST),
                  detect=("guard", ""), recovered_by=("guard", "rolled_back")),
         Scenario("preemption", "SIGTERM to the launcher checkpoints, exits 75, and the rerun ends bitwise equal",
                  inject=("slow:rank=-1,seconds=0.1",), outside=Outside("SIGTERM", at_step=plan.interval),
@@ -307,8 +315,8 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
 
 # The quick suite: one scenario of each way recovery works (restart, rerun, rollback, skip, replay, a replica
 # group healing from a live one), on a model and batch small enough that each run takes seconds.
-QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "preemption",
-         "corrupt_checkpoint", "group_loss"]
+QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "bitflip_params_sharded",
+         "preemption", "corrupt_checkpoint", "group_loss"]
 QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
                "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "eval.interval=0",
                "monitor.interval=5", "health.preflight_probe_mib=4")
