@@ -63,6 +63,7 @@ from keel.checkpoint.manifest import (
     verify,
     writer_rank,
 )
+from keel.checkpoint.memory import MemoryTier
 from keel.checkpoint.resume import checkpoint_root
 from keel.checkpoint.staging import HostStager, Staging
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
@@ -121,14 +122,19 @@ def _first_line(e: BaseException) -> str:
 class CheckpointManager:
     def __init__(self, cfg: Config, run_dir: Path, layout: str, events: EventLog,
                  on_write: Callable[[int, str], None] | None = None, tokenizer: dict | None = None,
-                 identity: dict | None = None, accepted: tuple[str, ...] = ()) -> None:
+                 identity: dict | None = None, accepted: tuple[str, ...] = (), memory: MemoryTier | None = None,
+                 tier: MemoryTier | None = None) -> None:
         """`tokenizer`: the corpus tokenizer's description, recorded in every checkpoint's manifest.
         `identity`: the run's identity (keel.checkpoint.identity), compared with a checkpoint's before it
-        is loaded; `accepted`: the identity fields that may change on purpose at this resume."""
-        self.cfg, self.policy, self.tokenizer = cfg, cfg.checkpoint, tokenizer
+        is loaded; `accepted`: the identity fields that may change on purpose at this resume. `memory`: the
+        memory tier (keel.checkpoint.memory), whose checkpoints a resume also considers and `memory_writer`
+        writes. `tier`: this manager is that writer (the tier's root and policy; its events are `memory` ones)."""
+        self.cfg, self.policy, self.tokenizer = cfg, cfg.checkpoint if tier is None else tier.policy, tokenizer
         self.identity, self.accepted = identity or {}, accepted
         self.identity_history: list[dict] = []  # identity changes accepted over the run's life
-        self.storage = checkpoint_root(cfg, run_dir)
+        self.storage = checkpoint_root(cfg, run_dir) if tier is None else tier.storage
+        self.kind = "checkpoint" if tier is None else "memory"  # the kind of its events
+        self.memory = memory.storage if memory is not None else None  # a resume's second tier
         self.layout, self.events, self.on_write = layout, events, on_write
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # The writer thread's collectives run beside the training loop's, so they get a group of their own.
@@ -146,6 +152,8 @@ class CheckpointManager:
         if self.rank == 0:
             self._clean_leftovers()
         dist.barrier()
+        self.memory_writer = None if memory is None else CheckpointManager(
+            cfg, run_dir, layout, events, tokenizer=tokenizer, identity=identity, tier=memory)
 
     # ------------------------------------------------------------------ saving
 
@@ -307,9 +315,9 @@ class CheckpointManager:
                 self.storage.set_latest(name)
                 outcome.pruned = self._prune(name)
             except Exception as e:  # the checkpoint itself is committed
-                self.events.emit("checkpoint", outcome.step, "warning", path=outcome.path, error=_first_line(e))
+                self.events.emit(self.kind, outcome.step, "warning", path=outcome.path, error=_first_line(e))
         if outcome.committed:
-            self.events.emit("checkpoint", outcome.step, "committed", path=outcome.path, bytes=outcome.bytes,
+            self.events.emit(self.kind, outcome.step, "committed", path=outcome.path, bytes=outcome.bytes,
                              blocking_s=round(outcome.blocking_s, 4), write_s=outcome.write_s, pruned=outcome.pruned)
             return
         outcome.error, outcome.volume_error = errors[0]
@@ -322,7 +330,7 @@ class CheckpointManager:
         then = ('the run stops (checkpoint.on_storage_error = "stop")' if stops else
                 "the run stops at this step without it" if self.closing else
                 "training continues, the next save retries")
-        self.events.emit("checkpoint", outcome.step, "failed", path=outcome.path, error=outcome.error,
+        self.events.emit(self.kind, outcome.step, "failed", path=outcome.path, error=outcome.error,
                          volume_error=outcome.volume_error)
         self.events.emit("alert", outcome.step, "checkpoint_failed", severity="error",
                          message=f"checkpoint of step {outcome.step} failed: {outcome.error}; {then}")
@@ -389,13 +397,19 @@ class CheckpointManager:
         return self.verdicts[name]
 
     def _set_aside(self, name: str, problem: str, now: int) -> None:
-        """Keep a checkpoint that does not verify where nothing resumes from it or removes it."""
+        """Keep a checkpoint that does not verify where nothing resumes from it or removes it (a copy in the memory
+        tier is removed: it is no evidence worth the memory, and the storage tier keeps its own)."""
+        if self.kind == "memory":
+            self.storage.remove(name)
+            self.verdicts.pop(name, None)
+            self.events.emit(self.kind, now, "removed", path=self.storage.path(name), reason=problem)
+            return
         aside = aside_name(name, problem)
         taken = set(self.storage.names())
         aside = next(a for a in (aside, *(f"{aside}-{i}" for i in range(2, 1000))) if a not in taken)
         self.storage.rename(name, aside)
         self.verdicts.pop(name, None)
-        self.events.emit("checkpoint", now, "set_aside", path=self.storage.path(name),
+        self.events.emit(self.kind, now, "set_aside", path=self.storage.path(name),
                          moved_to=self.storage.path(aside), reason=problem)
         self.events.emit("alert", now, "checkpoint_set_aside", severity="warning",
                          message=f"{name} does not verify ({problem}); kept as {aside}, never resumed or removed")
@@ -419,7 +433,7 @@ class CheckpointManager:
             if retired:
                 self._move_latest(next((n for n in checkpoints(self.storage)[::-1] if not self._verify(n)), None),
                                   now)
-                events.emit("checkpoint", now, "retired", names=retired,
+                events.emit(self.kind, now, "retired", names=retired,
                             reason=f"newer than step {step}, the state the run went back to")
         dist.barrier()
         return retired
@@ -433,7 +447,7 @@ class CheckpointManager:
             else:
                 self.storage.set_latest(name)
         except OSError as e:
-            self.events.emit("checkpoint", step, "warning", path=self.storage.path(name or LATEST),
+            self.events.emit(self.kind, step, "warning", path=self.storage.path(name or LATEST),
                              error=f"latest could not be moved to it: {_first_line(e)}")
 
     def _clean_leftovers(self) -> None:
@@ -452,10 +466,10 @@ class CheckpointManager:
             except OSError as e:  # a writer came back to it meanwhile, or the volume refused
                 removed, why = False, f"it could not be removed ({_first_line(e)})"
             if removed:
-                self.events.emit("checkpoint", step, "cleaned", path=self.storage.path(name),
+                self.events.emit(self.kind, step, "cleaned", path=self.storage.path(name),
                                  reason=f"left unfinished by an interrupted save: {why}")
             elif why:
-                self.events.emit("checkpoint", step, "left", path=self.storage.path(name), reason=why)
+                self.events.emit(self.kind, step, "left", path=self.storage.path(name), reason=why)
 
     def _settle_replaced(self, name: str, final: str) -> None:
         """The old copy of a step saved again: removed once the new one is in place, put back otherwise;
@@ -469,7 +483,7 @@ class CheckpointManager:
                 else:
                     self.storage.rename(name, final)
         except OSError as e:
-            self.events.emit("checkpoint", checkpoint_step(final), "left", path=self.storage.path(name),
+            self.events.emit(self.kind, checkpoint_step(final), "left", path=self.storage.path(name),
                              reason=f"it could not be settled ({_first_line(e)})")
 
     # ------------------------------------------------------------------ loading
@@ -499,29 +513,56 @@ class CheckpointManager:
 
     def _restore_newest(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                         say: Callable[[str], None]) -> tuple[TrainState, str] | None:
-        failed: list[tuple[str, str]] = []
-        for name in checkpoints(self.storage)[::-1]:
+        failed: list[tuple[Storage, str, str]] = []
+        for storage, name in self._candidates():
             try:
-                state = self._load(self.storage, name, parts, optimizers)
+                state = self._load(storage, name, parts, optimizers)
             except CheckpointError as e:
-                failed.append((name, str(e)))
+                failed.append((storage, name, str(e)))
                 continue
-            self.verdicts[name] = []
-            for bad, why in failed:
-                say(f"warning: skipping checkpoint {self.storage.path(bad)}: {why}")
+            if storage is self.storage:
+                self.verdicts[name] = []
+            elif self.rank == 0:  # the storage tier was not read
+                self.events.emit("memory", checkpoint_step(name), "restored", path=storage.path(name),
+                                 newest_in_storage=next(iter(checkpoints(self.storage)[::-1]), None))
+            for tier, bad, why in failed:
+                say(f"warning: skipping checkpoint {tier.path(bad)}: {why}")
                 if self.rank == 0:
-                    self.events.emit("checkpoint", checkpoint_step(bad), "skipped", path=self.storage.path(bad),
-                                     reason=why)
-                    self._set_aside(bad, why, checkpoint_step(bad))
-            if failed and self.rank == 0:
-                self._move_latest(name, checkpoint_step(name))
-            return state, self.storage.path(name)
+                    self.events.emit("checkpoint" if tier is self.storage else "memory", checkpoint_step(bad),
+                                     "skipped", path=tier.path(bad), reason=why)
+                    if tier is self.storage:
+                        self._set_aside(bad, why, checkpoint_step(bad))
+                    else:  # a copy in memory is not evidence worth keeping: the storage tier has its own
+                        tier.remove(bad)
+            if self.rank == 0 and any(tier is self.storage for tier, _, _ in failed):
+                newest = name if storage is self.storage else next(iter(checkpoints(self.storage)[::-1]), None)
+                self._move_latest(newest, checkpoint_step(name))
+            return state, storage.path(name)
         if failed:
             raise CheckpointError(f"no checkpoint in {self.storage} can be resumed, nothing was changed: "
-                                  f"{'; '.join(f'{n}: {why}' for n, why in failed)}; resume one explicitly with "
-                                  f"--resume PATH, or start over with --resume never (which sets them aside)",
-                                  every_rank=True)
+                                  f"{'; '.join(f'{tier.path(n)}: {why}' for tier, n, why in failed)}; resume one "
+                                  f"explicitly with --resume PATH, or start over with --resume never (which sets "
+                                  f"them aside)", every_rank=True)
         return None
+
+    def _listing(self) -> list[tuple[int, str]]:
+        """This process's view of the checkpoints `auto` tries, newest first, as (tier, name), tier 0 the storage
+        and 1 the memory tier: at the same step the memory tier's, which reads no storage."""
+        tiers = [self.storage] if self.memory is None else [self.storage, self.memory]
+        found = sorted(((checkpoint_step(n), t, n) for t, tier in enumerate(tiers) for n in checkpoints(tier)),
+                       reverse=True)
+        return [(t, n) for _, t, n in found]
+
+    def _candidates(self) -> list[tuple[Storage, str]]:
+        """The checkpoints `auto` tries, in order; with a memory tier every rank tries rank 0's list, since what
+        each sees of its node's memory may differ."""
+        listing = self._listing()
+        if self.memory is not None:
+            shared = [listing]
+            dist.broadcast_object_list(shared, src=0)
+            listing = shared[0]
+        memory = self.memory
+        return [(self.storage if t == 0 or memory is None else memory, n) for t, n in listing]
 
     def _load(self, storage: Storage, name: str, parts: list[nn.Module],
               optimizers: list[torch.optim.Optimizer]) -> TrainState:
@@ -593,10 +634,11 @@ class CheckpointManager:
         if resume == "never":
             return
         if resume == "auto":
-            names = checkpoints(self.storage)
-            if not names:
+            listing = self._listing()
+            if not listing:
                 return
-            storage, name = self.storage, names[-1]
+            tier, name = listing[0]
+            storage = self.storage if tier == 0 or self.memory is None else self.memory
         else:
             storage, name = locate(resume)
         manifest = read_manifest(storage, name)

@@ -115,6 +115,7 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
                    in_groups: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manifest import committed
+    from keel.checkpoint.memory import held_in_memory, memory_tier
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
     from keel.health.signals import stop_requested_early
     from keel.rundir.lock import RunLock, held_by_launcher
@@ -134,7 +135,8 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
     corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     storage = checkpoint_root(cfg, run_dir)
     resume = args.resume
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and committed(storage):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (committed(storage) or (memory := memory_tier(cfg)) is not None and committed(memory.storage)):
         resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
     lock = RunLock(run_dir, node_name() if elastic else "")
     if not worker and not held_by_launcher(run_dir):
@@ -159,10 +161,11 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
             from keel.cli import forked_worker
             from keel.launch import launch
 
-            return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nnodes=args.nnodes,
-                          rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
-                          shutdown_grace_s=cfg.health.shutdown_grace_s,
-                          no_progress_restarts=cfg.health.no_progress_restarts)
+            with held_in_memory(cfg, run_dir, nproc):  # the memory tier outlives the workers, not the job
+                return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nnodes=args.nnodes,
+                              rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
+                              shutdown_grace_s=cfg.health.shutdown_grace_s,
+                              no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.drill.faults import as_callbacks
         from keel.train.worker import train
 
@@ -229,6 +232,7 @@ def restart_budget(args: argparse.Namespace, cfg: Config) -> int:
 
 def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> None:
     """What a start can check from its arguments and config alone, before it creates anything."""
+    from keel.checkpoint.memory import check_memory_tier
     from keel.drill.faults import check_injections
     from keel.monitor.run_monitor import check_exporter_ports
     from keel.monitor.tracking.registry import check_trackers
@@ -250,6 +254,7 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     check_trackers(cfg)
     if not in_torchrun_worker():  # the launcher: a port set in the config and taken, before any worker binds one
         check_exporter_ports(cfg.monitor, args.nproc or 1)
+        check_memory_tier(cfg, restart_budget(args, cfg), args.nnodes)
     if cfg.eval.downstream_tasks:
         for include in cfg.eval.downstream_include:
             check_input(include, "eval.downstream_include", "dir", "pass directories of lm-eval task YAML files")

@@ -408,6 +408,12 @@ class CheckpointConfig:
     on_storage_error: str = option("continue", "a save the volume refuses (full, quota, read-only, permission, "
                                    "vanished mount): continue with the previous checkpoint kept, or stop with "
                                    "exit 73", choices=("continue", "stop"))
+    memory_interval: int = option(0, "steps between checkpoints held in host memory (the node's shared memory, "
+                                  "kept by the launcher across worker restarts): workers restarted after a failure "
+                                  "restore the newest checkpoint of either tier, one in memory without reading "
+                                  "storage; 0: off", ge=0)
+    memory_dir: str = option("", "where the memory tier lives on each node (default: a directory in /dev/shm named "
+                             "after the run directory); a RAM filesystem its processes share")
 
 
 @dataclass

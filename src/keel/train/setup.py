@@ -18,6 +18,7 @@ from torch import nn
 import keel
 from keel.checkpoint.identity import run_identity
 from keel.checkpoint.manager import CheckpointManager
+from keel.checkpoint.memory import memory_tier
 from keel.checkpoint.resume import checkpoint_root
 from keel.config import Config
 from keel.core.callbacks import Callback, Hooks
@@ -171,7 +172,8 @@ def checkpoint_manager(cfg: Config, run_dir: Path, layout: Layout, events: Event
         cfg, run_dir, layout.describe(), events, on_write=partial(hooks.notify, "on_checkpoint_write"),
         # Where the tokenizer's file lies, for `keel ckpt export` to find it (its sha256 says it is the same).
         tokenizer={**corpus.manifest["tokenizer"], "corpus": str(corpus.dir.resolve())},
-        identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted)
+        identity=run_identity(cfg, corpus.fingerprint, corpus.manifest["tokenizer"]), accepted=accepted,
+        memory=memory_tier(cfg))
 
 
 def load_initial_weights(parts: list[torch.nn.Module], init_from: str, say: Callable[[str], None]) -> None:

@@ -38,6 +38,7 @@ from keel.train import components, setup
 from keel.train.callbacks import load_callbacks
 from keel.train.downstream import downstream_evaluation
 from keel.train.experts import expert_balance
+from keel.train.memory_tier import memory_checkpoints
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.replicas import ReplicaGroups
 from keel.train.reuse import job_key, measured_peak
@@ -175,7 +176,7 @@ class Trainer:
                           c.GuardCheck(self.guards, monitor, inspection, signals.of_step), writer, self.stopping,
                           self.recovery, *run_trackers(cfg, self.run_dir, monitor, self.events, self.say, self.rank0),
                           *expert_balance(cfg, self.parts, ctx.device), *users, WatchdogPhases(watchdog),
-                          StepEnd(monitor, self.events.emit, self.rank0)]:
+                          *memory_checkpoints(writer), StepEnd(monitor, self.events.emit, self.rank0)]:
             hooks.add(component)
         hooks.add(self.metrics, cfg.monitor.interval)
         hooks.add(self.evaluation, cfg.eval.interval or cfg.train.steps)

@@ -19,6 +19,7 @@ from keel.train.components import (
     PauseRequests,
 )
 from keel.train.downstream import DownstreamEvaluation
+from keel.train.memory_tier import MemoryCheckpoints
 from keel.train.replicas import ReplicaGroups
 from keel.train.rollback import Recovery
 from keel.train.signals import InstabilitySignals
@@ -28,10 +29,10 @@ from keel.train.watching import Evaluation, StepEnd, WatchdogPhases, WatchdogSec
 
 ORDER = ["Metering", "InstabilitySignals", "ReplicaGroups", "GuardInspection", "PauseRequests", "CheckpointDecision",
          "IntervalMetrics", "WatchdogSections", "Evaluation", "DownstreamEvaluation", "GuardCheck", "CheckpointWriter",
-         "Stopping", "Recovery", "Trackers", "Recorder", "WatchdogPhases", "StepEnd"]
+         "MemoryCheckpoints", "Stopping", "Recovery", "Trackers", "Recorder", "WatchdogPhases", "StepEnd"]
 BUILTIN = [Metering, InstabilitySignals, ReplicaGroups, GuardInspection, PauseRequests, CheckpointDecision,
-           IntervalMetrics, WatchdogSections, Evaluation, DownstreamEvaluation, GuardCheck, CheckpointWriter, Stopping,
-           Recovery, Trackers, WatchdogPhases, StepEnd]
+           IntervalMetrics, WatchdogSections, Evaluation, DownstreamEvaluation, GuardCheck, CheckpointWriter,
+           MemoryCheckpoints, Stopping, Recovery, Trackers, WatchdogPhases, StepEnd]
 
 
 class Recorder(Callback):
@@ -53,7 +54,9 @@ def test_every_built_in_component_declares_a_place_of_its_own() -> None:
 def test_a_built_run_runs_its_components_in_the_declared_order(build: Callable[..., Trainer]) -> None:
     trainer = build([CallbackSpec(path=f"{__name__}:Recorder"), CallbackSpec(path=f"{__name__}:Second")])
     names = [type(cb).__name__ for cb in trainer.hooks.callbacks]
-    # This run has no replica groups, downstream tasks or trackers; its two configured callbacks keep their order.
-    expected = [name for name in ORDER if name not in ("ReplicaGroups", "DownstreamEvaluation", "Trackers")]
+    # This run has no replica groups, downstream tasks, trackers or memory tier; its two configured callbacks keep
+    # their order.
+    expected = [name for name in ORDER
+                if name not in ("ReplicaGroups", "DownstreamEvaluation", "Trackers", "MemoryCheckpoints")]
     at = expected.index("Recorder") + 1
     assert names == [*expected[:at], "Second", *expected[at:]]

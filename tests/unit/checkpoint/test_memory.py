@@ -1,0 +1,106 @@
+"""The memory tier in one process: a resume takes the newest checkpoint of either tier (memory at the same step),
+a copy in memory that does not verify gives way to the next, and a tier that cannot serve the job is refused
+before anything starts, in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.checkpoint.manager import CheckpointManager
+from keel.checkpoint.memory import MEMORY_DIR_ENV, check_memory_tier, held_in_memory, memory_root, memory_tier
+from keel.config import load_config
+from keel.core.state import TrainState
+from keel.errors import ConfigError
+from keel.rundir.events import EventLog, read_jsonl
+
+
+class Tiers:
+    """A model, its optimizer, a storage manager with a memory tier, and the tier's own writer."""
+
+    def __init__(self, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(16, 16)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.cfg = load_config(None, [f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.memory_interval=5"])
+        monkeypatch.setenv(MEMORY_DIR_ENV, str(run_dir / "shm"))
+        self.events_path = run_dir / "events.jsonl"
+        self.manager = CheckpointManager(self.cfg, run_dir, "dp=1", EventLog(self.events_path, rank=0),
+                                         memory=memory_tier(self.cfg))
+        assert self.manager.memory_writer is not None
+        self.memory = self.manager.memory_writer
+
+    def step(self, step: int, *writers: CheckpointManager) -> None:
+        """One update, then a save of its state by each of `writers`."""
+        self.model(torch.randn(2, 16)).sum().backward()
+        self.optimizer.step()
+        for writer in writers:
+            (outcome,) = writer.save([self.model], [self.optimizer], TrainState(step=step), wait=True)
+            assert outcome.committed, outcome.error
+
+    def restored(self) -> tuple[int, str]:
+        got = self.manager.restore([self.model], [self.optimizer], "auto", lambda line: None)
+        assert got is not None
+        return got[0].step, got[1]
+
+
+def test_a_resume_takes_the_newest_step_of_either_tier_and_memory_at_the_same_step(
+        tmp_path: Path, group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiers = Tiers(tmp_path, monkeypatch)
+    tiers.step(5, tiers.memory)
+    tiers.step(10, tiers.manager, tiers.memory)
+    kept = {k: v.clone() for k, v in tiers.model.state_dict().items()}
+    tiers.step(15, tiers.memory)
+    tiers.step(20, tiers.manager)
+    assert tiers.restored() == (20, f"{tmp_path / 'ckpt'}/step-000020"), "storage is newer"
+    (tmp_path / "ckpt" / "step-000020" / "manifest.json").unlink()
+    assert tiers.restored() == (15, f"{tmp_path / 'shm'}/step-000015"), "then memory"
+    assert sorted(p.name for p in (tmp_path / "shm").glob("step-*")) == ["step-000010", "step-000015"], "two kept"
+    with open(tmp_path / "shm" / "step-000015" / "__0_0.distcp", "r+b") as f:
+        f.truncate(10)
+    assert tiers.restored() == (10, f"{tmp_path / 'shm'}/step-000010"), "a tie goes to memory"
+    assert all(torch.equal(v, kept[k]) for k, v in tiers.model.state_dict().items())
+    assert not (tmp_path / "shm" / "step-000015").exists(), "the copy that failed is gone"
+    actions = [(e["kind"], e["action"], e["step"]) for e in read_jsonl(tiers.events_path)
+               if e["action"] in ("restored", "skipped")]
+    assert actions == [("memory", "restored", 15), ("checkpoint", "skipped", 20), ("memory", "restored", 10),
+                       ("memory", "skipped", 15)]
+
+
+def test_the_launcher_holds_the_tier_for_the_job_and_removes_it_after(tmp_path: Path) -> None:
+    cfg = load_config(None, ["checkpoint.memory_interval=5", f"checkpoint.memory_dir={tmp_path / 'shm'}"])
+    with held_in_memory(cfg, tmp_path / "run", nproc=2) as root:
+        assert root == tmp_path / "shm" and root.is_dir()
+        tier = memory_tier(cfg)
+        assert tier is not None and tier.storage.path() == str(root) and tier.policy.keep_last == 2
+        (root / "step-000005").mkdir()
+    assert not root.exists() and memory_tier(cfg) is None
+    off = load_config(None, [])
+    with held_in_memory(off, tmp_path / "run", nproc=2) as none:
+        assert none is None
+    assert memory_root("", tmp_path / "a") != memory_root("", tmp_path / "b"), "one tier per run directory"
+
+
+@pytest.mark.parametrize(("overrides", "restarts", "nnodes", "expect"), [
+    (["fault_tolerance.replica_groups=2"], 1, "1", "replica groups heal from a live group"),
+    ([], 0, "1", "--max-restarts 0"),
+    ([], 1, "2", "--nnodes 2"),
+])
+def test_a_memory_tier_that_cannot_serve_the_job_is_refused_in_one_line(
+        overrides: list[str], restarts: int, nnodes: str, expect: str) -> None:
+    cfg = load_config(None, ["checkpoint.memory_interval=5", *overrides])
+    with pytest.raises(ConfigError, match=expect) as refused:
+        check_memory_tier(cfg, restarts, nnodes)
+    assert "\n" not in str(refused.value) and "checkpoint.memory_interval = 0" in str(refused.value)
+    check_memory_tier(load_config(None, []), 0, "2")  # off: nothing to refuse
+
+
+def test_a_memory_tier_larger_than_the_free_shared_memory_is_refused_before_it_is_made(tmp_path: Path) -> None:
+    cfg = load_config(None, ["checkpoint.memory_interval=5", f"checkpoint.memory_dir={tmp_path / 'shm'}",
+                             "model.dim=16384", "model.n_layers=400", "model.n_heads=128", "model.n_kv_heads=8"])
+    with pytest.raises(ConfigError, match=r"needs .* free; .*checkpoint.memory_interval = 0"), \
+            held_in_memory(cfg, tmp_path / "run", nproc=2):
+        pass
+    assert not (tmp_path / "shm").exists()
