@@ -1,7 +1,7 @@
 """The memory tier in real runs: a rank SIGKILLed at a random step, its workers restarted by the launcher,
 restore the newest checkpoint held in the node's shared memory without opening a file of the checkpoint storage
-(an inotify watch on it, ordered against the run's own event log), and end bitwise equal to the run that never
-failed."""
+(an inotify watch on it, ordered against the memory tier's next save), and end bitwise equal to the run that
+never failed."""
 
 from __future__ import annotations
 
@@ -23,19 +23,20 @@ from tests.conftest import SMALL_RUN, kill_tagged, spawn_keel
 
 pytestmark = pytest.mark.dist
 
-IN_ACCESS, IN_MODIFY, IN_OPEN, IN_ISDIR = 0x1, 0x2, 0x20, 0x40000000
+IN_ACCESS, IN_OPEN, IN_MOVED_TO, IN_CREATE, IN_ISDIR = 0x1, 0x20, 0x80, 0x100, 0x40000000
 EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
 
 
 class Watch:
-    """inotify on the event log (each record is one write, so one IN_MODIFY) and on the committed checkpoints'
-    directories (any file opened or read in them), its events kept in the order the kernel queued them."""
+    """inotify on the memory tier's directory (a save creates its staging directory there) and on the committed
+    storage checkpoints' directories (any file opened or read in them), its events kept in the order the kernel
+    queued them."""
 
-    def __init__(self, events_log: Path, checkpoint_dirs: list[Path]) -> None:
+    def __init__(self, memory: Path, checkpoint_dirs: list[Path]) -> None:
         self.libc = ctypes.CDLL("libc.so.6", use_errno=True)
         self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
         assert self.fd >= 0, os.strerror(ctypes.get_errno())
-        self.names = {self._add(events_log, IN_MODIFY): "events"}
+        self.names = {self._add(memory, IN_CREATE | IN_MOVED_TO): "memory"}
         self.names.update({self._add(d, IN_OPEN | IN_ACCESS): d.name for d in checkpoint_dirs})
         self.seen: list[tuple[str, int, str]] = []  # (what, mask, file name)
         self.done = threading.Event()
@@ -66,18 +67,17 @@ class Watch:
         self.thread.join()
         os.close(self.fd)
 
-    def opened_before_record(self, records: int) -> list[str]:
-        """The checkpoint files opened or read before the event log's `records`-th record since the watch began
-        (listing a checkpoint's directory reads none of its bytes)."""
-        written, opened = 0, []
+    def opened_before_save_of(self, step: int) -> list[str]:
+        """The storage files opened or read before the memory tier began its save of a step after `step` (listing
+        a checkpoint's directory reads none of its bytes)."""
+        opened = []
         for what, mask, name in self.seen:
-            if what == "events":
-                written += 1
-                if written == records:
+            if what == "memory":
+                if name.startswith("step-") and int(name[5:11]) > step:
                     return opened
             elif not mask & IN_ISDIR:
                 opened.append(f"{what}/{name}")
-        raise AssertionError(f"the watch saw {written} records of the event log, not {records}")
+        raise AssertionError(f"the memory tier saved no step after {step} while watched: {self.seen}")
 
 
 def _wait_for(path: Path, found, timeout: float = 120.0) -> tuple[int, dict]:
@@ -94,38 +94,40 @@ def _wait_for(path: Path, found, timeout: float = 120.0) -> tuple[int, dict]:
 
 def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_and_ends_bitwise(
         small_corpus: Path, reference_run: Path, tmp_path: Path) -> None:
-    # Not just after a storage save (its background write settles first) nor in the step after a memory save
-    # (whose write may not be committed yet): a kill in step S redoes the steps since the newest memory step.
-    step = random.choice([s for s in range(13, 40) if s % 10 >= 3 and s % 5 != 1])
+    # Storage saves at 20 and 40, memory every 5 steps. The kill comes after the save of step 20 has settled, not
+    # in the step after a memory save (whose write may not be committed yet), and early enough for a memory save
+    # before step 40: until then nothing of the run has a reason to read the storage tier. Every step is made
+    # 0.2 s slower (the math untouched), longer than a save takes to write, as a step of a real model is.
+    step = random.choice([s for s in range(23, 36) if s % 5 != 1])
     run_dir = tmp_path / "killed"
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--run-dir", str(run_dir), *SMALL_RUN,
-            "train.steps=40", f"data.dir={small_corpus}", "checkpoint.interval=10", "checkpoint.keep_last=10",
-            "checkpoint.memory_interval=5", f'drill.inject=["kill:step={step},rank=1"]']
+            "train.steps=40", f"data.dir={small_corpus}", "checkpoint.interval=20", "checkpoint.keep_last=10",
+            "checkpoint.memory_interval=5", f'drill.inject=["kill:step={step},rank=1", "slow:rank=-1,seconds=0.2"]']
     memory = memory_root("", run_dir)
     with (tmp_path / "out.log").open("w") as out, (tmp_path / "err.log").open("w") as err:
         proc, tag = spawn_keel(args, tmp_path, text=True, stdout=out, stderr=err)
     watch = None
     try:
         events_log = run_dir / "events.jsonl"
-        _wait_for(events_log, lambda r: r["kind"] == "drill" and r["action"] == "inject")
-        before = len(read_jsonl(events_log))
+        _wait_for(events_log, lambda r: r["kind"] == "drill" and r["action"] == "inject" and r["step"] == step)
         stored = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
-        watch = Watch(events_log, stored)
-        resumed_at, resumed = _wait_for(events_log, lambda r: r["kind"] == "resume")
+        held = max(int(p.name[5:11]) for p in memory.glob("step-*"))
+        watch = Watch(memory, stored)
         assert proc.wait(timeout=180) == 0, (tmp_path / "err.log").read_text()[-3000:]
     finally:
         if watch is not None:
             watch.close()
         kill_tagged(tag)
     newest = (step - 1) // 5 * 5
-    assert [int(p.name.removeprefix("step-")) for p in stored] == list(range(10, step, 10)), "storage had its own"
-    assert watch.opened_before_record(resumed_at - before + 1) == [], "the restore read the checkpoint storage"
-    (restored,) = [r for r in read_jsonl(run_dir / "events.jsonl") if r["kind"] == "memory" and
-                   r["action"] == "restored"]
+    assert [p.name for p in stored] == ["step-000020"], "the storage tier had its own checkpoint"
+    assert watch.opened_before_save_of(held) == [], f"the restore read the checkpoint storage (killed in {step})"
+    events = read_jsonl(run_dir / "events.jsonl")
+    (restored,) = [r for r in events if r["kind"] == "memory" and r["action"] == "restored"]
+    (resumed,) = [r for r in events if r["kind"] == "resume"]
     assert (restored["step"], resumed["step"]) == (newest, newest), f"killed in step {step}"
-    assert restored["path"] == f"{memory}/step-{newest:06d}" and step - newest <= 5
+    assert restored["detail"]["path"] == f"{memory}/step-{newest:06d}" and step - newest <= 5
     assert state_sha256(run_dir / "checkpoints" / "step-000040") == \
         state_sha256(reference_run / "checkpoints" / "step-000040"), f"killed in step {step}"
     assert not memory.exists(), "the launcher removes the memory tier when the job ends"
-    restarts = [r for r in read_jsonl(run_dir / "events.jsonl") if r["kind"] == "failure"]
+    restarts = [r for r in events if r["kind"] == "failure"]
     assert [r["action"] for r in restarts] == ["restart"], json.dumps(restarts)
