@@ -234,6 +234,11 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
     scenarios = [
         Scenario("kill_mid_step", "a rank SIGKILLed mid-step is restarted and the run ends bitwise equal",
                  inject=(f"kill:step={mid},rank={r}",), fault_step=mid, max_restarts=1, detect=("failure", "")),
+        Scenario("kill_restored_from_memory", "with the state also held in memory every 2 steps, a rank SIGKILLed "
+                 "mid-step is restarted from the newest copy in memory, reading no storage, and the run ends bitwise "
+                 "equal", inject=(f"kill:step={mid},rank={r}",), fault_step=mid, max_restarts=1,
+                 tuning=("checkpoint.memory_interval=2",), detect=("failure", ""),
+                 recovered_by=("memory", "restored")),
         Scenario("kill_during_save", "a SIGKILL during a background checkpoint write loses no committed state; "
                  "the rerun resumes from the previous checkpoint and ends bitwise equal",
                  inject=(f"sigkill_during_checkpoint_write:step={save},rank={r}",), fault_step=save, rerun=True,
