@@ -106,10 +106,11 @@ def main() -> None:
               f"{r['at_rest_fraction']:>9.4f}")
     print(f"ratio: guards on / off, median over repeats (target <= {TARGET}); the last four columns: one fingerprint "
           "check, one replay, one snapshot, a step's at-rest check and seal, as fractions of a step")
-    # One entry per config and layout: a run of some keeps the others' results.
+    # One entry per config, layout and overrides: a run of some keeps the others' results.
     earlier = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else []
-    measured = {(n["config"], n["layout"]) for n in results}
-    kept = [r for r in earlier if (r["config"], r.get("layout")) not in measured and "layout" in r]
+    measured = {(n["config"], n["layout"], tuple(n["overrides"])) for n in results}
+    kept = [r for r in earlier if (r["config"], r.get("layout"), tuple(r["overrides"])) not in measured
+            and "layout" in r]
     for r in results:
         r.update({"nproc": args.nproc, "steps": args.steps, "repeats": args.repeats,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")})

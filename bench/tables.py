@@ -127,8 +127,10 @@ def guard_overhead() -> str:
                  f"tokens, {r['steps']} steps")
         repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
         fingerprint = f"{r['fingerprint_fraction']:.3f}" if r["fingerprint_fraction"] else "none (no replica)"
-        rows.append([f"{cfg.name} ({shape})", r["layout"], f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
-                     f"{r['ratio']:.3f} ({repeats})", f"{r['at_rest_fraction']:.4f}", fingerprint,
+        guards = ", ".join(f"`{o}`" for o in r["overrides"] if o.startswith("guard."))  # beside the defaults
+        rows.append([f"{cfg.name} ({shape})", r["layout"] + (f", {guards}" if guards else ""), f"{r['step_s_on']:.3f}",
+                     f"{r['step_s_off']:.3f}", f"{r['ratio']:.3f} ({repeats})", f"{r['at_rest_fraction']:.4f}",
+                     fingerprint,
                      f"{r['replay_fraction']:.2f}", f"{r['snapshot_fraction']:.3f}"])
     return _table(["config", "layout", "guards on, s/step", "off, s/step", "ratio on/off, median (repeats)",
                    "at-rest check and seal, every step", "one fingerprint check", "one replay", "one snapshot"],

@@ -454,6 +454,10 @@ class SdcConfig:
                                    "it before the next one (also after every restore and rollback); 1 watches every "
                                    "step, N only every N-th step's (the update rewrites the state: no step is "
                                    "checked later); 0: off", ge=0)
+    at_rest_moments_every: int = option(1, "the optimizer state is checked at rest in this many turns, the "
+                                        "parameters at every check: N > 1 lowers the check's cost (down to a third "
+                                        "with Adam) but catches a corruption of the optimizer state only when it "
+                                        "falls in its tensor's turn (one check in N); 1: all of it every time", ge=1)
     response: str = option("rollback", "on a suspect rank: roll back and go on, or also exit with code 76 so "
                            "that the launcher restarts without its node", choices=("rollback", "exit"))
 

@@ -49,7 +49,7 @@ OWN_KEYS = ("train.steps", "checkpoint.interval", "checkpoint.dir", "drill.injec
 # Settings that decide only when a detector looks, never what a run computes (the scenarios' tuning is made
 # of them): clean runs that differ in them alone are the same reference.
 LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_interval"),
-             ("guard", "sdc", "at_rest_interval"), ("health", "watchdog"))
+             ("guard", "sdc", "at_rest_interval"), ("guard", "sdc", "at_rest_moments_every"), ("health", "watchdog"))
 
 
 class DrillError(RuntimeError):

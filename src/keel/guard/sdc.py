@@ -51,7 +51,8 @@ def fingerprint(tensors: Sequence[torch.Tensor | None], host: bool = True) -> to
             continue
         t = local(t).detach()
         bits = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
-        sums.append(bits.sum(dtype=bits.dtype).long() if t.is_floating_point() else bits.sum(dtype=torch.int64))
+        total = bits.sum(dtype=bits.dtype).long() if t.is_floating_point() else bits.sum(dtype=torch.int64)
+        sums.append(total if total.device == zero.device else total.to(zero.device))  # Adam's step stays on the host
     return torch.stack(sums).cpu() if host else torch.stack(sums)
 
 
@@ -121,8 +122,10 @@ class SdcGuard:
         self.pending: dict | None = None  # a two-replica disagreement, waiting for its re-execution
         self.disputed: dict[int, torch.Tensor] = {}  # this rank's copy of the tensors in dispute
         self.check_s = self.replay_s = self.at_rest_s = 0.0  # the last check, replay, at-rest check and seal
-        self.sealed: tuple[int, torch.Tensor] | None = None  # the step sealed and its fingerprint
+        self.moments_every = self.cfg.at_rest_moments_every
+        self.sealed: tuple[int, list[int], torch.Tensor] | None = None  # the step sealed, what of watched, fingerprint
         self.watched: list[torch.Tensor] = []  # the local shards sealed
+        self.turns: list[int] = []  # each watched tensor's turn: -1 for a parameter (every check)
         self.held: list = []  # the parameters and optimizer state they are the local shards of
         self.update_due = False  # the coming update is re-executed (its step's replay passed)
         self.expected: torch.Tensor | None = None  # the re-executed update's fingerprints
@@ -178,10 +181,13 @@ class SdcGuard:
         self.expected = torch.cat(expected)
         self.update_s = time.perf_counter() - started
 
-    def _gather_changed(self, expected: torch.Tensor) -> list[list[str]]:
-        """Every rank's names of its live tensors whose fingerprint is not `expected`'s (this rank's, on the host)."""
-        now = fingerprint(live_tensors(self.optimizers)[0])
-        names = tensor_names(self.optimizers, self.names)
+    def _gather_changed(self, expected: torch.Tensor, chosen: list[int] | None = None) -> list[list[str]]:
+        """Every rank's names of its live tensors (those `chosen`, by position) whose fingerprint is not
+        `expected`'s (this rank's, on the host)."""
+        live, names = live_tensors(self.optimizers)[0], tensor_names(self.optimizers, self.names)
+        if chosen is not None:
+            live, names = [live[i] for i in chosen], [names[i] for i in chosen]
+        now = fingerprint(live)
         changed = ([names[i] for i in (now != expected).nonzero().flatten().tolist()]
                    if now.shape == expected.shape else ["the optimizer state's layout"])
         found: list = [None] * self.world
@@ -209,12 +215,16 @@ class SdcGuard:
 
     def seal(self, step: int, force: bool = False) -> None:
         """After the update of `step` (every `at_rest_interval` steps), a restore, rollback or heal (`force`):
-        this rank's fingerprint of its own shards of parameters and optimizer state as written, kept where they
-        are (a GPU's reduction at memory bandwidth, no copy to the host)."""
+        this rank's fingerprint of its own shards of the parameters and of the optimizer state whose turn it is
+        (all of it when forced) as written, kept where they are (a GPU's reduction at memory bandwidth, no copy
+        to the host)."""
         interval = self.at_rest_interval
         if interval and (force or step % interval == 0):
             started = time.perf_counter()
-            self.sealed = (step, fingerprint(self._watched(), host=False))
+            watched, turn = self._watched(), (step // interval) % self.moments_every
+            chosen = (list(range(len(watched))) if force or self.moments_every == 1 else
+                      [i for i, t in enumerate(self.turns) if t in (-1, turn)])
+            self.sealed = (step, chosen, fingerprint([watched[i] for i in chosen], host=False))
             self.at_rest_s += time.perf_counter() - started
         else:
             self.sealed = None  # an update since: unsealed until the next sealed step
@@ -225,8 +235,23 @@ class SdcGuard:
         held = [t for o in self.optimizers for g in o.param_groups for p in g["params"]
                 for t in (p, *o.state.get(p, {}).values())]
         if len(held) != len(self.held) or any(a is not b for a, b in zip(held, self.held, strict=True)):
-            self.held, self.watched = held, live_tensors(self.optimizers)[0]  # views the updates write in place
+            self.held, (self.watched, keys) = held, live_tensors(self.optimizers)  # views the updates write in place
+            self.turns = self._turns(keys)
         return self.watched
+
+    def _turns(self, keys: list[tuple[int, tuple]]) -> list[int]:
+        """Each watched tensor's turn (live_tensors' order): -1 for a parameter; the optimizer state is dealt out
+        to `moments_every` turns, each tensor to the turn holding the fewest bytes so far, so that the turns
+        cost alike."""
+        turns, load = [], [0] * self.moments_every
+        for _, state in keys:
+            turns.append(-1)
+            for _ in state:
+                tensor = self.watched[len(turns)]
+                turn = min(range(self.moments_every), key=load.__getitem__)
+                load[turn] += tensor.numel() * tensor.element_size()
+                turns.append(turn)
+        return turns
 
     def changed_at_rest(self, step: int, device: torch.device) -> torch.Tensor:
         """Before the update of `step`, on the device: how many of this rank's tensors no longer match their seal
@@ -235,8 +260,8 @@ class SdcGuard:
         if self.sealed is None or self.sealed[0] != step - 1:
             return torch.zeros((), device=device)
         started = time.perf_counter()
-        now = fingerprint(self.watched, host=False)  # the tensors sealed
-        sealed = self.sealed[1]
+        _, chosen, sealed = self.sealed
+        now = fingerprint([self.watched[i] for i in chosen], host=False)  # the tensors sealed
         changed = (now != sealed).sum() if now.shape == sealed.shape else torch.ones((), device=now.device)
         self.at_rest_s = time.perf_counter() - started  # a step's check, then its seal
         return changed.float().to(device)
@@ -246,8 +271,8 @@ class SdcGuard:
         was changed by nothing the run did (the forward and backward read it; the update has not run). With no
         replica to vote, its own seal names the rank and the tensor; the run goes back to the state sealed."""
         assert self.sealed is not None
-        sealed_at, sealed = self.sealed
-        found = self._gather_changed(sealed.cpu())
+        sealed_at, chosen, sealed = self.sealed
+        found = self._gather_changed(sealed.cpu(), chosen)
         suspects = tuple(r for r, tensors in enumerate(found) if tensors)
         evidence = {"detector": "at_rest", "ranks": list(suspects), "sealed_step": sealed_at,
                     "tensors": {r: found[r] for r in suspects}}
