@@ -18,6 +18,7 @@ import pytest
 
 from keel.checkpoint.inspect import state_sha256
 from keel.checkpoint.memory import memory_root
+from keel.report.status import summary, summary_lines
 from keel.rundir.events import read_jsonl
 from tests.conftest import SMALL_RUN, kill_tagged, spawn_keel
 
@@ -126,6 +127,11 @@ def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_
     (resumed,) = [r for r in events if r["kind"] == "resume"]
     assert (restored["step"], resumed["step"]) == (newest, newest), f"killed in step {step}"
     assert restored["detail"]["path"] == f"{memory}/step-{newest:06d}" and step - newest <= 5
+    assert resumed["detail"]["tier"] == "memory"
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    assert [(r["step"], r["tier"]) for r in goodput["restores"]] == [(newest, "memory")]
+    assert set(goodput["restore_s_by_tier"]) == {"memory"}
+    assert f"last restore: step {newest} from the memory tier" in "\n".join(summary_lines(summary(run_dir)))
     assert state_sha256(run_dir / "checkpoints" / "step-000040") == \
         state_sha256(reference_run / "checkpoints" / "step-000040"), f"killed in step {step}"
     assert not memory.exists(), "the launcher removes the memory tier when the job ends"

@@ -135,6 +135,7 @@ class CheckpointManager:
         self.storage = checkpoint_root(cfg, run_dir) if tier is None else tier.storage
         self.kind = "checkpoint" if tier is None else "memory"  # the kind of its events
         self.memory = memory.storage if memory is not None else None  # a resume's second tier
+        self.restored_tier = ""  # the tier of the checkpoint `restore` loaded: "storage" or "memory"
         self.layout, self.events, self.on_write = layout, events, on_write
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # The writer thread's collectives run beside the training loop's, so they get a group of their own.
@@ -500,7 +501,9 @@ class CheckpointManager:
             return None
         if resume != "auto":
             storage, name = locate(resume)
-            return self._load(storage, name, parts, optimizers), storage.path(name)
+            loaded = self._load(storage, name, parts, optimizers)
+            self.restored_tier = "storage"
+            return loaded, storage.path(name)
         return self._restore_newest(parts, optimizers, say)
 
     def _set_aside_unverified(self) -> None:
@@ -520,6 +523,7 @@ class CheckpointManager:
             except CheckpointError as e:
                 failed.append((storage, name, str(e)))
                 continue
+            self.restored_tier = "storage" if storage is self.storage else "memory"
             if storage is self.storage:
                 self.verdicts[name] = []
             elif self.rank == 0:  # the storage tier was not read
@@ -561,8 +565,11 @@ class CheckpointManager:
             shared = [listing]
             dist.broadcast_object_list(shared, src=0)
             listing = shared[0]
-        memory = self.memory
-        return [(self.storage if t == 0 or memory is None else memory, n) for t, n in listing]
+        return [(self._tier(t), n) for t, n in listing]
+
+    def _tier(self, index: int) -> Storage:
+        """The tier `_listing` numbers `index`."""
+        return self.memory if index == 1 and self.memory is not None else self.storage
 
     def _load(self, storage: Storage, name: str, parts: list[nn.Module],
               optimizers: list[torch.optim.Optimizer]) -> TrainState:
@@ -638,7 +645,7 @@ class CheckpointManager:
             if not listing:
                 return
             tier, name = listing[0]
-            storage = self.storage if tier == 0 or self.memory is None else self.memory
+            storage = self._tier(tier)
         else:
             storage, name = locate(resume)
         manifest = read_manifest(storage, name)

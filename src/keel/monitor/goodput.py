@@ -30,7 +30,8 @@ BUCKET_HELP = {
     "productive": "training steps done for the first time",
     "startup": "process start, initialisation and preflight until the first step; the exit after the last",
     "checkpoint_blocking": "training blocked by checkpoint saves",
-    "checkpoint_restore": "loading a checkpoint at a start, or an in-memory snapshot at a rollback",
+    "checkpoint_restore": "loading a checkpoint at a start (from storage or the memory tier: goodput.json's "
+                          "restore_s_by_tier), or an in-memory snapshot at a rollback",
     "wasted": "steps recomputed after a restart or a rollback",
     "data_wait": "waiting for the data loader",
     "guard_checks": "numerical and replica checks of the guards",
@@ -42,6 +43,7 @@ BUCKET_HELP = {
     "replica_cover": "replica groups: the survivors' extra micro-batches, the share of the missing groups",
 }
 MAX_HISTORY = 2000
+MAX_RESTORES = 100  # the restores listed (their time by tier is kept in full)
 
 
 def new_ledger(started: float) -> dict:
@@ -110,6 +112,15 @@ class GoodputLedger:
         seconds = min(max(0.0, seconds), self.buckets[source])
         self.buckets[source] -= seconds
         self.buckets[to] += seconds
+
+    def restored(self, step: int, tier: str, seconds: float) -> None:
+        """A start restored `step` from a checkpoint of `tier` ("storage" or "memory") in `seconds`, all of it
+        charged to `checkpoint_restore`: kept by tier, and the latest few restores listed."""
+        by_tier = self.data.setdefault("restore_s_by_tier", {})
+        by_tier[tier] = round(by_tier.get(tier, 0.0) + seconds, 6)
+        self.data["restores"] = [*self.data.get("restores", []),
+                                 {"time": round(time.time(), 3), "step": step, "tier": tier,
+                                  "seconds": round(seconds, 6)}][-MAX_RESTORES:]
 
     def step_done(self, step: int) -> None:
         if step <= self.data["high_water"]:

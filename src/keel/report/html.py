@@ -399,6 +399,8 @@ def goodput(run: Run) -> str:
               f"{buckets[k] / total:.1%}") for k in order]
     facts = [f"goodput ratio {buckets.get('productive', 0.0) / total:.1%} of {fmt_duration(total)}",
              f"{g.get('attempts', '-')} start(s)", f"{g.get('recomputed_steps', 0)} recomputed step(s)"]
+    facts += [f"restored from {tier}: {fmt_duration(seconds)}" for tier, seconds in
+              sorted((g.get("restore_s_by_tier") or {}).items()) if finite(seconds)]
     if g.get("ended"):
         facts.append(f"ended: {g['ended']}")
     bars = panel("Where the wall time went", bar_chart(items, width=600, label="goodput buckets"),

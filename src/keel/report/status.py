@@ -97,11 +97,20 @@ def summarize(run: Run, events: int = 5) -> dict:
     alerts = [e for e in since_start if e.get("kind") == "alert"][::-1][:5]
     tokens = last_value(run.metrics, "train/tokens_seen")
     ratio = goodput_ratio(run.goodput)
+    resumes = [e for e in run.events if e.get("kind") == "resume" and isinstance(e.get("detail"), dict)]
     return {**info, "name": run.config.get("name") or run.summary.get("name") or run.path.name, "step": step,
             "total_steps": total, "step_s": step_s, "eta_s": eta_s,
             "train_loss": last_value(run.metrics, "train/loss"), "val_loss": last_value(run.metrics, "val/loss"),
             "tokens_seen": tokens["value"] if tokens else run.summary.get("tokens_seen"),
-            "goodput_ratio": ratio, "wall_s": wall_seconds(run, info["since"]), "alerts": alerts}
+            "goodput_ratio": ratio, "wall_s": wall_seconds(run, info["since"]), "alerts": alerts,
+            "last_restore": last_restore(resumes[-1]) if resumes else None}
+
+
+def last_restore(event: dict) -> dict:
+    """Which tier and step the latest start restored, and how long the load took."""
+    detail = event["detail"]
+    return {"step": event.get("step"), "tier": detail.get("tier") or "storage", "checkpoint": detail.get("checkpoint"),
+            "load_s": detail.get("load_s"), "time": event.get("time")}
 
 
 def group_dirs(run_dir: Path) -> list[Path]:
@@ -204,6 +213,10 @@ def summary_lines(info: dict) -> list[str]:
             lines.append(f"  ETA {format_duration(info['eta_s'])} ({pace})")
         else:
             lines.append(f"  remaining {format_duration(info['eta_s'])} of training once resumed ({pace})")
+    if (restore := info.get("last_restore")) is not None:
+        took = f" in {restore['load_s']:.2f} s" if finite(restore.get("load_s")) else ""
+        lines.append(f"  last restore: step {restore['step']} from the {restore['tier']} tier{took} at "
+                     f"{_clock(restore.get('time'))} ({restore['checkpoint']})")
     lines.append(f"  loss: train {_loss(info['train_loss'])} · validation {_loss(info['val_loss'])}")
     ratio, wall = info["goodput_ratio"], info["wall_s"]
     lines.append(f"  goodput {f'{ratio:.1%}' if ratio is not None else '-'}"

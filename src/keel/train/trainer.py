@@ -198,8 +198,7 @@ class Trainer:
             self.state.register(name, stateful)
 
     def _resume(self, resume: str, accepted: tuple[str, ...], restore: bool = True) -> int | None:
-        """The newest checkpoint of the run that verifies, unless told otherwise (or the state was received
-        from a live replica group)."""
+        """The newest checkpoint that verifies, unless told otherwise (or the state came from a live replica group)."""
         cfg, state, ledger = self.cfg, self.state, self.monitor.ledger
         loading = time.perf_counter()
         ledger.charge("startup")
@@ -209,15 +208,16 @@ class Trainer:
         if restored is None and restore and cfg.model.init_from:
             setup.load_initial_weights(self.parts, cfg.model.init_from, self.say)
         if restored is not None:
-            saved, resume_from = restored
+            (saved, resume_from), tier = restored, self.manager.restored_tier
             state.load(saved.record)
             self.loader_state.allow_corpus_change = True  # a rollback's states are all this run's own
             state.interruptions += 1
             self.hooks.notify("on_checkpoint_loaded", state, resume_from)
+            ledger.restored(state.step, tier, load_s)
             if self.rank0:
-                self.events.emit("resume", state.step, "resume", checkpoint=str(resume_from),
+                self.events.emit("resume", state.step, "resume", checkpoint=str(resume_from), tier=tier,
                                  tokens_seen=state.tokens_seen, load_s=round(load_s, 3))
-            self.say(f"resumed {cfg.name} from {resume_from} at step {state.step}")
+            self.say(f"resumed {cfg.name} from {resume_from} ({tier} tier) at step {state.step}")
         if state.step >= cfg.train.steps:
             self.status("finished")
             return already_finished(cfg, self.run_dir, state.step, self.events, self.say, self.rank0)

@@ -119,6 +119,20 @@ def test_ledger_charges_are_contiguous_and_persisted(tmp_path: Path) -> None:
     assert data["history"][-1]["step"] == 2
 
 
+def test_each_start_restore_is_kept_by_tier_across_starts(tmp_path: Path) -> None:
+    first = GoodputLedger(tmp_path, started=0.0, write=True)
+    first.restored(40, "storage", 2.5)
+    first.flush(40)
+    second = GoodputLedger(tmp_path, started=10.0, write=True)
+    second.restored(55, "memory", 0.25)
+    second.restored(60, "memory", 0.5)
+    second.flush(60)
+    data = read_ledger(tmp_path)
+    assert data["restore_s_by_tier"] == {"storage": 2.5, "memory": 0.75}
+    assert [(r["step"], r["tier"], r["seconds"]) for r in data["restores"]] == [
+        (40, "storage", 2.5), (55, "memory", 0.25), (60, "memory", 0.5)]
+
+
 def make_steps(ledger: GoodputLedger, steps: range, ends_at: Callable[[int], float], flush_every: int = 0) -> None:
     """Steps as the trainer makes them: each ends at `ends_at(step)`, its time wasted when recomputed."""
     for step in steps:

@@ -79,7 +79,8 @@ def synthetic_run(path: Path, steps: int = 300, total: int = 1000, state: str = 
                for k in range(1, 6)]
     (path / "goodput.json").write_text(json.dumps({"version": 1, "started": T0, "updated": T0 + 150, "open": True,
                                                    "ended": "", "attempts": 2, "high_water": steps,
-                                                   "recomputed_steps": 70, "buckets": buckets, "history": history}))
+                                                   "recomputed_steps": 70, "buckets": buckets, "history": history,
+                                                   "restore_s_by_tier": {"storage": 4.5}}))
     write_jsonl(path / "telemetry.jsonl", [
         {"time": T0 + t, "node": "node-a", "readings": {
             "host_cpu_utilization_ratio": 0.5, "host_memory_used_bytes": 2.0 * 2 ** 30,
@@ -209,6 +210,7 @@ def test_goodput_and_hardware_panels(tmp_path: Path) -> None:
     page = write_report(synthetic_run(tmp_path / "run")).read_text()
     assert "productive: 2m · 80.0%" in page and "wasted: 15s · 10.0%" in page
     assert "goodput ratio 80.0% of 2m30s" in page and "70 recomputed step(s)" in page
+    assert "restored from storage: 4.5s" in page
     assert "paused:" not in page  # an empty bucket gets no bar
     titles = re.findall(r"<h3>node-a · ([^<]*?) ?<", page)
     assert titles == ["host CPU", "host memory used", "GPU temperature · gpu 0", "GPU temperature · gpu 1",
@@ -237,12 +239,20 @@ def test_status_summary_of_a_running_job(tmp_path: Path) -> None:
     text = "\n".join(summary_lines(info))
     assert "running at step 300/1000" in text and "ETA 5m50s (at 0.5 s/step recently)" in text
     assert "goodput 80.0% of 2m30s wall time" in text and "rule_5 (error): alert 5" in text
+    assert "last restore: step 100 from the storage tier" in text  # a resume event from before tiers were named
     assert "throughput_drop" not in text.split("recent events:")[0]
 
 
 def test_status_of_a_paused_run_and_of_a_run_without_metrics(tmp_path: Path) -> None:
     text = "\n".join(summary_lines(summary(synthetic_run(tmp_path / "paused"))))
     assert "paused at step 300/1000" in text and "remaining 5m50s of training once resumed" in text
+    run = synthetic_run(tmp_path / "from-memory")
+    with (run / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"time": T0 + 140, "step": 295, "rank": 0, "kind": "resume", "action": "resume",
+                            "detail": {"checkpoint": "/dev/shm/m/step-000295", "tier": "memory", "load_s": 0.125}})
+                + "\n")
+    text = "\n".join(summary_lines(summary(run)))
+    assert "last restore: step 295 from the memory tier in 0.12 s" in text and "(/dev/shm/m/step-000295)" in text
     bare = tmp_path / "bare"
     bare.mkdir()
     info = summary(bare)
