@@ -15,7 +15,12 @@ measures the time from the kill to the first step completed after the restart, s
   load        → the checkpoint is loaded
   first step  → the first step after the resume is done (warm-up)
 
-keel: `keel train --nproc 2 --max-restarts 1` on the given config. The baseline: this file run as
+and, apart, the work a failure loses: the steps done again (from the step restored to the step killed in) and
+the time from the kill until the run is back where it was (the killed step done again).
+
+keel: `keel train --nproc 2 --max-restarts 1` on the given config, with checkpoints on storage only, and with
+the memory tier as well (`checkpoint.memory_interval`, `--memory-interval`): its restart reads the newest
+memory step from the node's shared memory. The baseline: this file run as
 `torchrun --standalone --nproc-per-node 2 --max-restarts 1 bench/recovery.py --worker`, the same
 model (keel's Llama, FSDP2, AdamW, the config's deterministic kernels) on random tokens, `dcp.save` every
 CKPT_EVERY steps and `dcp.load` of the newest at start: what a team gets from torchrun with a minimal
@@ -45,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 # default is 10): every 5, so that the kill lands right after step 15.
 MONITOR_INTERVAL = 5
 PHASES = ("detection", "restart", "start", "rendezvous", "setup", "load", "first_step")
+LOST = ("lost_steps", "back_s", "lost_work_s", "storage_bytes")  # what a failure loses, and what its restore read
+SIDES = ("keel", "keel_memory", "baseline")
 
 
 def spans(marks: list[float]) -> dict[str, float]:
@@ -74,11 +81,12 @@ def run_and_kill(cmd: list[str], env: dict[str, str], step_of: Callable[[], int]
 # ---------------------------------------------------------------- keel
 
 
-def keel_once(args: argparse.Namespace, work: Path) -> dict:
+def keel_once(args: argparse.Namespace, work: Path, memory_interval: int = 0) -> dict:
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
-           f"monitor.interval={MONITOR_INTERVAL}", "eval.interval=0", *args.overrides]
+           f"monitor.interval={MONITOR_INTERVAL}", "eval.interval=0", f"checkpoint.memory_interval={memory_interval}",
+           *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
 
     def events() -> list[dict]:
@@ -104,7 +112,23 @@ def keel_once(args: argparse.Namespace, work: Path) -> dict:
     marks = [killed, detected, min(e["detail"]["process_started"] for e in starts),
              max(e["detail"]["entered"] for e in starts), max(e["detail"]["group_ready"] for e in starts), load_start,
              resume["time"], first["time"]]
-    return spans(marks)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    back = next(r["time"] for r in metrics if r.get("step") == args.kill_after and r.get("time", 0) > killed)
+    step_s = statistics.median(r["time/step_s"] for r in metrics if "time/step_s" in r and r["time"] < killed)
+    tier = resume["detail"].get("tier", "storage")
+    read = directory_bytes(Path(resume["detail"]["checkpoint"])) if tier == "storage" else 0
+    return {**spans(marks), **lost(args.kill_after - resume["step"], back - killed, step_s), "storage_bytes": read,
+            "tier": tier}
+
+
+def lost(steps: int, back_s: float, step_s: float) -> dict:
+    """The work a failure lost: the steps done again, and their time on every process (2)."""
+    return {"lost_steps": steps, "back_s": back_s, "lost_work_s": steps * step_s * 2}
+
+
+def directory_bytes(path: Path) -> int:
+    """What a restore from `path` reads: every file of it (keel checks each one's checksum)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 # ---------------------------------------------------------------- the baseline
@@ -116,7 +140,7 @@ def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     here = str(Path(__file__).resolve())
     cmd = [sys.executable, here, "--torchrun", str(out_dir / "marks.jsonl"), "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", here, "--worker", "--dir", str(out_dir), "--config", args.config,
-           "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every)]
+           "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
     def marks() -> list[dict]:
@@ -138,7 +162,12 @@ def baseline_once(args: argparse.Namespace, work: Path) -> dict:
     first = next(m for m in later if m["what"] == "step" and m["rank"] == 0 and m["time"] > loaded["time"])
     marks_ = [killed, detected, min(m["process_started"] for m in starts), max(m["entered"] for m in starts),
               max(m["group_ready"] for m in starts), loaded["load_start"], loaded["time"], first["time"]]
-    return spans(marks_)
+    back = next(m["time"] for m in later if m["what"] == "step" and m["rank"] == 0 and m["step"] == args.kill_after
+                and m["time"] > loaded["time"])
+    before = [m["time"] for m in marks() if m["what"] == "step" and m["rank"] == 0 and m["time"] < killed]
+    step_s = statistics.median(b - a for a, b in zip(before[:-1], before[1:], strict=True))
+    return {**spans(marks_), **lost(args.kill_after - loaded["step"], back - killed, step_s),
+            "storage_bytes": directory_bytes(out_dir / f"step-{loaded['step']:06d}")}
 
 
 def torchrun_with_a_failure_mark(marks: str, argv: list[str]) -> None:
@@ -182,7 +211,7 @@ def worker(args: argparse.Namespace) -> None:
             f.write(json.dumps({"what": what, "rank": rank, "time": time.time(), **kw}) + "\n")
 
     mark("start", pid=os.getpid(), process_started=STARTED, entered=entered, group_ready=group_ready)
-    cfg = load_config(Path(args.config), [])
+    cfg = load_config(Path(args.config), args.overrides)
     # The kernels keel's config trains with (deterministic ones by default, as bench/bare_loop.py does):
     # the two sides then differ in how they recover, not in what each step computes.
     torch.use_deterministic_algorithms(cfg.train.deterministic)
@@ -201,7 +230,7 @@ def worker(args: argparse.Namespace) -> None:
         dcp.load(state, checkpoint_id=str(ckpts[-1]))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = int(ckpts[-1].name.split("-")[1])
-        mark("loaded", load_start=load_start)
+        mark("loaded", load_start=load_start, step=start)
     seq, micro = cfg.train.seq_len, cfg.train.micro_batch
     accumulation = cfg.train.global_batch // (micro * dist.get_world_size())
     for step in range(start + 1, args.steps + 1):
@@ -230,11 +259,13 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--kill-after", type=int, default=15, help="kill rank 1 once this step is done (a multiple of "
                     f"{MONITOR_INTERVAL})")
+    ap.add_argument("--memory-interval", type=int, default=5, help="the memory tier's interval, in steps, of the "
+                    "third side")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
-    ap.add_argument("overrides", nargs="*", help="KEY=VALUE for keel (the baseline reads the model and batch from "
-                    "the config only)")
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE for keel; the baseline takes its model and batch from "
+                    "them too")
     if sys.argv[1:2] == ["--torchrun"]:
         torchrun_with_a_failure_mark(sys.argv[2], sys.argv[3:])
         return
@@ -242,38 +273,48 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    runs: dict[str, list[dict]] = {"keel": [], "baseline": []}
-    loads: dict[str, list[float]] = {"keel": [], "baseline": []}  # 1-minute load average as each run started
+    once = {"keel": lambda work: keel_once(args, work), "baseline": lambda work: baseline_once(args, work),
+            "keel_memory": lambda work: keel_once(args, work, args.memory_interval)}
+    runs: dict[str, list[dict]] = {who: [] for who in SIDES}
+    loads: dict[str, list[float]] = {who: [] for who in SIDES}  # 1-minute load average as each run started
     for repeat in range(args.repeats):
-        order = ["keel", "baseline"] if repeat % 2 == 0 else ["baseline", "keel"]
-        for who in order:
+        for who in SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]:  # each side first in turn
             loads[who].append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory(prefix="keel-bench-recovery-") as tmp:
-                got = (keel_once if who == "keel" else baseline_once)(args, Path(tmp))
+                got = once[who](Path(tmp))
             runs[who].append(got)
-            print(f"  repeat {repeat} {who}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items())
-                  + f", total {sum(got.values()):.2f} s, load {loads[who][-1]:.1f}", flush=True)
-    median = {who: {p: statistics.median(r[p] for r in rs) for p in PHASES} for who, rs in runs.items()}
+            print(f"  repeat {repeat} {who}: " + ", ".join(f"{k} {got[k]:.2f} s" for k in PHASES)
+                  + f", total {total(got):.2f} s, {got['lost_steps']} step(s) lost, back at step {args.kill_after} "
+                  f"{got['back_s']:.2f} s after the kill, load {loads[who][-1]:.1f}", flush=True)
+    median = {who: {p: statistics.median(r[p] for r in rs) for p in (*PHASES, *LOST)} for who, rs in runs.items()}
     for m in median.values():
         m["total"] = sum(m[p] for p in PHASES)
     # Each repeat's keel total over the plain restart's of the same repeat.
-    pairs = [sum(k.values()) / sum(b.values()) for k, b in zip(runs["keel"], runs["baseline"], strict=True)]
-    print("\n| phase | keel, s | torchrun + minimal DCP loop, s |\n|---|---|---|")
-    for p in (*PHASES, "total"):
-        print(f"| {p.replace('_', ' ')} | {median['keel'][p]:.2f} | {median['baseline'][p]:.2f} |")
+    pairs = [total(k) / total(b) for k, b in zip(runs["keel"], runs["baseline"], strict=True)]
+    back = [m["back_s"] / s["back_s"] for m, s in zip(runs["keel_memory"], runs["keel"], strict=True)]
+    print("\n| phase | keel, s | keel with the memory tier, s | torchrun + minimal DCP loop, s |\n|---|---|---|---|")
+    for p in (*PHASES, "total", *LOST):
+        print(f"| {p.replace('_', ' ')} | " + " | ".join(f"{median[who][p]:.6g}" for who in SIDES) + " |")
     print(f"\nratio keel / baseline (total, median of {args.repeats}): "
           f"{median['keel']['total'] / median['baseline']['total']:.2f}; per repeat {statistics.median(pairs):.2f} "
-          f"({min(pairs):.2f}–{max(pairs):.2f}); load {min(min(v) for v in loads.values()):.1f}–"
-          f"{max(max(v) for v in loads.values()):.1f}")
+          f"({min(pairs):.2f}–{max(pairs):.2f}); back where it was, memory tier / storage only: "
+          f"{statistics.median(back):.2f} ({min(back):.2f}–{max(back):.2f}); load "
+          f"{min(min(v) for v in loads.values()):.1f}–{max(max(v) for v in loads.values()):.1f}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "recovery", "config": args.config, "overrides": args.overrides, "steps": args.steps,
-        "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "repeats": args.repeats,
-        "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"],
+        "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "memory_interval": args.memory_interval,
+        "repeats": args.repeats, "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"],
         "ratio_total_per_repeat": {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
                                    "each": pairs},
+        "ratio_back_memory_per_repeat": {"median": statistics.median(back), "min": min(back), "max": max(back),
+                                         "each": back},
         "runs": runs, "load": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=1) + "\n")
+
+
+def total(run: dict) -> float:
+    return sum(run[p] for p in PHASES)
 
 
 if __name__ == "__main__":

@@ -153,13 +153,24 @@ RECOVERY_PHASES = {
 def recovery() -> str:
     results = _results("recovery")
     median = results["median"]
-    rows = [[label, f"{median['keel'][key]:.2f}", f"{median['baseline'][key]:.2f}"]
-            for key, label in RECOVERY_PHASES.items()]
+    sides = [who for who in ("keel", "keel_memory", "baseline") if who in median]
+    header = {"keel": "keel, s", "keel_memory": f"keel, memory tier every {results.get('memory_interval')} steps, s",
+              "baseline": "torchrun + minimal DCP loop, s"}
+    labels = {**RECOVERY_PHASES, "lost_steps": f"steps done again (killed after step {results['kill_after']}, "
+              f"storage every {results['ckpt_every']})", "back_s": "kill → the killed step done again, s",
+              "lost_work_s": "work lost: steps done again × step time × 2 processes, s",
+              "storage_bytes": "read from checkpoint storage by the restore, MB"}
+    shown = {"lost_steps": lambda x: f"{x:g}", "storage_bytes": lambda x: f"{x / 1e6:.1f}"}
+    rows = [[label, *(shown.get(key, lambda x: f"{x:.2f}")(median[who][key]) for who in sides)]
+            for key, label in labels.items() if key in median[sides[0]]]
     if pairs := results.get("ratio_total_per_repeat"):
         loads = [x for each in results["load"].values() for x in each]
         rows.append([f"total, keel / plain restart of the same repeat (load {min(loads):.1f}–{max(loads):.1f})",
-                     f"**{pairs['median']:.2f}** ({pairs['min']:.2f}–{pairs['max']:.2f})", ""])
-    return _table(["phase", "keel, s", "torchrun + minimal DCP loop, s"], rows)
+                     f"**{pairs['median']:.2f}** ({pairs['min']:.2f}–{pairs['max']:.2f})", *[""] * (len(sides) - 1)])
+    if back := results.get("ratio_back_memory_per_repeat"):
+        rows.append(["kill → back where it was, memory tier / storage only, same repeat", "",
+                     f"**{back['median']:.2f}** ({back['min']:.2f}–{back['max']:.2f})", ""])
+    return _table(["phase", *(header[who] for who in sides)], rows)
 
 
 def _median_and_each(row: dict, key: str) -> str:
