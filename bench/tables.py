@@ -137,6 +137,23 @@ def guard_overhead() -> str:
                   rows)
 
 
+def memory_tier() -> str:
+    from keel.config import load_config
+    from keel.model.flops import param_count
+
+    rows = []
+    for r in _results("memory_tier")["results"]:
+        cfg = load_config(REPO / r["config"], r["overrides"])
+        shape = (f"{param_count(cfg.model) / 1e6:.2g}M parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
+                 f"tokens, {r['steps']} steps")
+        repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        rows.append([f"{cfg.name} ({shape})", str(r["interval"]), f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
+                     f"**{r['ratio']:.3f}** ({repeats})", f"{r['blocking_s']:.4f}", f"{r['write_s']:.3f}",
+                     f"{r['bytes'] / 1e6:.1f}"])
+    return _table(["config", "memory interval, steps", "with the tier, s/step", "without, s/step",
+                   "ratio, median (repeats)", "a save's blocking, s", "its write, s", "MB a save"], rows)
+
+
 RECOVERY_PHASES = {
     "detection": "detection: kill → the agent sees the failure",
     "restart": "restart: → the new workers run (the agent stops the rest, re-rendezvous, starts them)",
@@ -321,7 +338,8 @@ def config_reference() -> str:
 
 GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     BENCHMARKS: {f.__name__: f for f in (step_overhead, parallel_layouts, context_parallel, moe, checkpoint,
-                                          detection_matrix, guard_overhead, recovery, nonstop_recovery,
+                                          detection_matrix, guard_overhead, memory_tier, recovery,
+                                          nonstop_recovery,
                                           telemetry_overhead, trackers, dedup, prepare, prepare_floor)},
     CONFIGURATION: {"config_reference": config_reference},
     STABILITY: {"stability": stability},
