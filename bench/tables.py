@@ -116,38 +116,35 @@ def detection_matrix() -> str:
     return markdown(_results("detection_matrix")["cells"])
 
 
-def guard_overhead() -> str:
+def _run_shape(r: dict) -> str:
+    """A measured run's config: its name, parameters, batch and steps."""
     from keel.config import load_config
     from keel.model.flops import param_count
 
+    cfg = load_config(REPO / r["config"], r["overrides"])
+    return (f"{cfg.name} ({param_count(cfg.model) / 1e6:.2g}M parameters, {cfg.train.global_batch} × "
+            f"{cfg.train.seq_len} tokens, {r['steps']} steps)")
+
+
+def guard_overhead() -> str:
     rows = []
     for r in _results("guard_overhead")["results"]:
-        cfg = load_config(REPO / r["config"], r["overrides"])
-        shape = (f"{param_count(cfg.model) / 1e6:.2g}M parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
-                 f"tokens, {r['steps']} steps")
         repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
         fingerprint = f"{r['fingerprint_fraction']:.3f}" if r["fingerprint_fraction"] else "none (no replica)"
         guards = ", ".join(f"`{o}`" for o in r["overrides"] if o.startswith("guard."))  # beside the defaults
-        rows.append([f"{cfg.name} ({shape})", r["layout"] + (f", {guards}" if guards else ""), f"{r['step_s_on']:.3f}",
+        rows.append([_run_shape(r), r["layout"] + (f", {guards}" if guards else ""), f"{r['step_s_on']:.3f}",
                      f"{r['step_s_off']:.3f}", f"{r['ratio']:.3f} ({repeats})", f"{r['at_rest_fraction']:.4f}",
-                     fingerprint,
-                     f"{r['replay_fraction']:.2f}", f"{r['snapshot_fraction']:.3f}"])
+                     fingerprint, f"{r['replay_fraction']:.2f}", f"{r['snapshot_fraction']:.3f}"])
     return _table(["config", "layout", "guards on, s/step", "off, s/step", "ratio on/off, median (repeats)",
                    "at-rest check and seal, every step", "one fingerprint check", "one replay", "one snapshot"],
                   rows)
 
 
 def memory_tier() -> str:
-    from keel.config import load_config
-    from keel.model.flops import param_count
-
     rows = []
     for r in _results("memory_tier")["results"]:
-        cfg = load_config(REPO / r["config"], r["overrides"])
-        shape = (f"{param_count(cfg.model) / 1e6:.2g}M parameters, {cfg.train.global_batch} × {cfg.train.seq_len} "
-                 f"tokens, {r['steps']} steps")
         repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
-        rows.append([f"{cfg.name} ({shape})", str(r["interval"]), f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
+        rows.append([_run_shape(r), str(r["interval"]), f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
                      f"**{r['ratio']:.3f}** ({repeats})", f"{r['blocking_s']:.4f}", f"{r['write_s']:.3f}",
                      f"{r['bytes'] / 1e6:.1f}"])
     return _table(["config", "memory interval, steps", "with the tier, s/step", "without, s/step",
