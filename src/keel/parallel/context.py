@@ -15,8 +15,8 @@ rules out count for nothing. On a CPU each block is SDPA's flash kernel, elsewhe
 Backward. Only the local K and V are kept: the backward gathers them again (activation memory then falls about as
 1/N instead of holding the whole sequence's K and V in every layer), computes each block's gradients from the
 row's merged output and log-sum-exp (the flash-attention identity, exact for one block of many), and returns to
-each rank the key and value gradients of its positions summed over every rank's queries. gloo has no
-reduce-scatter: the sum is an all-reduce, of which each rank keeps its positions.
+each rank the key and value gradients of its positions summed over every rank's queries: a reduce-scatter, which
+moves half the bytes of an all-reduce, since each rank needs only its own positions of the sum.
 """
 
 from __future__ import annotations
@@ -90,10 +90,17 @@ class ContextShard:
         return torch.cat(chunks, dim=2)
 
     def reduce_to_local(self, full: torch.Tensor) -> torch.Tensor:
-        """Every rank's (batch, heads, seq, d) summed; this rank's positions of the sum."""
-        if self.size > 1:
-            dist.all_reduce(full, group=self.group)
-        return self.split(full, dim=2)
+        """Every rank's (batch, heads, seq, d) summed; this rank's positions of the sum (a reduce-scatter)."""
+        if self.size == 1:
+            return full
+        b, h, seq, d = full.shape
+        n, chunk = self.size, seq // (2 * self.size)
+        # Rank r's chunks r and 2n − 1 − r side by side, ranks outermost: the layout reduce-scatter splits.
+        order = torch.tensor([g for r in range(n) for g in (r, 2 * n - 1 - r)], device=full.device)
+        parts = full.view(b, h, 2 * n, chunk, d).index_select(2, order).view(b, h, n, 2 * chunk, d)
+        mine = torch.empty(b, h, 2 * chunk, d, dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_single(mine, parts.movedim(2, 0).reshape(n * b, h, 2 * chunk, d), group=self.group)
+        return mine
 
     def blocks(self, chunk: int, g: int, query_docs: torch.Tensor | None,
                key_docs: torch.Tensor | None) -> list[Block]:
