@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from keel.errors import KeelError
-from keel.plan.failures import Policy, Run, SimResult, down_time, expected_goodput, schedule, simulate
+from keel.plan.failures import Policy, Run, SimResult, down_time, expected_goodput, save_share, simulate
 
 # USD per accelerator-hour. Assumption dated 2024-12: DeepSeek-V3's rental price for its H800s, $2/GPU-hour
 # (arXiv 2412.19437, 2,788k H800-hours = $5.576M). H100 SXM on-demand list prices of specialised clouds were
@@ -77,9 +77,8 @@ def expected_cost(run: Run, policy: Policy, price_per_hour: float = DEFAULT_PRIC
     goodput = expected_goodput(run, policy)
     if goodput <= 0:
         raise KeelError("the run cannot finish: its expected goodput is 0")
-    s = schedule(run, policy)
     wall = run.work_s / goodput
-    checkpoint = run.work_s / s.tau * s.blocking
+    checkpoint = run.work_s * save_share(run, policy)
     failures = max(wall - run.work_s - checkpoint, 0.0)
     down = min(wall / run.mtbf_s * down_time(run, policy), failures)
     return cost(run.devices, run.work_s, checkpoint, failures - down, down,

@@ -28,6 +28,18 @@ trial: compute and saves from the last restore, the failure, detection, the wait
 finite pool, each failed node back after a repair time; without a free spare, the repair itself), restart, and
 restore from disk or from peers' host memory; the work since the last committed save is lost. A failure during
 a recovery overlaps with it. All trials advance together, one failure per numpy step.
+
+Two tiers. A memory checkpoint (keel.checkpoint.memory) is a copy of each device's shard in its node's host memory,
+replicated to a buddy node in the background over the scale-out network; a storage checkpoint is the usual one.
+The memory tier covers a share p_m of the failures (FailureModel.memory_coverage): a process or GPU failure
+(the node's memory survives the restart) and the loss of one node (its replacement pulls the shards from the
+buddy). A failure that takes a node together with its buddy, or the whole job, falls back to storage. Each tier
+gets its own Young/Daly interval against the failures it serves, δ_m and δ_s the blocking cost of one save:
+    τ_m = √(2·δ_m·M / p_m)        τ_s = √(2·δ_s·M / (1 − p_m))
+(Daly's higher-order form at M / p_m and M / (1 − p_m)), and the first-order waste is
+    δ_m/τ_m + δ_s/τ_s + [p_m·(τ_m/2 + R_m) + (1 − p_m)·(τ_s/2 + R_s)] / M
+whose minimum over τ_m and τ_s is the pair above. keel's memory tier also saves at the storage tier's steps,
+so the storage interval is planned as a whole number of memory intervals (the nearest to τ_s).
 """
 
 from __future__ import annotations
@@ -45,6 +57,9 @@ LLAMA3_GPUS = 16_384
 LLAMA3_DAYS = 54
 LLAMA3_INTERRUPTIONS = 419  # unexpected ones; 47 more were planned (arXiv 2407.21783 §3.3.4)
 LLAMA3_HARDWARE_FRACTION = 0.78  # share of unexpected interruptions confirmed or suspected hardware (same source)
+LLAMA3_SWITCH_INTERRUPTIONS = 35  # of the 419: network switch or cable (same source, Table 5)
+# p_m: the share of failures a memory tier replicated to a buddy node restores (FailureModel.memory_coverage).
+DEFAULT_MEMORY_COVERAGE = 1 - LLAMA3_SWITCH_INTERRUPTIONS / LLAMA3_INTERRUPTIONS  # ≈ 0.916
 DEFAULT_DEVICE_MTBF_H = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS  # ≈ 50,677 device-hours
 
 
@@ -56,12 +71,22 @@ class FailureModel:
     dist: str = "exponential"  # exponential | weibull: inter-arrival times of the job's failures
     shape: float = 1.0  # Weibull shape: < 1 failures come in bursts (decreasing hazard), 1 is exponential
     hardware_fraction: float = LLAMA3_HARDWARE_FRACTION  # failures that need the node replaced
+    # p_m, the failures the memory tier restores. Of the categories above, software failures (1 −
+    # hardware_fraction) leave every node's memory and hardware failures of one node leave the buddy's copy:
+    # both are covered. Not covered: failures that take several nodes at once, a node with its buddy. Llama 3
+    # names one such category, network switch or cable (35 of 419): a switch cuts off every node behind it, the
+    # buddy too when it shares the switch, so all 35 count as uncovered. That is conservative where buddies sit
+    # behind different switches; a buddy's own failure during a node's recovery is rarer still and left out.
+    memory_coverage: float = DEFAULT_MEMORY_COVERAGE
 
     def __post_init__(self) -> None:
         if self.dist not in ("exponential", "weibull"):
             raise KeelError(f"failure distribution {self.dist!r}: use exponential or weibull")
         if self.device_mtbf_h <= 0 or self.shape <= 0 or not 0 <= self.hardware_fraction <= 1:
             raise KeelError("failure model: device_mtbf_h and shape must be > 0, hardware_fraction in [0, 1]")
+        if not 0 <= self.memory_coverage <= 1:
+            raise KeelError(f"memory_coverage {self.memory_coverage}: the share of failures the memory tier "
+                            f"restores must be in [0, 1]")
 
     def job_mtbf_s(self, devices: int) -> float:
         """Mean time between the job's failures: the per-device (and per-node) rates add up."""
@@ -88,6 +113,9 @@ class Storage:
     # 400 Gb/s NDR per GPU = 50 GB/s (reference table, DGX H100).
     peer_bw: float = 50e9
     save_overhead_s: float = 1.0  # per save: planning collective, barrier, manifest commit (assumption)
+    # Per memory save beyond the copy: a node-local commit, no storage round trip. keel's loop waited 0.02 s a
+    # memory save on 2 processes (docs/benchmarks.md); 0.1 s allows for thousands of ranks (assumption).
+    memory_overhead_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -119,15 +147,27 @@ class Run:
 class Policy:
     name: str = "async, optimal interval, disk restore, spares"
     async_save: bool = True
-    interval_s: float | None = None  # compute seconds between saves; None: the Young/Daly optimum
-    restore: str = "disk"  # disk | memory (peers' host memory)
+    interval_s: float | None = None  # compute seconds between (storage) saves; None: the Young/Daly optimum
+    restore: str = "disk"  # disk | memory (peers' host memory): where every restore reads, with one tier
     spare_nodes: int = 8  # hot spares; a failed node is repaired in repair_s and becomes a spare again
+    memory_tier: bool = False  # also save to host memory (two tiers); storage then serves what memory cannot
+    memory_interval_s: float | None = None  # compute seconds between memory saves; None: the Young/Daly optimum
 
     def __post_init__(self) -> None:
         if self.restore not in ("disk", "memory"):
             raise KeelError(f"restore {self.restore!r}: use disk or memory")
         if self.spare_nodes < 0:
             raise KeelError(f"spare_nodes {self.spare_nodes}: must be >= 0")
+        for name in ("interval_s", "memory_interval_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise KeelError(f"{name} {value}: a checkpoint interval must be > 0 s and finite")
+        if self.memory_tier and self.restore == "memory":
+            raise KeelError("memory_tier with restore='memory': with two tiers, restore names the storage "
+                            "tier's source; use restore='disk'")
+        if self.memory_interval_s is not None and not self.memory_tier:
+            raise KeelError(f"memory_interval_s {self.memory_interval_s} without memory_tier: set "
+                            f"memory_tier=True or leave the memory interval out")
 
 
 @dataclass(frozen=True)
@@ -167,7 +207,80 @@ def young_daly(run: Run, async_save: bool = True) -> float:
     return max(daly_interval(blocking, run.mtbf_s), write)
 
 
+def memory_save_times(run: Run) -> tuple[float, float]:
+    """(blocking_s, replicate_s) of one memory save. Training waits for the copy of each device's shard to host
+    memory and a node-local commit; the replica then goes to the buddy node in the background over the
+    scale-out network, each device sending its shard at peer_bw (all of the checkpoint's bytes cross the
+    network once per save: the traffic `replication` states)."""
+    st = run.storage
+    shard = run.ckpt_bytes / run.devices
+    return shard / st.host_copy_bw + st.memory_overhead_s, shard / st.peer_bw
+
+
+def _tier_interval(delta_s: float, mtbf_s: float, share: float, floor_s: float) -> float:
+    """Young/Daly against the failures one tier serves, M / share apart; never (inf) when it serves none. No
+    shorter than `floor_s`, the background part a save must finish before the next one."""
+    if share <= 0:
+        return math.inf
+    return max(daly_interval(delta_s, mtbf_s / share), floor_s)
+
+
+def young_daly_tiers(run: Run, async_save: bool = True) -> tuple[float, float]:
+    """(τ_m, τ_s): each tier's own Young/Daly interval, τ_m at M / p_m and τ_s at M / (1 − p_m) (the module
+    docstring), before the storage interval is rounded to whole memory intervals."""
+    p = run.failures.memory_coverage
+    m_block, replicate = memory_save_times(run)
+    s_block, write = save_times(run, async_save)
+    return (_tier_interval(m_block, run.mtbf_s, p, replicate),
+            _tier_interval(s_block, run.mtbf_s, 1 - p, write))
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """A two-tier policy on a run: the memory tier's schedule (its lag is the replication to the buddy, its
+    restore a pull from the buddy's memory), the storage tier's (τ = every × τ_m; its period is `every` memory
+    periods and its own save) and p_m, the share of failures restored from memory."""
+
+    memory: Schedule
+    storage: Schedule
+    every: int
+    coverage: float
+
+
+def _storage_every(tau_s: float, tau_m: float, work_s: float) -> int:
+    """Memory intervals per storage interval: the nearest whole number; one beyond the run's end when storage
+    would serve no failure (p_m = 1) or its interval outlasts the run."""
+    if tau_s >= work_s:
+        return max(1, math.ceil(work_s / tau_m))
+    return max(1, round(tau_s / tau_m))
+
+
+def tiers(run: Run, policy: Policy) -> Tiers | None:
+    """The two tiers' schedules, or None for one tier. With an optimal memory interval and p_m = 0 the optimum
+    is never to save to memory: storage only, None too. A memory interval longer than the storage one is cut
+    to it (the memory tier saves at every storage save anyway)."""
+    if not policy.memory_tier:
+        return None
+    optimal_m, optimal_s = young_daly_tiers(run, policy.async_save)
+    if policy.memory_interval_s is None and math.isinf(optimal_m):
+        return None
+    tau_s = optimal_s if policy.interval_s is None else policy.interval_s
+    tau_m = min(optimal_m if policy.memory_interval_s is None else policy.memory_interval_s, tau_s)
+    every = _storage_every(tau_s, tau_m, run.work_s)
+    m_block, replicate = memory_save_times(run)
+    m_block += max(0.0, replicate - tau_m)  # one replica in flight: a save waits for the previous one
+    memory = Schedule(tau_m, m_block, tau_m + m_block, replicate, restore_time(run, "memory"))
+    s_block, write = save_times(run, policy.async_save)
+    s_block += max(0.0, write - every * tau_m)
+    storage = Schedule(every * tau_m, s_block, every * memory.period + s_block, write,
+                       restore_time(run, policy.restore))
+    return Tiers(memory, storage, every, run.failures.memory_coverage)
+
+
 def schedule(run: Run, policy: Policy) -> Schedule:
+    """The storage tier's schedule (the only tier's, with one)."""
+    if (two := tiers(run, policy)) is not None:
+        return two.storage
     blocking, write = save_times(run, policy.async_save)
     tau = policy.interval_s if policy.interval_s is not None else young_daly(run, policy.async_save)
     if tau <= 0:
@@ -177,12 +290,29 @@ def schedule(run: Run, policy: Policy) -> Schedule:
     return Schedule(tau, blocking, tau + blocking, write, restore_time(run, policy.restore))
 
 
-def down_time(run: Run, policy: Policy) -> float:
-    """Mean down time per failure R: detect, restart, restore, + the repair wait of hardware failures without
-    a spare (a free spare is assumed when there are any; the simulator models the pool running dry)."""
+def save_share(run: Run, policy: Policy) -> float:
+    """Seconds blocked in saves per second of compute: δ/τ, and δ_m/τ_m + δ_s/τ_s with two tiers."""
+    s = schedule(run, policy)
+    two = tiers(run, policy)
+    return s.blocking / s.tau + (two.memory.blocking / two.memory.tau if two else 0.0)
+
+
+def _recovery_s(run: Run, policy: Policy, restore_s: float) -> float:
+    """Detect, restart, restore, + the repair wait of hardware failures without a spare (a free spare is
+    assumed when there are any; the simulator models the pool running dry)."""
     rec = run.recovery
     wait = 0.0 if policy.spare_nodes > 0 else run.failures.hardware_fraction * rec.repair_s
-    return rec.detect_s + rec.restart_s + restore_time(run, policy.restore) + wait
+    return rec.detect_s + rec.restart_s + restore_s + wait
+
+
+def down_time(run: Run, policy: Policy) -> float:
+    """Mean down time per failure R; with two tiers, p_m of the failures restore from memory, the rest from
+    storage."""
+    if (two := tiers(run, policy)) is None:
+        return _recovery_s(run, policy, restore_time(run, policy.restore))
+    p = two.coverage
+    return p * _recovery_s(run, policy, two.memory.restore_s) + (1 - p) * _recovery_s(run, policy,
+                                                                                      two.storage.restore_s)
 
 
 def first_order_waste(delta_s: float, tau_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -190,10 +320,25 @@ def first_order_waste(delta_s: float, tau_s: float, restart_s: float, mtbf_s: fl
     return delta_s / tau_s + (tau_s / 2 + restart_s) / mtbf_s
 
 
+def two_tier_waste(memory: tuple[float, float, float], storage: tuple[float, float, float], coverage: float,
+                   mtbf_s: float) -> float:
+    """The first-order waste of two tiers, each given as (δ, τ, R):
+    δ_m/τ_m + δ_s/τ_s + [p_m·(τ_m/2 + R_m) + (1 − p_m)·(τ_s/2 + R_s)] / M (the module docstring)."""
+    (delta_m, tau_m, restart_m), (delta_s, tau_s, restart_s) = memory, storage
+    lost = coverage * (tau_m / 2 + restart_m) + (1 - coverage) * (tau_s / 2 + restart_s)
+    return delta_m / tau_m + delta_s / tau_s + lost / mtbf_s
+
+
 def effective_ratio(run: Run, policy: Policy) -> float:
-    """Expected effective training time ratio (goodput), first order: 1 − waste, with the async commit lag."""
+    """Expected effective training time ratio (goodput), first order: 1 − waste, with the commit lags."""
     s = schedule(run, policy)
-    waste = first_order_waste(s.blocking, s.tau, down_time(run, policy) + s.lag, run.mtbf_s)
+    if (two := tiers(run, policy)) is None:
+        waste = first_order_waste(s.blocking, s.tau, down_time(run, policy) + s.lag, run.mtbf_s)
+    else:
+        m = two.memory
+        waste = two_tier_waste((m.blocking, m.tau, _recovery_s(run, policy, m.restore_s) + m.lag),
+                               (s.blocking, s.tau, _recovery_s(run, policy, s.restore_s) + s.lag),
+                               two.coverage, run.mtbf_s)
     return max(0.0, 1.0 - waste)
 
 
@@ -202,7 +347,7 @@ class SimResult:
     """Per-trial outcomes (arrays of length trials). wall = work + checkpoint + lost + down, exactly."""
 
     policy: Policy
-    schedule: Schedule
+    schedule: Schedule  # the storage tier's (the only tier's, with one)
     work_s: float
     wall_s: np.ndarray
     interruptions: np.ndarray
@@ -210,6 +355,8 @@ class SimResult:
     lost_s: np.ndarray  # compute redone after failures
     down_s: np.ndarray  # detection, wait for a node, restart, restore
     elapsed_s: float  # the simulator's own run time
+    storage_restores: np.ndarray  # the interruptions restored from storage (all of them, with one tier)
+    tiers: Tiers | None = None
 
     @property
     def goodput(self) -> np.ndarray:
@@ -219,16 +366,26 @@ class SimResult:
     def trials(self) -> int:
         return len(self.wall_s)
 
+    @property
+    def lost_per_failure_s(self) -> float:
+        """Compute redone per interruption, over every trial."""
+        return float(self.lost_s.sum() / max(int(self.interruptions.sum()), 1))
+
     def stats(self, name: str) -> dict[str, float]:
         values = np.asarray(getattr(self, name), dtype=float)
         p10, p50, p90 = np.percentile(values, [10, 50, 90])
         return {"p10": float(p10), "p50": float(p50), "p90": float(p90), "mean": float(values.mean())}
 
     def row(self) -> dict:
+        memory = self.tiers.memory if self.tiers else None
         return {"policy": self.policy.name, "interval_s": self.schedule.tau, "blocking_s": self.schedule.blocking,
                 "restore_s": self.schedule.restore_s, "wall_days": {k: v / 86400 for k, v in
                                                                      self.stats("wall_s").items()},
-                "goodput": self.stats("goodput"), "interruptions": self.stats("interruptions")}
+                "goodput": self.stats("goodput"), "interruptions": self.stats("interruptions"),
+                "memory_interval_s": memory.tau if memory else None,
+                "memory_blocking_s": memory.blocking if memory else None,
+                "lost_per_failure_s": self.lost_per_failure_s,
+                "restored_from_storage": float(self.storage_restores.sum() / max(self.interruptions.sum(), 1))}
 
 
 def _inter_arrivals(rng: np.random.Generator, fm: FailureModel, mtbf_s: float, n: int) -> np.ndarray:
@@ -243,69 +400,187 @@ def expected_goodput(run: Run, policy: Policy) -> float:
     ends (plus the lag) before the failure. Overlapping recoveries merge like the busy period of an M/G/∞ queue:
     a down stretch lasts M(e^{R/M} − 1) on average, R the mean down time per failure, so
         goodput = τ·e^{−lag/M} / (M·(e^{P/M} − 1)·e^{R/M})
-    Valid at any waste level (the first-order form is not); a free spare is assumed when there are any."""
+    Valid at any waste level (the first-order form is not); a free spare is assumed when there are any. Two
+    tiers: `_two_tier_goodput`."""
+    if (two := tiers(run, policy)) is not None:
+        return _two_tier_goodput(run, policy, two)
     s = schedule(run, policy)
     m = run.mtbf_s
     commits = math.exp(-min(s.lag / m, 500)) / math.expm1(min(s.period / m, 500))
     return s.tau * commits / (m * math.exp(min(down_time(run, policy) / m, 500)))
 
 
-def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int = 2000,
-             max_failures: int | None = None) -> SimResult:
-    """Monte Carlo of the whole run. The failure times depend on the seed and the failure model only, so
-    policies simulated with the same seed meet the same failures (common random numbers)."""
-    policy = policy or Policy()
-    started = time.perf_counter()
-    s = schedule(run, policy)
-    rec, fm, mtbf = run.recovery, run.failures, run.mtbf_s
-    rate = expected_goodput(run, policy)
-    if rate < 1e-4:
-        raise KeelError(f"the run cannot make progress: job MTBF {mtbf / 3600:.2f} h against "
-                        f"{down_time(run, policy) / 3600:.2f} h down per failure and a {s.tau:.0f} s interval")
-    if max_failures is None:  # three times the expected count: far in the tail, bounded when progress is slow
-        max_failures = 1000 + int(3 * run.work_s / (mtbf * rate))
-    fail_rng, kind_rng = (np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2))
-    busy = np.zeros((trials, policy.spare_nodes))  # when each spare slot is next free
-    rows = np.arange(trials)
-    done = np.zeros(trials, dtype=bool)
-    committed = np.zeros(trials)
-    resume = np.zeros(trials)  # wall time the job is up again
-    last_fail = np.zeros(trials)
-    wall, blocked, lost = np.zeros(trials), np.zeros(trials), np.zeros(trials)
-    count = np.zeros(trials, dtype=np.int64)
+def _daly_wall(length_s: float, mtbf_s: float, down_s: float, lag_s: float) -> float:
+    """Expected wall time to get through `length_s` of up time that each failure (MTBF `mtbf_s`) sends back to
+    its start after `down_s`, the result committing `lag_s` after the end: Daly's M·(e^{L/M} − 1)·e^{(R+lag)/M},
+    L itself without failures."""
+    if math.isinf(mtbf_s):
+        return length_s
+    return mtbf_s * math.expm1(min(length_s / mtbf_s, 500)) * math.exp(min((down_s + lag_s) / mtbf_s, 500))
+
+
+def _two_tier_goodput(run: Run, policy: Policy, two: Tiers) -> float:
+    """Daly's model nested: the failures memory covers (M / p_m apart) send a memory period back to its start,
+    which makes a storage period of `every` memory periods and the storage save last `segment` on average; the
+    failures it does not cover (M / (1 − p_m) apart) send that whole storage period back."""
+    m, s, p = two.memory, two.storage, two.coverage
+    covered = run.mtbf_s / p if p > 0 else math.inf
+    uncovered = run.mtbf_s / (1 - p) if p < 1 else math.inf
+    down_m, down_s = _recovery_s(run, policy, m.restore_s), _recovery_s(run, policy, s.restore_s)
+    segment = ((two.every - 1) * _daly_wall(m.period, covered, down_m, m.lag)
+               + _daly_wall(m.period + s.blocking, covered, down_m, m.lag))
+    return s.tau / _daly_wall(segment, uncovered, down_s, s.lag)
+
+
+class _Replay:
+    """The trials' state while the simulator replays them, one failure per numpy step. Every trial draws every
+    time, finished or not, so that the streams stay aligned across policies (common random numbers)."""
+
+    def __init__(self, run: Run, policy: Policy, seed: int, trials: int, max_failures: int) -> None:
+        self.run, self.trials, self.max_failures = run, trials, max_failures
+        # Failure times, hardware or not, memory covers it or not: a stream each, so that policies with or
+        # without the memory tier meet the same failures.
+        self.fail_rng, self.kind_rng, self.cover_rng = (
+            np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(3))
+        self.busy = np.zeros((trials, policy.spare_nodes))  # when each spare slot is next free
+        self.rows = np.arange(trials)
+        self.done = np.zeros(trials, dtype=bool)
+        self.resume = np.zeros(trials)  # wall time the job is up again
+        self.last_fail = np.zeros(trials)
+        self.wall, self.blocked, self.lost = np.zeros(trials), np.zeros(trials), np.zeros(trials)
+        self.count = np.zeros(trials, dtype=np.int64)
+        self.from_storage = np.zeros(trials, dtype=np.int64)
+
+    def draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next failure of every trial: when, whether it is hardware, and the up time before it."""
+        fail_at = self.last_fail + _inter_arrivals(self.fail_rng, self.run.failures, self.run.mtbf_s, self.trials)
+        hardware = self.kind_rng.random(self.trials) < self.run.failures.hardware_fraction
+        return fail_at, hardware, np.maximum(fail_at - self.resume, 0.0)
+
+    def finish(self, need: np.ndarray, up: np.ndarray, blocking: np.ndarray) -> bool:
+        """Trials whose rest of the run (`need`, of which `blocking` in saves) fits in the up time end there;
+        True when all have."""
+        finish = ~self.done & (need <= up)
+        self.wall[finish] = self.resume[finish] + need[finish]
+        self.blocked[finish] += blocking[finish]
+        self.done |= finish
+        return bool(self.done.all())
+
+    def fail(self, fail_at: np.ndarray, hardware: np.ndarray, lost: np.ndarray, blocked: np.ndarray,
+             down: np.ndarray | float, from_storage: np.ndarray | bool) -> None:
+        """The unfinished trials fail: the work and saves of the up time, the wait for a node, and the
+        recovery, which a failure during an earlier one overlaps with (up once both are recovered)."""
+        hit = ~self.done
+        self.blocked[hit] += blocked[hit]
+        self.lost[hit] += lost[hit]
+        self.count[hit] += 1
+        self.from_storage[hit] += np.broadcast_to(from_storage, hit.shape)[hit]
+        wait = _node_wait(self.busy, self.rows, hardware, hit, fail_at, self.run.recovery.repair_s)
+        self.resume = np.where(hit, np.maximum(self.resume, fail_at + wait + down), self.resume)
+        self.last_fail = fail_at
+
+
+def _one_tier(r: _Replay, s: Schedule) -> None:
+    """Saves every τ of compute from the last restore; a failure loses the compute since the last committed one."""
+    rec, work = r.run.recovery, r.run.work_s
+    committed = np.zeros(r.trials)
     fixed_down = rec.detect_s + rec.restart_s + s.restore_s
-    for _ in range(max_failures):
-        # Every trial draws every time, finished or not, so that the streams stay aligned across policies.
-        fail_at = last_fail + _inter_arrivals(fail_rng, fm, mtbf, trials)
-        hardware = kind_rng.random(trials) < fm.hardware_fraction
-        up = np.maximum(fail_at - resume, 0.0)
-        remaining = run.work_s - committed
+    for _ in range(r.max_failures):
+        fail_at, hardware, up = r.draw()
+        remaining = work - committed
         saves_left = np.maximum(np.ceil(remaining / s.tau) - 1, 0)  # no save after the last step
-        need = remaining + saves_left * s.blocking
-        finish = ~done & (need <= up)
-        wall[finish] = resume[finish] + need[finish]
-        blocked[finish] += saves_left[finish] * s.blocking
-        done |= finish
-        if done.all():
-            break
-        hit = ~done
+        if r.finish(remaining + saves_left * s.blocking, up, saves_left * s.blocking):
+            return
         saves = np.floor(np.maximum(up - s.lag, 0.0) / s.period)  # saves committed before the failure
         periods = np.floor(up / s.period)
         in_saves = periods * s.blocking + np.clip(up - periods * s.period - s.tau, 0.0, s.blocking)
-        committed[hit] += saves[hit] * s.tau
-        blocked[hit] += in_saves[hit]
-        lost[hit] += (up - in_saves - saves * s.tau)[hit]
-        count[hit] += 1
-        wait = _node_wait(busy, rows, hardware, hit, fail_at, rec.repair_s)
-        # A failure during recovery overlaps with it: the job is up once both are recovered.
-        resume = np.where(hit, np.maximum(resume, fail_at + wait + fixed_down), resume)
-        last_fail = fail_at
+        committed[~r.done] += saves[~r.done] * s.tau
+        r.fail(fail_at, hardware, up - in_saves - saves * s.tau, in_saves, fixed_down, True)
+    _exhausted(r)
+
+
+def _storage_saves(pos: np.ndarray, n: np.ndarray, every: int) -> np.ndarray:
+    """Storage saves among the n memory intervals after position `pos` (both counted in memory intervals
+    from the run's start): one at each multiple of `every`."""
+    return np.floor((pos + n) / every) - np.floor(pos / every)
+
+
+def _wall_of(pos: np.ndarray, n: np.ndarray, two: Tiers) -> np.ndarray:
+    """Up time to compute n memory intervals from `pos`, with the saves after each."""
+    return n * two.memory.period + _storage_saves(pos, n, two.every) * two.storage.blocking
+
+
+def _intervals_done(pos: np.ndarray, up: np.ndarray, two: Tiers) -> np.ndarray:
+    """The memory intervals, saves after them included, done in `up` seconds from `pos`: the largest n with
+    _wall_of(pos, n) <= up (0 when up < 0). The first storage save follows d = every − pos mod every
+    intervals, then one every `every`: a cycle of every memory periods and a storage save."""
+    period, every, s_block = two.memory.period, two.every, two.storage.blocking
+    up = np.maximum(up, 0.0)
+    d = every - np.mod(pos, every)
+    first = d * period + s_block
+    rest = np.maximum(up - first, 0.0)
+    cycle = every * period + s_block
+    cycles = np.floor(rest / cycle)
+    after = d + cycles * every + np.minimum(np.floor((rest - cycles * cycle) / period), every - 1)
+    return np.where(up < first, np.minimum(np.floor(up / period), d - 1), after)
+
+
+def _two_tiers(r: _Replay, two: Tiers) -> None:
+    """Memory saves every τ_m of compute, storage saves at every `every`-th of them, both on the run's own grid
+    (positions count memory intervals from the start). A failure memory covers (probability p_m) restarts from
+    the newest committed save of either tier; one it does not, from the newest storage save, and the memory
+    copies beyond it are gone."""
+    m, s, rec, work = two.memory, two.storage, r.run.recovery, r.run.work_s
+    down_m, down_s = (rec.detect_s + rec.restart_s + restore for restore in (m.restore_s, s.restore_s))
+    pos = np.zeros(r.trials)  # where the current up time started
+    stored = np.zeros(r.trials)  # the newest committed storage save
+    for _ in range(r.max_failures):
+        fail_at, hardware, up = r.draw()
+        covered = r.cover_rng.random(r.trials) < two.coverage
+        remaining = work - pos * m.tau
+        left = np.maximum(np.ceil(remaining / m.tau) - 1, 0)  # memory saves before the end
+        blocking = left * m.blocking + _storage_saves(pos, left, two.every) * s.blocking
+        if r.finish(remaining + blocking, up, blocking):
+            return
+        n = _intervals_done(pos, up, two)
+        compute = n * m.tau + np.clip(up - _wall_of(pos, n, two), 0.0, m.tau)
+        memory = pos + _intervals_done(pos, up - m.lag, two)
+        new = _storage_saves(pos, _intervals_done(pos, up - s.lag, two), two.every)
+        stored = np.where(new > 0, (np.floor(pos / two.every) + new) * two.every, stored)
+        restored = np.where(covered, np.maximum(memory, stored), stored)
+        r.fail(fail_at, hardware, compute - (restored - pos) * m.tau, up - compute,
+               np.where(covered, down_m, down_s), ~covered)
+        pos = np.where(r.done, pos, restored)
+    _exhausted(r)
+
+
+def _exhausted(r: _Replay) -> None:
+    raise KeelError(f"the run did not finish within {r.max_failures} failures in some trials "
+                    f"(job MTBF {r.run.mtbf_s / 3600:.2f} h): shorten recovery or add spares")
+
+
+def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int = 2000,
+             max_failures: int | None = None) -> SimResult:
+    """Monte Carlo of the whole run. The failure times depend on the seed and the failure model only, so
+    policies simulated with the same seed meet the same failures (common random numbers); so do the draws of
+    which failures the memory tier covers, for policies with it."""
+    policy = policy or Policy()
+    started = time.perf_counter()
+    s, two = schedule(run, policy), tiers(run, policy)
+    rate = expected_goodput(run, policy)
+    if rate < 1e-4:
+        raise KeelError(f"the run cannot make progress: job MTBF {run.mtbf_s / 3600:.2f} h against "
+                        f"{down_time(run, policy) / 3600:.2f} h down per failure and a {s.tau:.0f} s interval")
+    if max_failures is None:  # three times the expected count: far in the tail, bounded when progress is slow
+        max_failures = 1000 + int(3 * run.work_s / (run.mtbf_s * rate))
+    r = _Replay(run, policy, seed, trials, max_failures)
+    if two is None:
+        _one_tier(r, s)
     else:
-        raise KeelError(f"the run did not finish within {max_failures} failures in some trials "
-                        f"(job MTBF {mtbf / 3600:.2f} h): shorten recovery or add spares")
-    work = run.work_s
-    down = wall - work - blocked - lost
-    return SimResult(policy, s, work, wall, count, blocked, lost, down, time.perf_counter() - started)
+        _two_tiers(r, two)
+    down = r.wall - run.work_s - r.blocked - r.lost
+    return SimResult(policy, s, run.work_s, r.wall, r.count, r.blocked, r.lost, down, time.perf_counter() - started,
+                     r.from_storage, two)
 
 
 def _node_wait(busy: np.ndarray, rows: np.ndarray, hardware: np.ndarray, hit: np.ndarray, fail_at: np.ndarray,
@@ -321,19 +596,33 @@ def _node_wait(busy: np.ndarray, rows: np.ndarray, hardware: np.ndarray, hit: np
     return wait
 
 
+def replication(run: Run, two: Tiers) -> dict[str, float]:
+    """What the memory tier's copies to buddy nodes cost the scale-out network: bytes each device sends per
+    save, the seconds that takes at peer_bw (in the background) and the share of the link's time it holds on
+    average. Contention with the training's own inter-node traffic is not modelled beyond this share."""
+    per_device = run.ckpt_bytes / run.devices
+    seconds = per_device / run.storage.peer_bw
+    return {"bytes_per_device": per_device, "seconds": seconds, "link_share": seconds / two.memory.period}
+
+
 def compare_policies(run: Run, seed: int = 0, trials: int = 2000, base: Policy | None = None,
                      fixed_interval_s: float = 3600.0) -> list[SimResult]:
     """The base policy and one change at a time: sync saves, a fixed interval, restore from peers' memory
-    (or from disk when the base uses memory), no spare nodes. Same seed, so the same failures for each."""
+    (or from disk when the base uses memory), no spare nodes, and the memory tier added (or, when the base has
+    it, storage only). Same seed, so the same failures for each."""
     base = base or Policy()
+    one_tier = replace(base, memory_tier=False, memory_interval_s=None)
     variants = [
         base,
         replace(base, name="sync saves" if base.async_save else "async saves", async_save=not base.async_save),
         replace(base, name=f"fixed interval {fixed_interval_s / 60:.0f} min", interval_s=fixed_interval_s)
         if base.interval_s is None else replace(base, name="optimal interval", interval_s=None),
-        replace(base, name="in-memory/peer restore" if base.restore == "disk" else "disk restore",
+        replace(one_tier, name="in-memory/peer restore" if base.restore == "disk" else "disk restore",
                 restore="memory" if base.restore == "disk" else "disk"),
         replace(base, name="no spare nodes" if base.spare_nodes else "8 spare nodes",
                 spare_nodes=0 if base.spare_nodes else 8),
+        replace(one_tier, name="storage only", interval_s=None) if base.memory_tier else
+        replace(base, name="memory + storage tiers", restore="disk", memory_tier=True, interval_s=None,
+                memory_interval_s=None),
     ]
     return [simulate(run, policy, seed, trials) for policy in variants]

@@ -18,10 +18,12 @@ from keel.plan.failures import (
     Policy,
     Recovery,
     Run,
+    SimResult,
     Storage,
     checkpoint_bytes,
     compare_policies,
     expected_goodput,
+    replication,
     save_times,
     young_daly,
 )
@@ -79,9 +81,7 @@ def answer(q: Question) -> dict:
         raise KeelError(f"no layout of {q.cfg.name} fits {q.gpus} × {hw.name}: "
                         f"{suggest(work, nearest.layout, hw)}")
     best = assessed.candidate if assessed is not None else fitting[0]  # the layout the run is planned on
-    run = Run(work.steps() * best.step.total, q.gpus, checkpoint_bytes(work.n_params, q.gpus),
-              FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
-              Storage(write_bw=q.storage_gbs * 1e9), q.recovery)
+    run = planned_run(q, hw, work.steps() * best.step.total, checkpoint_bytes(work.n_params, q.gpus))
     spares, options = (q.spares, []) if q.spares is not None else \
         best_spares(run, Policy(), q.price, q.seed, q.trials)
     policies = compare_policies(run, seed=q.seed, trials=q.trials, base=Policy(
@@ -115,10 +115,61 @@ def answer(q: Question) -> dict:
                 "goodput": chosen.stats("goodput"), "interruptions": chosen.stats("interruptions"),
                 "expected_goodput": expected_goodput(run, chosen.policy)},
         "policies": [p.row() for p in policies],
+        "tiers": _tiers(run, chosen, policies[-1], best.step.total),
         "cost": {"gpu_hours": spent.gpu_hours, "money": money_percentiles(chosen, run, q.price),
                  "parts": spent.parts()},
         "tuning": tuning,
     }
+
+
+def planned_run(q: Question, hw: Accelerator, work_s: float, ckpt_bytes: float) -> Run:
+    """The run the failure model replays: the memory tier's copies and restores cross the cluster's scale-out
+    network, at its bandwidth per accelerator."""
+    return Run(work_s, q.gpus, ckpt_bytes,
+               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
+               Storage(write_bw=q.storage_gbs * 1e9, peer_bw=hw.inter_bw), q.recovery)
+
+
+def _tiers(run: Run, storage_only: SimResult, two: SimResult, step_s: float) -> dict:
+    """The memory tier's forecast: storage-only checkpoints against memory + storage, each at its optimal
+    intervals, on the same failures; intervals also in steps (`checkpoint.memory_interval`, `.interval`)."""
+    def side(r: SimResult) -> dict:
+        return {"interval_s": r.schedule.tau, "interval_steps": max(1, round(r.schedule.tau / step_s)),
+                "goodput": r.stats("goodput"), "expected_goodput": expected_goodput(run, r.policy),
+                "wall_days": _days(r.stats("wall_s")), "lost_per_failure_s": r.lost_per_failure_s,
+                "restored_from_storage": r.row()["restored_from_storage"]}
+
+    memory = two.tiers.memory if two.tiers else None
+    return {"coverage": run.failures.memory_coverage, "storage_only": side(storage_only),
+            "two_tier": side(two) | {
+                "memory_interval_s": memory.tau if memory else None,
+                "memory_interval_steps": max(1, round(memory.tau / step_s)) if memory else None,
+                "memory_blocking_s": memory.blocking if memory else None},
+            "goodput_gain": two.stats("goodput")["mean"] - storage_only.stats("goodput")["mean"],
+            "wall_days_saved": (storage_only.stats("wall_s")["p50"] - two.stats("wall_s")["p50"]) / 86400,
+            "replication": replication(run, two.tiers) if two.tiers else None}
+
+
+def _tier_lines(t: dict) -> list[str]:
+    one, two, copy = t["storage_only"], t["two_tier"], t["replication"]
+    if two["memory_interval_s"] is None:
+        return ["", f"checkpoint tiers: the memory tier restores {t['coverage']:.1%} of the failures: never worth "
+                    f"a save, storage only"]
+    return ["", f"checkpoint tiers: memory restores {t['coverage']:.1%} of the failures (all but a node lost with "
+                f"its buddy, or the whole job); memory every {format_duration(two['memory_interval_s'])} "
+                f"(~{two['memory_interval_steps']:,} steps) + storage every {format_duration(two['interval_s'])} "
+                f"(~{two['interval_steps']:,} steps), against storage only every "
+                f"{format_duration(one['interval_s'])} (~{one['interval_steps']:,} steps)",
+            f"  goodput mean: storage only {one['goodput']['mean']:.2%} → memory + storage "
+            f"{two['goodput']['mean']:.2%} ({100 * t['goodput_gain']:+.2f} points; analytic "
+            f"{one['expected_goodput']:.2%} → {two['expected_goodput']:.2%}); wall P50 "
+            f"{one['wall_days']['p50']:.1f} → {two['wall_days']['p50']:.1f} days; lost work per failure "
+            f"{format_duration(one['lost_per_failure_s'])} → {format_duration(two['lost_per_failure_s'])}, "
+            f"{two['restored_from_storage']:.1%} of restores from storage",
+            f"  the copy to a buddy node: {copy['bytes_per_device'] / 1e9:.2f} GB per GPU per memory save over the "
+            f"scale-out network, {copy['seconds']:.2g} s in the background ({copy['link_share']:.2%} of the link); "
+            f"keel's memory tier holds one node's copies on that node only today, so across nodes this is the "
+            f"forecast for a buddy copy"]
 
 
 def _experts(work: Workload, layout: Layout, step: StepBreakdown, hw: Accelerator, eff: Efficiency) -> dict | None:
@@ -214,7 +265,8 @@ def lines(a: dict) -> list[str]:
         out.append(f"{p['policy']:<56}{format_duration(p['interval_s']):>10}{p['wall_days']['p50']:>14.1f}"
                    f"{p['goodput']['p50']:>13.1%}")
     money, parts = cost["money"], cost["parts"]
-    out += ["", f"cost at ${q['price_per_hour']:.2f}/GPU-hour: P10/P50/P90 ${money['p10'] / 1e6:,.2f}M / "
+    out += [*_tier_lines(a["tiers"]),
+            "", f"cost at ${q['price_per_hour']:.2f}/GPU-hour: P10/P50/P90 ${money['p10'] / 1e6:,.2f}M / "
             f"${money['p50'] / 1e6:,.2f}M / ${money['p90'] / 1e6:,.2f}M; {cost['gpu_hours'] / 1e6:,.2f}M GPU-hours "
             f"(mean): " + ", ".join(f"{name} {parts[name]['share']:.1%}" for name in
                                     ("productive", "checkpointing", "failures.lost_work", "failures.down_time",
@@ -264,9 +316,7 @@ def write_html(q: Question, a: dict, path: Path) -> Path:
     hw = hardware(q)
     work = Workload.of(q.cfg, q.tokens)
     best = search(work, q.gpus, hw, Efficiency(**a["efficiency"]))[0]
-    run = Run(work.steps() * best.step.total, q.gpus, a["checkpoint"]["bytes"],
-              FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
-              Storage(write_bw=q.storage_gbs * 1e9), q.recovery)
+    run = planned_run(q, hw, work.steps() * best.step.total, a["checkpoint"]["bytes"])
     optimum = a["checkpoint"]["interval_s"]
     intervals = [optimum * 2 ** (k / 4) for k in range(-12, 13)]
     goodputs = [100 * expected_goodput(run, Policy(interval_s=t)) for t in intervals]

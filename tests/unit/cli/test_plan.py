@@ -20,7 +20,9 @@ def test_plan_answers_with_layouts_memory_step_checkpoints_goodput_and_cost(tmp_
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for part in ("tokens/s/GPU", "memory per GPU", "step time", "Young/Daly interval", "wall time P10/P50/P90",
-                 "goodput", "cost at $2.50/GPU-hour", "FSDP only", "sync saves", "no spare nodes"):
+                 "goodput", "cost at $2.50/GPU-hour", "FSDP only", "sync saves", "no spare nodes",
+                 "memory + storage tiers", "checkpoint tiers: memory restores 91.6% of the failures",
+                 "goodput mean: storage only", "lost work per failure", "the copy to a buddy node"):
         assert part in out, part
 
 
@@ -40,6 +42,12 @@ def test_plan_json_is_reproducible_and_consistent(tmp_path: Path) -> None:
     assert a["run"]["work_days"] < wall["p10"] <= wall["p50"] <= wall["p90"]
     parts = a["cost"]["parts"]
     assert abs(sum(parts[k]["share"] for k in ("productive", "checkpointing", "failures")) - 1) < 1e-9
+    tiers = a["tiers"]
+    one, two = tiers["storage_only"], tiers["two_tier"]
+    assert two["memory_interval_s"] < two["interval_s"] and one["interval_s"] == a["checkpoint"]["interval_s"]
+    assert tiers["goodput_gain"] == pytest.approx(two["goodput"]["mean"] - one["goodput"]["mean"])
+    assert two["lost_per_failure_s"] < one["lost_per_failure_s"] and one["restored_from_storage"] == 1
+    assert tiers["replication"]["bytes_per_device"] == pytest.approx(a["checkpoint"]["bytes"] / 1024)
 
 
 def test_plan_writes_html_plots(tmp_path: Path) -> None:
