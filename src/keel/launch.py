@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from keel.rundir.quarantine import is_quarantined, node_name
 from keel.rundir.status import read_status
 from keel.worker_server import start_worker_server
 
-LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint")
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--local-addr")
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end
 # A node that stops sending keep-alives is dropped from the rendezvous after interval × attempts seconds.
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
@@ -193,14 +194,15 @@ class _WorkerTracebackOnly(logging.Filter):
         return True
 
 
-def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry, *, nnodes: str = "1",
-           rdzv_endpoint: str = "", rdzv_timeout_s: int = 900, shutdown_grace_s: int = 120,
-           no_progress_restarts: int = 2, say=print) -> int:
+def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry,
+           rendezvous: Rendezvous | None = None, *, shutdown_grace_s: int = 120, no_progress_restarts: int = 2,
+           say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
     2 bad input, 3 stopped (do not requeue), 73 the checkpoint volume refused a save, 75 paused (rerun
     resumes), 76 this node or a rank was
     quarantined (requeue without it); 128 + N when the launcher itself was killed by signal N. Each worker
-    runs `entry(the launcher's environment, its argv)`."""
+    runs `entry(the launcher's environment, its argv)`; `rendezvous` says how this node meets the others (none:
+    a job of this node alone)."""
     start_worker_server(nproc)  # unless the command started it already
     logging.getLogger(elastic_processes.__name__).addFilter(_WorkerTracebackOnly())
     # Workers restarted by the agent must not share the rendezvous store: they would read the
@@ -211,8 +213,9 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     # The goodput ledger counts this command's own start-up (imports, rendezvous) as the run's.
     os.environ["KEEL_LAUNCHED_AT"] = str(keel.STARTED)
-    elastic = nnodes != "1"
-    config = _agent_config(nproc, max_restarts, run_dir, nnodes, rdzv_endpoint, rdzv_timeout_s, shutdown_grace_s)
+    rendezvous = rendezvous or Rendezvous()
+    elastic = rendezvous.nnodes != "1"
+    config = _agent_config(nproc, max_restarts, run_dir, rendezvous, shutdown_grace_s)
 
     agents: list[KeelAgent] = []
 
@@ -244,19 +247,36 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
             account_exit(run_dir)
 
 
-def _agent_config(nproc: int, max_restarts: int, run_dir: Path, nnodes: str, rdzv_endpoint: str,
-                  rdzv_timeout_s: int, shutdown_grace_s: int) -> launcher_api.LaunchConfig:
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this node meets the others: MIN:MAX nodes ("1": a job of this node alone), the c10d store's HOST:PORT,
+    this node's own address (empty: its host name, as torchrun takes it) and how long a rendezvous may wait."""
+
+    nnodes: str = "1"
+    endpoint: str = ""
+    local_addr: str = ""
+    timeout_s: int = 900
+
+    def args(self, run_dir: Path) -> list[str]:
+        if self.nnodes == "1":
+            return ["--standalone"]
+        conf = (f"join_timeout={self.timeout_s},last_call_timeout=2,keep_alive_interval={KEEP_ALIVE_S},"
+                f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}")
+        local = []
+        if self.local_addr:  # where host names do not say which node hosts the store, the address does
+            conf += f",is_host={str(self.local_addr == self.endpoint.rpartition(':')[0]).lower()}"
+            local = ["--local-addr", self.local_addr]
+        return ["--nnodes", self.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", f"keel-{run_dir.resolve().name}", "--rdzv-conf", conf, *local]
+
+
+def _agent_config(nproc: int, max_restarts: int, run_dir: Path, rendezvous: Rendezvous,
+                  shutdown_grace_s: int) -> launcher_api.LaunchConfig:
     """torchrun's launch config for this node, as its command line would give it, its workers forked."""
-    if nnodes != "1":
-        os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rdzv_timeout_s)
-        rendezvous = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                      "--rdzv-id", f"keel-{run_dir.resolve().name}",
-                      "--rdzv-conf", f"join_timeout={rdzv_timeout_s},last_call_timeout=2,"
-                                     f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"]
-    else:
-        rendezvous = ["--standalone"]
+    if rendezvous.nnodes != "1":
+        os.environ["KEEL_RDZV_TIMEOUT_S"] = str(rendezvous.timeout_s)
     args = get_args_parser().parse_args([
-        *rendezvous, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        *rendezvous.args(run_dir), f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
         f"--shutdown-timeout={shutdown_grace_s}", "--module", "keel"])  # the workers run `entry` instead
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"keel-{os.getpid()}"

@@ -9,7 +9,7 @@ import time
 from multiprocessing.process import BaseProcess
 from types import SimpleNamespace
 
-from keel.launch import KeelAgent
+from keel.launch import KeelAgent, Rendezvous
 
 
 def _sleeper(code: int | None = None) -> BaseProcess:
@@ -52,3 +52,15 @@ def test_workers_that_exit_with_a_code_leave_the_others_to_their_own_end() -> No
         for p in procs:
             p.kill()
             p.join()
+
+
+def test_the_node_whose_address_is_the_endpoints_hosts_the_rendezvous(tmp_path) -> None:
+    def conf(local: str) -> tuple[str, list[str]]:
+        args = Rendezvous("2", "10.0.0.1:29400", local).args(tmp_path)
+        return args[args.index("--rdzv-conf") + 1], args[args.index("--rdzv-conf") + 2:]
+
+    assert conf("10.0.0.1") == (conf("10.0.0.1")[0], ["--local-addr", "10.0.0.1"])
+    assert conf("10.0.0.1")[0].endswith(",is_host=true") and conf("10.0.0.2")[0].endswith(",is_host=false")
+    # Without an address torch decides by host name, as torchrun does.
+    assert "is_host" not in conf("")[0] and conf("")[1] == []
+    assert Rendezvous().args(tmp_path) == ["--standalone"]

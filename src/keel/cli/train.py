@@ -39,6 +39,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "node (with --rdzv-endpoint); the job goes on with at least MIN")
     t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (one node's address) for "
                    "--nnodes")
+    t.add_argument("--local-addr", default="", help="this node's address as the other nodes reach it, for --nnodes "
+                   "(default: its host name); the node whose address is the --rdzv-endpoint host hosts the "
+                   "rendezvous")
     t.add_argument("--accept-change", action="append", default=[], metavar="KEY[,KEY]",
                    help="resume although these identity fields changed (e.g. train.seq_len for a longer context "
                         "phase), or take a finished run as it is although these settings changed (e.g. optim.lr); "
@@ -159,11 +162,11 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
             return launch_groups(cfg, args.argv, run_dir, nproc, max_restarts)
         if launches:
             from keel.cli import forked_worker
-            from keel.launch import launch
+            from keel.launch import Rendezvous, launch
 
             with held_in_memory(cfg, run_dir, nproc):  # the memory tier outlives the workers, not the job
-                return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nnodes=args.nnodes,
-                              rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout_s=cfg.health.rendezvous_timeout_s,
+                nodes = Rendezvous(args.nnodes, args.rdzv_endpoint, args.local_addr, cfg.health.rendezvous_timeout_s)
+                return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nodes,
                               shutdown_grace_s=cfg.health.shutdown_grace_s,
                               no_progress_restarts=cfg.health.no_progress_restarts)
         from keel.drill.faults import as_callbacks
@@ -243,6 +246,9 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
         raise KeelError(f"--nproc {args.nproc}: expected a positive number of processes")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise KeelError(f"--max-restarts {args.max_restarts}: expected 0 or more restarts")
+    if args.local_addr and args.nnodes == "1":
+        raise KeelError(f"--local-addr {args.local_addr}: a node's address is for an elastic job; pass --nnodes "
+                        f"MIN:MAX and --rdzv-endpoint too, or leave it out")
     check_writable_dir(run_dir, "--run-dir" if args.run_dir else "the run directory")
     storage = cfg.checkpoint.dir
     if storage and ("://" not in storage or storage.startswith("file://")):

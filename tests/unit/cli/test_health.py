@@ -17,6 +17,7 @@ from tests.conftest import run_keel
     (["train", "--nnodes", "2:1", "--rdzv-endpoint", "localhost:29400", "--run-dir", "{tmp}/r"],
      "--nnodes '2:1': expected MIN:MAX"),
     (["train", "--nnodes", "1:2", "--run-dir", "{tmp}/r"], "needs HOST:PORT of the rendezvous"),
+    (["train", "--local-addr", "10.0.0.2", "--run-dir", "{tmp}/r"], "a node's address is for an elastic job"),
 ])
 def test_health_commands_refuse_bad_input_with_one_line(args: list[str], expect: str, tmp_path: Path) -> None:
     result = run_keel([a.format(tmp=tmp_path) for a in args], cwd=tmp_path, timeout=60)
