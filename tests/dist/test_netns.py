@@ -1,0 +1,85 @@
+"""Nodes in network namespaces of their own (keel.drill.netns): a job across them trains as one machine does, and
+the faults the cluster injects are real ones, seen by the nodes' own interfaces."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.checkpoint.inspect import state_sha256
+from keel.drill.netns import Cluster, unavailable
+from keel.rundir.events import read_jsonl
+from tests.conftest import SMALL_RUN
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
+
+PORT = 29400  # inside node 0's namespace, where nothing else listens
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+def test_a_job_across_two_namespaced_nodes_ends_bitwise_equal_to_one_machines(reference_run: Path,
+                                                                             small_corpus: Path,
+                                                                             tmp_path: Path) -> None:
+    run_dir = tmp_path / "N"
+    with Cluster(2) as cluster:
+        launches = [cluster.keel(node, ["train", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+                                        f"{cluster.address(0)}:{PORT}", "--local-addr", cluster.address(node),
+                                        "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
+                                        f"data.dir={small_corpus}", "checkpoint.interval=10",
+                                        "checkpoint.keep_last=10"], tmp_path, tmp_path / f"node-{node}.log")
+                    for node in range(2)]
+        codes = [launch.wait(timeout=300) for launch in launches]
+    assert codes == [0, 0], [(tmp_path / f"node-{n}.log").read_text()[-3000:] for n in range(2)]
+    (start,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start" and e["rank"] == 0]
+    assert start["detail"]["world_size"] == 2
+    assert losses(run_dir) == losses(reference_run)
+    final = Path("checkpoints") / "step-000040"
+    assert state_sha256(run_dir / final) == state_sha256(reference_run / final)
+
+
+def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:
+    """Seconds to send `megabytes` from node 1 to a server listening on node 0; None when node 1 cannot connect
+    within `connect_s`."""
+    server = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c",
+                               "import socket; s = socket.create_server(('', %d)); c, _ = s.accept()\n"
+                               "while c.recv(1 << 16): pass" % PORT])
+    try:
+        time.sleep(0.5)  # the server listening
+        started = time.monotonic()
+        sent = subprocess.run(["ip", "netns", "exec", cluster.namespace(1), sys.executable, "-c",
+                               f"import socket\ns = socket.create_connection(('{cluster.address(0)}', {PORT}), "
+                               f"timeout={connect_s})\ns.sendall(bytes({megabytes << 20})); s.close()"],
+                              capture_output=True, timeout=120)
+        return time.monotonic() - started if sent.returncode == 0 else None
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def test_a_pulled_cable_a_flap_and_a_slow_port_are_real_on_the_node() -> None:
+    with Cluster(2) as cluster:
+        before = cluster.link_state(1)
+        assert before["operstate"] == "up"
+        cluster.link_down(1)
+        assert cluster.link_state(1)["operstate"] != "up"
+        assert _send(cluster, 1, connect_s=2) is None, "nothing reaches node 0 without a cable"
+        cluster.link_up(1)
+        cluster.flap(1, down_s=0.2)
+        after = cluster.link_state(1)
+        assert after["operstate"] == "up"
+        # Down and up, twice: each is a change of carrier the node's kernel counts.
+        assert int(after["carrier_changes"]) >= int(before["carrier_changes"]) + 4, (before, after)
+        fast = _send(cluster, 4)
+        cluster.throttle(1, mbit=8)  # 4 MiB at 8 Mbit/s: about 4 s
+        slow = _send(cluster, 4)
+        cluster.unthrottle(1)
+    assert fast is not None and slow is not None and slow > 3.0 and slow > 3 * fast, (fast, slow)
+    assert not any(ns.startswith(cluster.prefix) for ns in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout.split()), "the namespaces are removed"
