@@ -3,6 +3,7 @@ the faults the cluster injects are real ones, seen by the nodes' own interfaces.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -12,8 +13,9 @@ import pytest
 
 from keel.checkpoint.inspect import state_sha256
 from keel.drill.netns import Cluster, unavailable
+from keel.drill.procs import Launch
 from keel.rundir.events import read_jsonl
-from tests.conftest import SMALL_RUN
+from tests.conftest import SMALL_RUN, run_keel
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
 
@@ -24,32 +26,75 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
 
 
+def two_nodes(cluster: Cluster, run_dir: Path, corpus: Path, tmp_path: Path, *extra: str) -> list[Launch]:
+    """The reference run's job (40 steps of SMALL_RUN on 2 processes) as two nodes of one process each."""
+    return [cluster.keel(node, ["train", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+                                f"{cluster.address(0)}:{PORT}", "--local-addr", cluster.address(node), "--run-dir",
+                                str(run_dir), *SMALL_RUN, "train.steps=40", f"data.dir={corpus}",
+                                "checkpoint.interval=10", "checkpoint.keep_last=10", *extra],
+                        tmp_path, tmp_path / f"node-{node}.log") for node in range(2)]
+
+
+def assert_finished_as_the_reference(launches: list[Launch], run_dir: Path, reference_run: Path,
+                                     tmp_path: Path) -> None:
+    codes = [launch.wait(timeout=300) for launch in launches]
+    assert codes == [0, 0], [(tmp_path / f"node-{n}.log").read_text()[-3000:] for n in range(2)]
+    assert losses(run_dir) == losses(reference_run)
+    final = Path("checkpoints") / "step-000040"
+    assert state_sha256(run_dir / final) == state_sha256(reference_run / final)
+
+
 def test_a_job_across_two_namespaced_nodes_ends_bitwise_equal_to_one_machines(reference_run: Path,
                                                                              small_corpus: Path,
                                                                              tmp_path: Path) -> None:
     run_dir = tmp_path / "N"
     with Cluster(2) as cluster:
-        launches = [cluster.keel(node, ["train", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
-                                        f"{cluster.address(0)}:{PORT}", "--local-addr", cluster.address(node),
-                                        "--run-dir", str(run_dir), *SMALL_RUN, "train.steps=40",
-                                        f"data.dir={small_corpus}", "checkpoint.interval=10",
-                                        "checkpoint.keep_last=10"], tmp_path, tmp_path / f"node-{node}.log")
-                    for node in range(2)]
-        codes = [launch.wait(timeout=300) for launch in launches]
-    assert codes == [0, 0], [(tmp_path / f"node-{n}.log").read_text()[-3000:] for n in range(2)]
+        assert_finished_as_the_reference(two_nodes(cluster, run_dir, small_corpus, tmp_path), run_dir,
+                                         reference_run, tmp_path)
     (start,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start" and e["rank"] == 0]
     assert start["detail"]["world_size"] == 2
-    assert losses(run_dir) == losses(reference_run)
-    final = Path("checkpoints") / "step-000040"
-    assert state_sha256(run_dir / final) == state_sha256(reference_run / final)
+
+
+def step_reached(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "status.json").read_text()).get("step", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def test_a_link_that_flaps_mid_run_is_an_alert_naming_its_node_and_nothing_is_lost(reference_run: Path,
+                                                                                  small_corpus: Path,
+                                                                                  tmp_path: Path) -> None:
+    run_dir = tmp_path / "F"
+    with Cluster(2) as cluster:
+        launches = two_nodes(cluster, run_dir, small_corpus, tmp_path, "monitor.telemetry_interval_s=0.5",
+                             'drill.inject=["slow:rank=-1,seconds=0.1"]')
+        deadline = time.monotonic() + 120
+        while step_reached(run_dir) < 10:
+            assert time.monotonic() < deadline and all(launch.proc.poll() is None for launch in launches)
+            time.sleep(0.1)
+        cluster.flap(1, down_s=2.0)  # node 1's cable out for 2 s: its collectives wait, TCP resends
+        assert_finished_as_the_reference(launches, run_dir, reference_run, tmp_path)
+    alerts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
+    (flap,) = [e for e in alerts if e["action"] == "link_flapped"]
+    assert flap["detail"]["node"] == "node-1" and flap["detail"]["interface"] == "eth0", flap
+    # The cable out, then back: one alert per incident, from the first sample that saw the carrier go.
+    assert flap["detail"]["message"].startswith("link flapped on node node-1: interface eth0, ")
+    samples = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    changes = [s["readings"]["network_carrier_changes_total{interface=eth0}"] for s in samples
+               if s["node"] == "node-1"]
+    assert changes and changes[-1] - changes[0] == 2, changes
+    report = run_keel(["report", str(run_dir), "--out", str(tmp_path / "report.html")], cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert "link flapped on node node-1" in (tmp_path / "report.html").read_text()
 
 
 def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:
     """Seconds to send `megabytes` from node 1 to a server listening on node 0; None when node 1 cannot connect
     within `connect_s`."""
     server = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c",
-                               "import socket; s = socket.create_server(('', %d)); c, _ = s.accept()\n"
-                               "while c.recv(1 << 16): pass" % PORT])
+                               f"import socket; s = socket.create_server(('', {PORT})); c, _ = s.accept()\n"
+                               "while c.recv(1 << 16): pass"])
     try:
         time.sleep(0.5)  # the server listening
         started = time.monotonic()

@@ -233,16 +233,25 @@ class Alerts:
                           free_ratio=r.value)
             elif r.name == "gpu_temperature_celsius" and r.value > self.cfg.gpu_temp_c:
                 self.fire("gpu_hot", step, "warning", f"{where} at {r.value:.0f} °C", celsius=r.value)
+            elif r.name == "network_carrier_changes_total" and (more := self._increase(r)) > 0:
+                node, nic = self.labels.get("node", "this node"), dict(r.labels).get("interface")
+                self.fire("link_flapped", step, "warning", f"link flapped on node {node}: interface {nic}, "
+                          f"{more:.0f} carrier change(s) since the last sample", node=node, interface=nic,
+                          carrier_changes=r.value)
             elif r.name in ("gpu_ecc_errors_total", "gpu_xid_errors_total"):
                 if dict(r.labels).get("type", "uncorrected") != "uncorrected":
                     continue
-                key = r.key()
-                before = self._errors.get(key)
-                self._errors[key] = r.value
-                if before is not None and r.value > before:
+                if (more := self._increase(r)) > 0:
                     rule = "gpu_ecc" if r.name.startswith("gpu_ecc") else "gpu_xid"
-                    self.fire(rule, step, "critical", f"{where}: {r.value - before:.0f} new "
+                    self.fire(rule, step, "critical", f"{where}: {more:.0f} new "
                               f"{'uncorrected ECC' if rule == 'gpu_ecc' else 'XID'} error(s)", count=r.value)
+
+    def _increase(self, r: Any) -> float:
+        """How much a telemetry counter grew since its last sample (0 at its first: what happened before the run
+        is not news)."""
+        before = self._errors.get(r.key())
+        self._errors[r.key()] = r.value
+        return r.value - before if before is not None else 0.0
 
     def check_stall(self, step: int, now: float | None = None) -> None:
         """The step in progress has not finished for `stall_s` (the watchdog acts later, at its timeout)."""

@@ -107,8 +107,10 @@ class HostSource(Source):
 
 
 class NetworkSource(Source):
-    """Interface error and drop counters: a flapping link or a full ring buffer shows here before NCCL
-    times out."""
+    """Interface error and drop counters, and each link's state: a flapping link or a full ring buffer shows here
+    before NCCL times out. A link's carrier changes (a cable pulled or put back, a port reset) are counted by the
+    kernel since the interface appeared (/sys/class/net/NIC/carrier_changes), so a flap between two samples is
+    seen at the next one."""
 
     name = "network"
 
@@ -131,7 +133,25 @@ class NetworkSource(Source):
                                  ("network_drops_total", c.dropin, c.dropout)):
                 readings.append(Reading(name, float(rx), (("interface", nic), ("direction", "rx")), "counter"))
                 readings.append(Reading(name, float(tx), (("interface", nic), ("direction", "tx")), "counter"))
+            readings += _link_state(nic)
         return readings
+
+
+LINK_STATES = {"up": 1.0, "down": 0.0, "lowerlayerdown": 0.0, "dormant": 0.0, "notpresent": 0.0}
+
+
+def _link_state(nic: str, root: Path = Path("/sys/class/net")) -> list[Reading]:
+    """The interface's carrier changes (a counter) and whether its link is up; nothing the kernel does not say
+    (an interface without carrier reporting is `unknown`)."""
+    readings, labels = [], (("interface", nic),)
+    with contextlib.suppress(OSError, ValueError):
+        changes = float((root / nic / "carrier_changes").read_text())
+        readings.append(Reading("network_carrier_changes_total", changes, labels, "counter"))
+    with contextlib.suppress(OSError):
+        state = (root / nic / "operstate").read_text().strip()
+        if state in LINK_STATES:
+            readings.append(Reading("network_link_up", LINK_STATES[state], labels))
+    return readings
 
 
 def is_url(location: str) -> bool:

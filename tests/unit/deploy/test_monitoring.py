@@ -39,6 +39,7 @@ EXPORTED = {
     "keel_gpu_utilization_ratio", "keel_gpu_memory_used_bytes", "keel_gpu_memory_total_bytes",
     "keel_gpu_temperature_celsius", "keel_gpu_power_watts", "keel_gpu_sm_clock_hertz", "keel_gpu_throttle_reasons",
     "keel_gpu_ecc_errors_total", "keel_gpu_xid_errors_total", "keel_network_errors_total", "keel_network_drops_total",
+    "keel_network_carrier_changes_total", "keel_network_link_up",
     "keel_storage_free_bytes", "keel_storage_total_bytes", "keel_storage_free_ratio",
     "keel_storage_write_latency_seconds",
 }
@@ -87,7 +88,7 @@ def test_alert_rules_pass_their_unit_tests() -> None:
 def test_every_alert_is_tested_firing_and_silent() -> None:
     rules = alert_rules()
     names = [rule["alert"] for rule in rules]
-    assert len(names) == len(set(names)) == 14
+    assert len(names) == len(set(names)) == 15
     for rule in rules:
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
         annotations = rule["annotations"]

@@ -252,6 +252,15 @@ def test_telemetry_rules_and_a_stalled_step(tmp_path: Path) -> None:
                               Reading("gpu_ecc_errors_total", 9, (("gpu", "0"), ("type", "corrected")), "counter")],
                              step=2)
     assert fired(tmp_path) == ["storage_nearly_full", "gpu_hot", "gpu_ecc"]
+    link = (("interface", "eth0"),)
+    alerts.observe_telemetry([Reading("network_carrier_changes_total", 2, link, "counter")], step=3)
+    alerts.observe_telemetry([Reading("network_carrier_changes_total", 2, link, "counter")], step=4)
+    assert fired(tmp_path)[-1] == "gpu_ecc", "carrier changes from before the run, and none since, are no flap"
+    alerts.observe_telemetry([Reading("network_carrier_changes_total", 4, link, "counter")], step=5)
+    flap = read_jsonl(tmp_path / "events.jsonl")[-1]
+    assert (flap["action"], flap["step"]) == ("link_flapped", 5)
+    assert flap["detail"]["message"] == ("link flapped on node n: interface eth0, 2 carrier change(s) since the "
+                                         "last sample")
     alerts.step_done()
     alerts.check_stall(7, now=alerts.last_step_time + 4)
     alerts.check_stall(7, now=alerts.last_step_time + 6)

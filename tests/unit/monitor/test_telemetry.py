@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from keel.monitor.telemetry import Reading, Telemetry
+from keel.monitor.telemetry import Reading, Telemetry, _link_state
 from keel.rundir.events import JsonlSink
 
 HAS_NVIDIA_DEVICES = Path("/dev/nvidiactl").exists()
@@ -169,8 +169,25 @@ def test_network_counters_or_unavailable(tmp_path: Path) -> None:
     assert rec.reasons("network") == []
     expected = {f"{name}{{interface={nic},direction={d}}}" for nic in nics
                 for name in ("network_errors_total", "network_drops_total") for d in ("rx", "tx")}
-    assert {r.key() for r in network} == expected
-    assert all(r.kind == "counter" and r.value >= 0 for r in network)
+    assert {r.key() for r in network if r.name in ("network_errors_total", "network_drops_total")} == expected
+    sysfs = Path("/sys/class/net")
+    links = {f"network_carrier_changes_total{{interface={nic}}}" for nic in nics
+             if (sysfs / nic / "carrier_changes").exists()}
+    assert {r.key() for r in network if r.name == "network_carrier_changes_total"} == links
+    assert all(r.value >= 0 and (r.kind == "counter") == r.name.endswith("_total") for r in network)
+
+
+def test_a_links_carrier_changes_and_state_are_read_as_the_kernel_states_them(tmp_path: Path) -> None:
+    for nic, changes, state in (("eth0", "7\n", "down\n"), ("tun0", "0\n", "unknown\n")):
+        (tmp_path / nic).mkdir()
+        (tmp_path / nic / "carrier_changes").write_text(changes)
+        (tmp_path / nic / "operstate").write_text(state)
+    assert {r.key(): (r.value, r.kind) for r in _link_state("eth0", tmp_path)} == {
+        "network_carrier_changes_total{interface=eth0}": (7.0, "counter"),
+        "network_link_up{interface=eth0}": (0.0, "gauge")}
+    # A link that does not report its state has no up or down to tell.
+    assert [r.name for r in _link_state("tun0", tmp_path)] == ["network_carrier_changes_total"]
+    assert _link_state("gone", tmp_path) == []
 
 
 def test_thread_samples_repeatedly_and_stops_promptly(tmp_path: Path) -> None:
