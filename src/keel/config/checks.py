@@ -1,18 +1,20 @@
 """Checks across fields: what no single field's bounds can say (the layout against the world size is
-keel.parallel.degrees')."""
+keel.parallel.degrees'; a registered option brings its own, which run here too)."""
 
 from __future__ import annotations
 
 import math
 
-from keel.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, SourceConfig, TrainConfig
+from keel.config.schema import Config, DataConfig, ModelConfig, SourceConfig, TrainConfig
+from keel.config.sections import registered_checks
 from keel.errors import ConfigError
 
 
 def check_consistency(cfg: Config) -> None:
     """What a loaded config must hold across its fields, checked in this order so the first problem is named."""
     _check_model(cfg.model, cfg.train)
-    _check_moe(cfg.model, cfg.parallel)
+    _check_registered(cfg)
+    _check_moe(cfg.model)
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} must divide by train.micro_batch = "
                           f"{cfg.train.micro_batch}")
@@ -47,16 +49,18 @@ def check_consistency(cfg: Config) -> None:
             raise ConfigError(f"callbacks[{i}].path = {cb.path!r}: expected 'package.module:Class'")
 
 
+def _check_registered(cfg: Config) -> None:
+    """The checks that registered options bring (parallel.cp's, parallel.ep's, ...)."""
+    for check in registered_checks():
+        check(cfg)
+
+
 def _check_fast_path(cfg: Config) -> None:
     """The options that trade memory or speed on a GPU: each only where it means something."""
     p = cfg.parallel
     if p.compile_mode != "default" and not p.compile:
         raise ConfigError(f"parallel.compile_mode = {p.compile_mode!r} is torch.compile's mode, but "
                           f"parallel.compile = false; set parallel.compile = true or parallel.compile_mode = 'default'")
-    if p.cp > 1 and cfg.model.sdpa_backend != "auto":
-        raise ConfigError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} chooses SDPA's kernel, but parallel.cp = "
-                          f"{p.cp} runs keel's own context-parallel attention; set model.sdpa_backend = 'auto' or "
-                          f"parallel.cp = 1")
     t = cfg.train
     if t.param_dtype == "bf16" and t.precision not in ("bf16", "fp8"):
         raise ConfigError(f"train.param_dtype = 'bf16' computes on bf16 weights, but train.precision = "
@@ -106,16 +110,10 @@ def _check_model(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+def _check_moe(m: ModelConfig) -> None:
     moe = m.moe
     if not moe.experts:
-        if p.ep > 1:
-            raise ConfigError(f"parallel.ep = {p.ep} splits routed experts, but the model has none "
-                              f"(model.moe.experts = 0); set parallel.ep = 1 or give the model experts")
         return
-    if moe.experts % p.ep:
-        raise ConfigError(f"model.moe.experts = {moe.experts} must divide by parallel.ep = {p.ep}: each "
-                          f"expert-parallel rank holds the same number of experts")
     if moe.top_k > moe.experts:
         raise ConfigError(f"model.moe.top_k = {moe.top_k} exceeds model.moe.experts = {moe.experts}: a token "
                           f"chooses at most every expert; set top_k between 1 and {moe.experts}")
@@ -123,10 +121,6 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"model.moe.dense_layers = {moe.dense_layers} leaves no mixture-of-experts block among "
                           f"model.n_layers = {m.n_layers}; set dense_layers below {m.n_layers} or model.moe.experts "
                           f"= 0")
-    if moe.aux_loss_coeff and p.cp > 1:
-        raise ConfigError(f"model.moe.aux_loss_coeff = {moe.aux_loss_coeff} with parallel.cp = {p.cp}: the "
-                          f"sequence-wise balance loss needs each whole sequence's routing, and a context-parallel "
-                          f"rank holds a share of it; use the bias update (model.moe.bias_update_rate) or cp = 1")
 
 
 def _check_peak_flops(peak: str) -> None:

@@ -276,17 +276,16 @@ class EvalConfig:
     downstream_batch: int = option(8, "sequences per forward pass of a downstream evaluation", ge=1)
 
 
+# The degrees of the layout beyond pp, dp_replicate, dp_shard and tp (parallel.cp, parallel.ep, ...) are
+# declared each by its own module of keel.parallel.dims (`keel.parallel.degrees.degree`), so that a degree is
+# added by its file alone.
+@takes_sections("keel.parallel.dims", "degree")
 @dataclass
 class ParallelConfig:
     dp_replicate: int = option(1, "data-parallel replicas (HSDP: FSDP inside each replica, all-reduce across them)",
                                ge=1)
     dp_shard: int = option(-1, "FSDP sharding degree; -1: the processes left after the other degrees", ge=-1)
-    cp: int = option(1, "context-parallel degree: each sequence split over this many ranks (two chunks each, "
-                     "placed head-tail), attention exchanging keys and values between them", ge=1)
     tp: int = option(1, "tensor-parallel degree (with sequence parallel); keep it within a node", ge=1)
-    ep: int = option(1, "expert-parallel degree: a mixture-of-experts model's routed experts split over this many "
-                     "ranks, borrowed from dp_shard × cp (it divides their product); tokens reach their experts "
-                     "by all-to-all, and the experts are FSDP-sharded over the data-parallel ranks left over", ge=1)
     pp: int = option(1, "pipeline-parallel degree: the blocks split into consecutive stages", ge=1)
     pp_schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or interleaved_zb "
                               "(zero bubble); the interleaved ones need pp_stages_per_rank >= 2",
@@ -571,7 +570,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig = field(default_factory=lambda: with_sections(ParallelConfig)())
     monitor: MonitorConfig = field(default_factory=lambda: with_sections(MonitorConfig)())
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)

@@ -1,5 +1,6 @@
-"""Things registered by name by the modules of one package (the guards, the experiment trackers), found by
-importing every module of the package: a module added to it is found by its file alone, with no list to edit."""
+"""Things registered by name by the modules of one package (the guards, the experiment trackers, the parallel
+degrees), found by importing every module of the package: a module added to it is found by its file alone, with no
+list to edit."""
 
 from __future__ import annotations
 

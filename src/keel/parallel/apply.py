@@ -1,6 +1,7 @@
-"""Parallelise the model for its layout: context parallel, expert parallel, tensor + sequence parallel, activation
-checkpointing, per-block compile, then FSDP2 (HSDP across replicas). A one-process run wraps nothing. Any model
-that declares its blocks, tensor-parallel plan and experts (`keel.model.parallelizable`) is parallelised alike."""
+"""Parallelise the model for its layout: the registered degrees (context parallel, expert parallel, ...: each
+through its hook of the model), tensor + sequence parallel, activation checkpointing, per-block compile, then
+FSDP2 (HSDP across replicas). A one-process run wraps nothing. Any model that declares its blocks, tensor-parallel
+plan and experts (`keel.model.parallelizable`) is parallelised alike."""
 
 from __future__ import annotations
 
@@ -16,20 +17,12 @@ from keel.config import ParallelConfig
 from keel.core.torch_private import checkpoint_wrapper
 from keel.model.float8 import is_float8, tensorwise
 from keel.model.parallelizable import Parallelizable
-from keel.parallel.experts import ExpertShard, shard_experts
 from keel.parallel.layout import Layout
 from keel.parallel.selective import op_contexts
 
 
 def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
-    if layout.context is not None:
-        if cfg.compile:
-            layout.context.run_eagerly()
-        model.split_context(layout.context)
-    experts: list[nn.Module] = []
-    if layout.expert_parallel:
-        experts = model.split_experts(ExpertShard(layout.ep))
-        shard_experts(experts, layout.ep)
+    apart = apply_degrees(model, layout, cfg)
     if layout.tensor_parallel:
         apply_tensor_parallel(model, layout.tp)
     apply_activation_checkpointing(model, cfg)
@@ -38,9 +31,17 @@ def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, para
     if layout.shards_parameters:
         reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for module in experts:  # split over ep already: FSDP shards them over the ranks left over
-            fully_shard(module, mesh=layout.expert_fsdp, mp_policy=policy)
+        for module, mesh in apart:  # split over a degree's ranks already: FSDP shards them over the ranks left over
+            fully_shard(module, mesh=mesh, mp_policy=policy)
         apply_fsdp(model, layout.fsdp, policy)
+
+
+def apply_degrees(model: Parallelizable, layout: Layout, cfg: ParallelConfig) -> list[tuple[nn.Module, DeviceMesh]]:
+    """What each degree above 1 asks of the model (`DegreeSpec.apply`), the mesh's first; returns the modules they
+    split, each with the mesh FSDP shards it over."""
+    d = layout.degrees
+    return [(module, mesh) for spec in d.specs if spec.apply is not None and d.of(spec.name) > 1
+            for module, mesh in spec.apply(model, layout, cfg)]
 
 
 def module_of(model: Parallelizable) -> nn.Module:

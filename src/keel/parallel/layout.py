@@ -3,12 +3,13 @@ them, and every fact derived from the two — which mesh each feature uses, whic
 parameters. Nothing else recomputes a layout fact: the model's parallelisation, the loader, the step's loss and
 its one reduction, the guards and the checkpoints ask this object.
 
-The mesh's dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Ranks of one tensor- or
-context-parallel group hold the same sequences (the global batch is split over dp_replicate × dp_shard); the
-context-parallel ranks hold different parts of them and are data-parallel for the parameters, so FSDP shards
-parameters over dp_shard × cp (as torchtitan does) and averages their gradients over both. Expert parallelism
-borrows its ranks from the same dp_shard × cp: each ep consecutive ones split a mixture-of-experts model's routed
-experts, and the ranks left over shard each expert group with FSDP (`experts`).
+The mesh's dimensions and the facts derived from them are what each degree declares (keel.parallel.degrees): with
+keel's own degrees and context parallelism's, pp, dp_replicate, dp_shard, cp, tp, outermost first. Ranks of one
+tensor- or context-parallel group hold the same sequences (the global batch is split over dp_replicate ×
+dp_shard); the context-parallel ranks hold different parts of them and are data-parallel for the parameters, so
+FSDP shards parameters over dp_shard × cp (as torchtitan does) and averages their gradients over both. Expert
+parallelism borrows its ranks from the same dp_shard × cp: each ep consecutive ones split a mixture-of-experts
+model's routed experts, and the ranks left over shard each expert group with FSDP (`experts`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from keel.config import TrainConfig
 from keel.core.torch_private import flatten_mesh, unflatten_mesh
 from keel.model.loss import Objective
 from keel.parallel.context import ContextShard
-from keel.parallel.degrees import DIMS, Degrees
+from keel.parallel.degrees import Degrees
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Layout:
 
     @classmethod
     def build(cls, device_type: str, degrees: Degrees) -> Layout:
-        mesh = init_device_mesh(device_type, tuple(degrees.of(dim) for dim in DIMS), mesh_dim_names=DIMS)
+        dims = degrees.dims
+        mesh = init_device_mesh(device_type, tuple(degrees.of(dim) for dim in dims), mesh_dim_names=dims)
         return cls(degrees, mesh)
 
     def describe(self) -> str:
@@ -51,8 +53,8 @@ class Layout:
 
     @property
     def shards_parameters(self) -> bool:
-        """Whether FSDP (HSDP across replicas) holds the parameters: any data- or context-parallel degree."""
-        return self.degrees.dp * self.degrees.cp > 1
+        """Whether FSDP (HSDP across replicas) holds the parameters: any degree it shards or replicates over."""
+        return self.degrees.product(lambda spec: bool(spec.parameters)) > 1
 
     # ---------------------------------------------------------------- meshes
     @property
@@ -69,12 +71,13 @@ class Layout:
 
     @functools.cached_property
     def fsdp(self) -> DeviceMesh:
-        """Where parameters are sharded: dp_shard (with cp, the two as one dimension), 2-D (replicate, shard) for
-        HSDP. Built once: a flattened dimension is named once per mesh."""
-        if self.degrees.cp == 1:
-            return self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
-        flat = flatten_mesh(self.mesh["dp_shard", "cp"], "dp_shard_cp")
-        return self.mesh["dp_replicate", "dp_shard_cp"] if self.degrees.dp_replicate > 1 else flat
+        """Where parameters are sharded: dp_shard (with the other degrees FSDP shards over, cp's, all as one
+        dimension), 2-D (replicate, shard) for HSDP. Built once: a flattened dimension is named once per mesh."""
+        d = self.degrees
+        shard = tuple(spec.name for spec in d.specs if spec.parameters == "shard" and d.named(spec))
+        name = "_".join(shard)
+        flat = self.mesh[name] if len(shard) == 1 else flatten_mesh(self.mesh[shard], name)
+        return self.mesh["dp_replicate", name] if d.dp_replicate > 1 else flat
 
     @property
     def expert_parallel(self) -> bool:
@@ -119,17 +122,22 @@ class Layout:
         """How many ways the global batch is split."""
         return self.degrees.dp
 
-    @property
+    @functools.cached_property
     def dp_rank(self) -> int:
-        """This rank's slice of the global batch; the ranks of one tensor- or context-parallel group share it."""
-        return self.mesh.get_local_rank("dp_replicate") * self.degrees.dp_shard + self.mesh.get_local_rank("dp_shard")
+        """This rank's slice of the global batch, its place among the degrees that split the batch (dp_replicate,
+        dp_shard; the ranks of one tensor- or context-parallel group share it)."""
+        rank = 0
+        for spec in self.degrees.specs:
+            if spec.in_mesh and spec.splits_batch:
+                rank = rank * self.degrees.of(spec.name) + self.mesh.get_local_rank(spec.name)
+        return rank
 
     @property
     def loss_divisor(self) -> int:
         """How many ranks' mean losses the step's one sum holds, over which it is averaged: every data- and
         context-parallel rank holds the mean of as many tokens, the ranks of a tensor-parallel group the same
-        one (with a pipeline, the ranks of its last stage; the others add 0)."""
-        return self.degrees.dp * self.degrees.cp * self.degrees.tp
+        one (with a pipeline, the ranks of its last stage; the others add 0): the degrees that count in the loss."""
+        return self.degrees.product(lambda spec: spec.in_loss)
 
     def objective(self, train: TrainConfig) -> Objective:
         """The training objective as this layout computes it: on vocabulary shards under tensor parallelism, over

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cache, cached_property
 from pathlib import Path
 
-from keel.config import Config, ModelConfig, ParallelConfig, load_config
+from keel.config import Config, ModelConfig, load_config
 from keel.errors import KeelError
 from keel.model.flops import (
     active_param_count,
@@ -16,7 +16,7 @@ from keel.model.flops import (
     routed_expert_param_count,
 )
 from keel.model.split import stage_blocks
-from keel.parallel.degrees import resolve_degrees
+from keel.parallel.degrees import given, resolve_degrees
 from keel.rundir.events import read_jsonl
 
 ACS = ("none", "selective", "full")
@@ -241,12 +241,13 @@ UNMODELLED = ("pp_schedule", "compile", "compile_mode", "reduce_dtype", "ac_ever
 def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
     """The layout a config's [parallel] gives (None when it sets nothing: the planner searches), and the
     settings the planner does not model, as `key=value`."""
-    p, default = cfg.parallel, ParallelConfig()
+    p = cfg.parallel
+    default = type(p)()  # with the registered degrees' options
     if p == default:
         return None, []
-    # parallel.cp read where the config has it (a config from before context parallelism has none: 1)
     values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
-                                           "dp_replicate": p.dp_replicate, "cp": p.cp, "ep": p.ep,
+                                           "dp_replicate": p.dp_replicate, "cp": given(p, "cp"),
+                                           "ep": given(p, "ep"),
                                            "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint}
     layout = _filled(values, gpus, "the config's [parallel]")
     if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch

@@ -34,9 +34,9 @@ def test_valid_layouts_resolve(world: int, overrides: list[str], expect: Degrees
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
-    (2, ["parallel.cp=2"], Degrees(1, 1, 1, cp=2)),
-    (8, ["parallel.cp=2", "parallel.tp=2"], Degrees(1, 2, 2, cp=2)),
-    (8, ["parallel.cp=2", "parallel.pp=2"], Degrees(1, 2, 1, 2, 4, cp=2)),
+    (2, ["parallel.cp=2"], Degrees(1, 1, 1, registered={"cp": 2})),
+    (8, ["parallel.cp=2", "parallel.tp=2"], Degrees(1, 2, 2, registered={"cp": 2})),
+    (8, ["parallel.cp=2", "parallel.pp=2"], Degrees(1, 2, 1, 2, 4, registered={"cp": 2})),
 ])
 def test_context_parallel_degrees_resolve(world: int, overrides: list[str], expect: Degrees) -> None:
     degrees = resolve_degrees(load_config(None, BASE + overrides), world)
@@ -133,10 +133,11 @@ def test_resolve_degrees() -> None:
 
 
 @pytest.mark.parametrize(("world", "overrides", "expect"), [
-    (4, ["parallel.ep=2"], Degrees(1, 4, 1, ep=2)),
-    (4, ["parallel.ep=4"], Degrees(1, 4, 1, ep=4)),
-    (4, ["parallel.cp=2", "parallel.ep=4"], Degrees(1, 2, 1, cp=2, ep=4)),  # borrowed from dp_shard × cp
-    (8, ["parallel.dp_replicate=2", "parallel.ep=2"], Degrees(2, 4, 1, ep=2)),
+    (4, ["parallel.ep=2"], Degrees(1, 4, 1, registered={"ep": 2})),
+    (4, ["parallel.ep=4"], Degrees(1, 4, 1, registered={"ep": 4})),
+    # borrowed from dp_shard × cp
+    (4, ["parallel.cp=2", "parallel.ep=4"], Degrees(1, 2, 1, registered={"cp": 2, "ep": 4})),
+    (8, ["parallel.dp_replicate=2", "parallel.ep=2"], Degrees(2, 4, 1, registered={"ep": 2})),
 ])
 def test_expert_parallel_degrees_borrow_their_ranks(world: int, overrides: list[str], expect: Degrees) -> None:
     degrees = resolve_degrees(load_config(None, BASE + MOE + overrides), world)
@@ -166,4 +167,4 @@ def test_an_expert_parallel_degree_the_model_cannot_take_is_refused(overrides: l
 
 
 def test_expert_parallelism_is_named_in_the_layout() -> None:
-    assert Degrees(1, 4, 1, ep=2).describe() == "dp_shard4, experts over ep2"
+    assert Degrees(1, 4, 1, registered={"ep": 2}).describe() == "dp_shard4, experts over ep2"
