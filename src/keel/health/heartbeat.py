@@ -128,8 +128,9 @@ def culprits(seen: Sighting) -> dict[int, str]:
         return f"rank {r} (pid {seen.pids[r]}, {state(r)})"
 
     found = {r: f"{who(r)} {silence(r)}" for r in seen.pids if seen.states[r] in STOPPED}
+    # A rank that waited on a hang may have been killed for it (by this launcher): that is no fault of its own.
     found = found or {r: f"rank {r} (pid {seen.pids[r]}) was killed by signal {-code}"
-                      for r, code in seen.exits.items() if code is not None and code < 0}
+                      for r, code in seen.exits.items() if code is not None and code < 0 and r not in waiting}
     found = found or {r: f"{who(r)} {silence(r)}" for r in seen.pids if seen.expired(r) and r not in waiting}
     unanswered = {r: h["by"] for h in waiting.values() for r in h.get("silent", []) if r in seen.pids}
     found = found or {r: f"{who(r)} did not answer rank {by}'s alarm" for r, by in unanswered.items()
@@ -142,12 +143,28 @@ def culprits(seen: Sighting) -> dict[int, str]:
             for r, p in live.items() if p == behind}
 
 
+def cut_off(seen: Sighting) -> dict[int, tuple[str, str]]:
+    """The ranks of other nodes that did not answer the alarm of this node's reporter, each with its host and
+    why: the reporter reached every rank the job's store reaches, so a whole node silent is a node cut off from
+    the store (a network fault), which no launcher of its own can report, or one that cannot run Python, which
+    its launcher names as well. Empty unless this node's reporter left ranks of other nodes unnamed."""
+    found = {}
+    for rank, hang in seen.waiting().items():
+        if hang.get("by") == rank and hang.get("named") is False:
+            for r, host in zip(hang.get("silent", []), hang.get("silent_hosts", []), strict=False):
+                if r not in seen.pids:
+                    found[r] = (host, f"rank {r} on {host} did not answer rank {rank}'s alarm: cut off from the "
+                                      f"job's store (a network fault), or unable to run Python")
+    return found
+
+
 class HeartbeatWatch:
     """The launcher's side: one node's workers, by global rank and pid."""
 
     def __init__(self, run_dir: Path, say: Callable[[str], None] = print) -> None:
         self.run_dir, self.say = run_dir, say
         self.directory = Path(tempfile.mkdtemp(prefix="keel-heartbeats-"))
+        self.ended: set[int] = set()  # the workers' pids it killed on a hang
         os.environ[ENV] = str(self.directory)  # the workers it starts inherit it
 
     def sighting(self, workers: dict[int, int], exits: dict[int, int | None] | None = None) -> Sighting:
@@ -160,6 +177,8 @@ class HeartbeatWatch:
         """If a hang shows on this node, and no worker named it: name the ranks that stopped making progress in
         a `hang` event, have the others write their stacks, and kill all. Whether it did. `exits`: the
         workers' exit codes, by global rank (None while one runs)."""
+        if set(workers.values()) <= self.ended:
+            return False  # handled: the agent has not seen them gone yet
         seen = self.sighting(workers, exits)
         if not seen.hang_seen() or seen.named_by_a_worker():
             return False  # nothing to do, or the workers named it in their own event and end on their own
@@ -169,11 +188,15 @@ class HeartbeatWatch:
         if stuck:
             self._dump_stacks(answering, f"rank(s) {', '.join(map(str, stuck))} stopped making progress")
             self._report(seen, stuck, restarting)
+        elif cut := cut_off(seen):
+            self._report(seen, {r: why for r, (_, why) in cut.items()}, restarting,
+                         hosts={r: host for r, (host, _) in cut.items()})
         else:  # the ranks they wait for live on another node, whose launcher names them
             self.say(f"keel: hang: rank(s) {', '.join(map(str, sorted(waiting)))} waited on a hang found on "
                      f"another node; ending this node's workers")
         # A stopped worker takes no SIGTERM, and the others may be blocked on it: nothing is saved on a
         # hang (the restart resumes from the latest checkpoint), so all go at once.
+        self.ended |= set(workers.values())
         for pid in workers.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -182,7 +205,9 @@ class HeartbeatWatch:
             time.sleep(0.05)
         return True
 
-    def _report(self, seen: Sighting, stuck: dict[int, str], restarting: bool) -> None:
+    def _report(self, seen: Sighting, stuck: dict[int, str], restarting: bool,
+                hosts: dict[int, str] | None = None) -> None:
+        hosts = hosts or {r: seen.beats[r]["host"] for r in stuck if r in seen.beats}
         where = {rank: b["where"] for rank, b in seen.beats.items()}
         waiting = seen.waiting()
         first = seen.beats.get(min(stuck)) or next(iter(seen.beats.values()), {})
@@ -194,7 +219,7 @@ class HeartbeatWatch:
         events = EventLog(self.run_dir / "events.jsonl", rank=-1)  # -1: this node's launcher
         step = max((w["step"] for w in where.values()), default=0)  # a beat may predate its rank's last step
         events.emit("hang", step, "restart" if restarting else "stop",
-                    stuck_ranks=sorted(stuck), hosts=[seen.beats[r]["host"] for r in sorted(stuck) if r in seen.beats],
+                    stuck_ranks=sorted(stuck), hosts=[hosts[r] for r in sorted(stuck) if r in hosts],
                     section=first.get("where", {}).get("section", "unknown"), reason=reason, detected_by="launcher",
                     silent_s={r: round(seen.now - seen.beats[r]["time"], 1) for r in stuck if r in seen.beats},
                     waiting_ranks=sorted(waiting), process_states=states, where=where,

@@ -245,9 +245,20 @@ class Watchdog:
             self._stacks.flush()
             faulthandler.dump_traceback(file=self._stacks, all_threads=True)
             self._stacks.flush()
+        # The store may be out of reach (this node cut off by a network fault), and a store call then waits on
+        # a connection that never answers: the consultation gets the time a verdict takes, then the rank goes.
+        consult = threading.Thread(target=self._consult, args=(reason,), name="keel-hang", daemon=True)
+        consult.start()
+        consult.join(self._handling_s() - ABORT_S)
+        abort_process_groups()
+        self._exit(EXIT_HANG)
+
+    def _consult(self, reason: str | None) -> None:
+        """Through the store: raise the alarm if this rank found the hang, say where it is, and as the reporter
+        name the stuck ranks, or else wait for the reporter's verdict."""
+        store = _store()
         if reason is not None:
             self._raise_alarm(reason)
-        store = _store()
         with contextlib.suppress(Exception):
             if store is not None:
                 store.set(f"{self.prefix}where/{self.rank}", json.dumps(self._where()))
@@ -255,10 +266,8 @@ class Watchdog:
             self._report(store)
         else:
             verdict = _wait_for(store, self.prefix + "verdict", verdict_wait_s(self.cfg.poll_s))
-            self.hang = {**self.hang, "named": verdict.get("named"), "by": verdict.get("by")}
+            self.hang = {**(self.hang or {}), "named": verdict.get("named"), "by": verdict.get("by")}
             self._beat(valid_s=self._handling_s())
-        abort_process_groups()
-        self._exit(EXIT_HANG)
 
     def _handling_s(self) -> float:
         return verdict_wait_s(self.cfg.poll_s) + ABORT_S + 5
@@ -277,7 +286,9 @@ class Watchdog:
             time.sleep(0.2)
         stuck = stuck_ranks(where, self.world)
         named = self.heartbeats is None or len(where) == self.world
-        self.hang = {**(self.hang or {}), "named": named, "by": self.rank, "silent": [] if named else stuck}
+        silent = [] if named else stuck
+        self.hang = {**(self.hang or {}), "named": named, "by": self.rank, "silent": silent,
+                     "silent_hosts": [self.hosts[r] if r < len(self.hosts) else "unknown" for r in silent]}
         self._beat(valid_s=self._handling_s())  # the launcher may act on it at once
         if not named:
             # Ranks that cannot answer cannot run Python: the launchers watching their heartbeats and process

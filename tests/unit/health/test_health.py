@@ -16,7 +16,7 @@ import pytest
 
 from keel.config import StragglerConfig, WatchdogConfig
 from keel.errors import EXIT_HANG
-from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, Sighting, culprits, read_beat
+from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, Sighting, culprits, cut_off, read_beat
 from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
 from keel.health.watchdog import Watchdog, stuck_ranks
@@ -268,6 +268,20 @@ def test_the_launcher_leaves_alone_what_is_no_hang_or_was_named_by_a_worker() ->
     assert sighting({0: beat_of(5, 2, hang=named), 1: beat_of(5, 1, hang=WAITS)}, exits={1: 74}).named_by_a_worker()
     # Every rank of this node waits: the one they wait for lives on another node, whose launcher names it.
     assert culprits(sighting({0: beat_of(5, 2, hang=WAITS), 1: beat_of(5, 2, age_s=30, valid_s=17, hang=WAITS)})) == {}
+
+
+def test_a_rank_of_another_node_that_never_answered_is_named_cut_off_never_the_waiter_killed_for_it() -> None:
+    # Rank 0 reported a hang; rank 2, on node-1, never answered its alarm. This launcher killed its own waiting
+    # rank 0 for the restart (exit -9): that is no fault of rank 0's.
+    deferred = {"reason": "a collective timed out in step", "named": False, "by": 0, "silent": [2],
+                "silent_hosts": ["node-1"]}
+    seen = sighting({0: beat_of(20, 2, hang=deferred), 1: beat_of(20, 2, hang=WAITS)}, {0: None}, {0: -9})
+    assert seen.hang_seen() and culprits(seen) == {}
+    assert cut_off(seen) == {2: ("node-1", "rank 2 on node-1 did not answer rank 0's alarm: cut off from the job's "
+                                           "store (a network fault), or unable to run Python")}
+    # Only the reporter's own account counts, and only for ranks this launcher does not hold.
+    assert cut_off(sighting({0: beat_of(20, 2, hang={**deferred, "by": 1})})) == {}
+    assert cut_off(sighting({0: beat_of(20, 2, hang={**deferred, "silent": [0], "silent_hosts": ["h"]})})) == {}
 
 
 def test_stop_requests_come_from_real_signals_and_the_pause_file(tmp_path: Path) -> None:
