@@ -37,6 +37,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
+from keel.health.reach import ReachWatch
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.health.signals import stop_requested_early
 from keel.monitor.goodput import account_exit
@@ -49,6 +50,11 @@ LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "-
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end
 # A node that stops sending keep-alives is dropped from the rendezvous after interval × attempts seconds.
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
+# A rendezvous store call that takes longer has lost the store: this node is cut off from the job (a network
+# fault) and leaves it, where torch's default (60 s, then retries) would keep its launcher waiting for minutes.
+STORE_READ_TIMEOUT_S = 20
+# A node that cannot reach the rendezvous this long is cut off: longer than a flap a job should ride out.
+REACH_WINDOW_S = 15.0
 QUARANTINE_POLL_S = 5.0
 WorkerEntry = Callable[[dict[str, str], list[str]], None]  # (the launcher's environment, the worker's argv)
 
@@ -176,6 +182,24 @@ class KeelAgent(LocalElasticAgent):
         self._stalled, self._last_step = 0, int(read_status(run_dir).get("step", 0))
 
 
+def _cut_off(run_dir: Path, say: Callable[[str], None]) -> Callable[[str], None]:
+    """What a node does once it cannot reach its job's rendezvous (keel.health.reach): says so, records it where
+    it still can, and leaves the job at once, its workers with it (they die with their launcher)."""
+
+    def leave(why: str) -> None:
+        node = node_name()
+        say(f"keel: node {node} is cut off from the job: {why}; leaving it (exit {EXIT_QUARANTINE}: the other "
+            f"nodes go on without it; rerun the command here once its network is back)")
+        with contextlib.suppress(OSError):
+            events = EventLog(run_dir / "events.jsonl", rank=-1)
+            events.emit("leave", int(read_status(run_dir).get("step", 0)), "cut_off", nodes=[node], reason=why)
+            events.close()
+        sys.stdout.flush()
+        os._exit(EXIT_QUARANTINE)
+
+    return leave
+
+
 def _caller_name(depth: int = 2) -> str:
     """What torch's rendezvous names its log records by, the function `depth` frames up, without the
     source lines of every frame that its `inspect.stack()` reads (seconds per job with torch loaded)."""
@@ -233,12 +257,15 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
     # rendezvous the way the agent's would, without closing it for the other nodes.
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_signal)
+    reach = ReachWatch(rendezvous.endpoint, REACH_WINDOW_S, _cut_off(run_dir, say)).start() if elastic else None
     try:
         if received := stop_requested_early():  # caught while this command was still validating
             raise SignalException(f"{received} received", getattr(signal, received))
         # The first argument is the launcher's environment, which the agent fills as it starts the workers.
         return _launch(config, entry, [{}, worker_argv(argv)], agents, run_dir, say)
     finally:
+        if reach is not None:
+            reach.stop()
         for sig in STOP_SIGNALS:  # the job's outcome is decided; a late signal changes nothing
             signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]  # the class back in its place
@@ -261,7 +288,7 @@ class Rendezvous:
         if self.nnodes == "1":
             return ["--standalone"]
         conf = (f"join_timeout={self.timeout_s},last_call_timeout=2,keep_alive_interval={KEEP_ALIVE_S},"
-                f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}")
+                f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},read_timeout={STORE_READ_TIMEOUT_S}")
         local = []
         if self.local_addr:  # where host names do not say which node hosts the store, the address does
             conf += f",is_host={str(self.local_addr == self.endpoint.rpartition(':')[0]).lower()}"

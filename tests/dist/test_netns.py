@@ -15,6 +15,7 @@ from keel.checkpoint.inspect import state_sha256
 from keel.drill.netns import Cluster, unavailable
 from keel.drill.procs import Launch
 from keel.rundir.events import read_jsonl
+from keel.rundir.status import read_status
 from tests.conftest import SMALL_RUN, run_keel
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
@@ -26,9 +27,10 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r}
 
 
-def two_nodes(cluster: Cluster, run_dir: Path, corpus: Path, tmp_path: Path, *extra: str) -> list[Launch]:
+def two_nodes(cluster: Cluster, run_dir: Path, corpus: Path, tmp_path: Path, *extra: str,
+              nodes: tuple[str, ...] = ("--nnodes", "2")) -> list[Launch]:
     """The reference run's job (40 steps of SMALL_RUN on 2 processes) as two nodes of one process each."""
-    return [cluster.keel(node, ["train", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+    return [cluster.keel(node, ["train", "--nproc", "1", *nodes, "--rdzv-endpoint",
                                 f"{cluster.address(0)}:{PORT}", "--local-addr", cluster.address(node), "--run-dir",
                                 str(run_dir), *SMALL_RUN, "train.steps=40", f"data.dir={corpus}",
                                 "checkpoint.interval=10", "checkpoint.keep_last=10", *extra],
@@ -55,11 +57,11 @@ def test_a_job_across_two_namespaced_nodes_ends_bitwise_equal_to_one_machines(re
     assert start["detail"]["world_size"] == 2
 
 
-def step_reached(run_dir: Path) -> int:
-    try:
-        return int(json.loads((run_dir / "status.json").read_text()).get("step", 0))
-    except (OSError, ValueError):
-        return 0
+def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while read_status(run_dir).get("step", 0) < step:
+        assert time.monotonic() < deadline and all(launch.proc.poll() is None for launch in launches)
+        time.sleep(0.1)
 
 
 def test_a_link_that_flaps_mid_run_is_an_alert_naming_its_node_and_nothing_is_lost(reference_run: Path,
@@ -69,10 +71,7 @@ def test_a_link_that_flaps_mid_run_is_an_alert_naming_its_node_and_nothing_is_lo
     with Cluster(2) as cluster:
         launches = two_nodes(cluster, run_dir, small_corpus, tmp_path, "monitor.telemetry_interval_s=0.5",
                              'drill.inject=["slow:rank=-1,seconds=0.1"]')
-        deadline = time.monotonic() + 120
-        while step_reached(run_dir) < 10:
-            assert time.monotonic() < deadline and all(launch.proc.poll() is None for launch in launches)
-            time.sleep(0.1)
+        wait_for_step(run_dir, 10, launches)
         cluster.flap(1, down_s=2.0)  # node 1's cable out for 2 s: its collectives wait, TCP resends
         assert_finished_as_the_reference(launches, run_dir, reference_run, tmp_path)
     alerts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
@@ -87,6 +86,39 @@ def test_a_link_that_flaps_mid_run_is_an_alert_naming_its_node_and_nothing_is_lo
     report = run_keel(["report", str(run_dir), "--out", str(tmp_path / "report.html")], cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     assert "link flapped on node node-1" in (tmp_path / "report.html").read_text()
+
+
+def test_a_cable_pulled_for_good_is_named_and_the_job_goes_on_without_its_node(reference_run: Path,
+                                                                              small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
+    run_dir = tmp_path / "C"
+    with Cluster(2) as cluster:
+        launches = two_nodes(cluster, run_dir, small_corpus, tmp_path, 'drill.inject=["slow:rank=-1,seconds=0.1"]',
+                             nodes=("--nnodes", "1:2", "--max-restarts", "2"))
+        wait_for_step(run_dir, 20, launches)
+        cluster.link_down(1)
+        pulled = time.time()
+        codes = [launch.wait(timeout=240) for launch in launches]
+    logs = [(tmp_path / f"node-{n}.log").read_text() for n in range(2)]
+    # The node behind the dead link sees the rendezvous go silent and leaves; the other goes on alone.
+    assert codes == [0, 76], [log[-3000:] for log in logs]
+    assert "keel: node node-1 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered" in logs[1]
+    events = read_jsonl(run_dir / "events.jsonl")
+    (leave,) = [e for e in events if e["kind"] == "leave"]
+    assert (leave["action"], leave["detail"]["nodes"]) == ("cut_off", ["node-1"])
+    # The hang it caused is named on the surviving node, within the learned step timeout.
+    (hang,) = [e for e in events if e["kind"] == "hang"]
+    assert hang["detail"]["stuck_ranks"] == [1] and hang["detail"]["hosts"] == ["node-1"], hang
+    assert hang["time"] - pulled <= hang["detail"]["timeouts"]["step"], (hang["time"] - pulled, hang["detail"])
+    resumed = [e for e in events if e["kind"] == "resume"]
+    assert resumed and [e["detail"]["world_size"] for e in events if e["kind"] == "start"][-1] == 1
+    # The same global batches on one process (two micro-batches accumulated in another order): the losses after
+    # the resume match the uninterrupted 2-process run's to rounding.
+    after = {s: loss for s, loss in losses(run_dir).items() if s > resumed[-1]["step"]}
+    expected = losses(reference_run)
+    assert sorted(after) == list(range(resumed[-1]["step"] + 1, 41))
+    for s, loss in after.items():
+        assert loss == pytest.approx(expected[s], rel=2e-3), s
 
 
 def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:
