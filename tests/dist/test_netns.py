@@ -18,7 +18,7 @@ from keel.rundir.events import read_jsonl
 from keel.rundir.status import read_status
 from tests.conftest import SMALL_RUN, run_keel
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 PORT = 29400  # inside node 0's namespace, where nothing else listens
 
