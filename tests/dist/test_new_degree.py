@@ -47,9 +47,7 @@ def layout_facts(where: Path) -> dict:
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    where = Path(out) / f"added-{rank}"
-    where.mkdir()
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(layout_facts(where)))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(layout_facts(Path(out) / f"added-{rank}")))
 
 
 @pytest.mark.timeout(180)

@@ -82,7 +82,6 @@ def layout(group: None) -> Layout:
 
 @pytest.fixture
 def loss_ceiling(tmp_path: Path) -> Iterator[str]:
-    (tmp_path / "added").mkdir()
     with added_module("keel.guard", "loss_ceiling", LOSS_CEILING, tmp_path / "added", GUARDS) as module:
         yield module
 

@@ -17,7 +17,6 @@ XP_DEGREE = (Path(__file__).parent / "xp_degree.py").read_text()
 
 @pytest.fixture
 def xp(tmp_path: Path) -> Iterator[str]:
-    (tmp_path / "added").mkdir()
     with added_module("keel.parallel.dims", "xp", XP_DEGREE, tmp_path / "added", DEGREES,
                       SECTIONS[ParallelConfig]) as module:
         yield module

@@ -25,7 +25,6 @@ BACKEND = (Path(__file__).parent / "jsonl_tracker.py").read_text()
 
 @pytest.fixture
 def jsonl(tmp_path: Path) -> Iterator[str]:
-    (tmp_path / "added").mkdir()
     with added_module("keel.monitor.tracking", "jsonl_backend", BACKEND, tmp_path / "added", BACKENDS,
                       SECTIONS[MonitorConfig]) as module:
         yield module

@@ -74,7 +74,6 @@ RECORDER = """
 
 @pytest.fixture
 def recorder(tmp_path: Path) -> Iterator[str]:
-    (tmp_path / "added").mkdir()
     with added_module("keel.monitor.tracking", "recorder", RECORDER, tmp_path / "added", BACKENDS,
                       SECTIONS[MonitorConfig]) as module:
         yield module
@@ -166,7 +165,6 @@ REMOTE = """
 
 def test_a_tracker_without_its_client_is_refused_before_the_run_naming_the_package_to_install(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "added").mkdir()
     with added_module("keel.monitor.tracking", "remote_backend", REMOTE, tmp_path / "added", BACKENDS,
                       SECTIONS[MonitorConfig]):
         message = ("monitor.remote.enabled = true needs the keel_remote_client package: pip install "
