@@ -40,6 +40,7 @@ class ContextShard:
         self.group, self.rank, self.size = group, rank, size
         # Asked for by the embedding, the targets, the mask and every layer's backward: made once per length.
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
+        self._orders: dict[str, torch.Tensor] = {}  # _rank_order's answer, by device
         self._reach: tuple[tuple, list[bool]] | None = None  # _reaches_back's answer for the documents last seen
 
     def positions(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -95,12 +96,20 @@ class ContextShard:
             return full
         b, h, seq, d = full.shape
         n, chunk = self.size, seq // (2 * self.size)
-        # Rank r's chunks r and 2n − 1 − r side by side, ranks outermost: the layout reduce-scatter splits.
-        order = torch.tensor([g for r in range(n) for g in (r, 2 * n - 1 - r)], device=full.device)
-        parts = full.view(b, h, 2 * n, chunk, d).index_select(2, order).view(b, h, n, 2 * chunk, d)
+        parts = full.view(b, h, 2 * n, chunk, d).index_select(2, self._rank_order(full.device))
+        parts = parts.view(b, h, n, 2 * chunk, d)
         mine = torch.empty(b, h, 2 * chunk, d, dtype=full.dtype, device=full.device)
         dist.reduce_scatter_single(mine, parts.movedim(2, 0).reshape(n * b, h, 2 * chunk, d), group=self.group)
         return mine
+
+    def _rank_order(self, device: torch.device) -> torch.Tensor:
+        """The 2N chunks as reduce-scatter splits them: rank r's chunks r and 2N − 1 − r side by side, ranks
+        outermost. Asked by every layer's backward: made once per device."""
+        key = str(device)
+        if key not in self._orders:
+            n = self.size
+            self._orders[key] = torch.tensor([g for r in range(n) for g in (r, 2 * n - 1 - r)], device=device)
+        return self._orders[key]
 
     def blocks(self, chunk: int, g: int, query_docs: torch.Tensor | None,
                key_docs: torch.Tensor | None) -> list[Block]:
