@@ -81,10 +81,8 @@ def degree(name: str, option: Any, **facts: Any) -> DegreeSpec:
     if spec.parameters == "replicate" or (spec.splits_batch and not spec.parameters):
         raise TypeError(f"the degree {name!r}: HSDP's replicas are dp_replicate's, and ranks that split the batch "
                         f"average their gradients (parameters='shard')")
-    if spec.check_config is not None:
-        add_option(ParallelConfig, name, int, option, _config_check(name, spec.check_config))
-    else:
-        add_option(ParallelConfig, name, int, option)
+    add_option(ParallelConfig, name, int, option,
+               None if spec.check_config is None else _config_check(name, spec.check_config))
     DEGREES.add(name, spec)
     return spec
 
