@@ -114,11 +114,13 @@ class Cluster:
     def link_up(self, node: int) -> None:
         _ip("-n", self.hub, "link", "set", self.port(node), "up")
 
-    def flap(self, node: int, down_s: float) -> None:
-        """The link down for `down_s` seconds, then up again."""
-        self.link_down(node)
-        time.sleep(down_s)
-        self.link_up(node)
+    def flap(self, node: int, down_s: float, times: int = 1, up_s: float = 1.0) -> None:
+        """The link down for `down_s` seconds, then up again; `times` times, up for `up_s` in between."""
+        for n in range(times):
+            time.sleep(up_s if n else 0.0)
+            self.link_down(node)
+            time.sleep(down_s)
+            self.link_up(node)
 
     def throttle(self, node: int, mbit: float) -> None:
         """The node's link slowed to `mbit` Mbit/s each way: a token bucket on both ends of its cable."""
