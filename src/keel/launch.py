@@ -37,14 +37,14 @@ from torch.distributed.run import config_from_args, get_args_parser
 import keel
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
-from keel.health.reach import ReachWatch
+from keel.health.reach import ReachWatch, until_answered
 from keel.health.signals import SIGNALS as STOP_SIGNALS
 from keel.health.signals import stop_requested_early
 from keel.monitor.goodput import account_exit
 from keel.rundir.events import EventLog
-from keel.rundir.quarantine import is_quarantined, node_name
+from keel.rundir.quarantine import QUARANTINE, add_to_quarantine, is_quarantined, node_name
 from keel.rundir.status import read_status
-from keel.worker_server import start_worker_server
+from keel.worker_server import start_worker_server, stop_worker_server
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--local-addr")
 FINAL = (EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_STORAGE)  # a restart would meet the same end
@@ -55,6 +55,7 @@ KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 2, 3
 STORE_READ_TIMEOUT_S = 20
 # A node that cannot reach the rendezvous this long is cut off: longer than a flap a job should ride out.
 REACH_WINDOW_S = 15.0
+CUT_OFFS_ENV = "KEEL_CUT_OFFS"  # how many times this node's command was cut off from its job and rejoined it
 QUARANTINE_POLL_S = 5.0
 WorkerEntry = Callable[[dict[str, str], list[str]], None]  # (the launcher's environment, the worker's argv)
 
@@ -182,22 +183,47 @@ class KeelAgent(LocalElasticAgent):
         self._stalled, self._last_step = 0, int(read_status(run_dir).get("step", 0))
 
 
-def _cut_off(run_dir: Path, say: Callable[[str], None]) -> Callable[[str], None]:
+def _cut_off(run_dir: Path, say: Callable[[str], None], rendezvous: Rendezvous, limit: int) -> Callable[[str], None]:
     """What a node does once it cannot reach its job's rendezvous (keel.health.reach): says so, records it where
-    it still can, and leaves the job at once, its workers with it (they die with their launcher)."""
+    it still can, and ends its workers; the other nodes go on without them. Once the rendezvous answers again the
+    node starts its command afresh and rejoins (the other nodes' agents restart to take it in), unless that was
+    its `limit`-th time in this command: a link that keeps failing lists the node in quarantine.json. A link
+    still dead after the rendezvous timeout ends the command (76)."""
 
     def leave(why: str) -> None:
-        node = node_name()
-        say(f"keel: node {node} is cut off from the job: {why}; leaving it (exit {EXIT_QUARANTINE}: the other "
-            f"nodes go on without it; rerun the command here once its network is back)")
-        with contextlib.suppress(OSError):
-            events = EventLog(run_dir / "events.jsonl", rank=-1)
-            events.emit("leave", int(read_status(run_dir).get("step", 0)), "cut_off", nodes=[node], reason=why)
-            events.close()
+        node, times = node_name(), int(os.environ.get(CUT_OFFS_ENV, "0")) + 1
+        say(f"keel: node {node} is cut off from the job: {why}; its workers end, the other nodes go on without it")
+        _record(run_dir, "leave", "cut_off", nodes=[node], reason=why)
+        stop_worker_server()  # the workers die with the server that forked them
+        waited = until_answered(rendezvous.endpoint, rendezvous.timeout_s)
+        if waited is None:
+            say(f"keel: node {node} has not reached the rendezvous for {rendezvous.timeout_s} s more; leaving the "
+                f"job (exit {EXIT_QUARANTINE}: rerun the command here once its network is back)")
+        elif times >= limit:
+            add_to_quarantine(run_dir, [node], "network", f"cut off from the job {times} times: its network keeps "
+                              f"failing", step=int(read_status(run_dir).get("step", 0)))
+            say(f"keel: node {node} reaches the rendezvous again, but it was cut off {times}× (health.cut_off_limit "
+                f"= {limit}); listed in {run_dir / QUARANTINE}, it leaves the job (exit "
+                f"{EXIT_QUARANTINE}; `keel quarantine {run_dir} {node} --release` lets it back)")
+        else:
+            say(f"keel: node {node} reaches the rendezvous again after {waited:.0f} s; rejoining the job")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Started again as the command started, the environment as it found it: a new launcher, lock and
+            # worker server, joining the rendezvous as a node that arrives does.
+            os.execve(sys.executable, sys.orig_argv, {**keel.ENVIRON, CUT_OFFS_ENV: str(times)})
         sys.stdout.flush()
         os._exit(EXIT_QUARANTINE)
 
     return leave
+
+
+def _record(run_dir: Path, kind: str, action: str, **detail: Any) -> None:
+    """An event of this node's launcher, where the run directory can still be written."""
+    with contextlib.suppress(OSError):
+        events = EventLog(run_dir / "events.jsonl", rank=-1)
+        events.emit(kind, int(read_status(run_dir).get("step", 0)), action, **detail)
+        events.close()
 
 
 def _caller_name(depth: int = 2) -> str:
@@ -220,7 +246,7 @@ class _WorkerTracebackOnly(logging.Filter):
 
 def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry,
            rendezvous: Rendezvous | None = None, *, shutdown_grace_s: int = 120, no_progress_restarts: int = 2,
-           say=print) -> int:
+           cut_off_limit: int = 3, say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
     2 bad input, 3 stopped (do not requeue), 73 the checkpoint volume refused a save, 75 paused (rerun
     resumes), 76 this node or a rank was
@@ -257,7 +283,8 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
     # rendezvous the way the agent's would, without closing it for the other nodes.
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_signal)
-    reach = ReachWatch(rendezvous.endpoint, REACH_WINDOW_S, _cut_off(run_dir, say)).start() if elastic else None
+    reach = (ReachWatch(rendezvous.endpoint, REACH_WINDOW_S, _cut_off(run_dir, say, rendezvous, cut_off_limit)).start()
+             if elastic else None)
     try:
         if received := stop_requested_early():  # caught while this command was still validating
             raise SignalException(f"{received} received", getattr(signal, received))

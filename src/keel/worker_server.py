@@ -48,16 +48,17 @@ def start_worker_server(nproc: int) -> None:
     with _variables(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore:resource_tracker:UserWarning",
                     PYTORCH_NVML_BASED_CUDA_CHECK="1", **{SERVER_OF: launcher, AGENT_PID_ENV: launcher}):
         multiprocessing.forkserver.ensure_running()
-    atexit.register(_stop_worker_server)
+    atexit.register(stop_worker_server)
 
 
 def _server_pid() -> int | None:
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 
 
-def _stop_worker_server() -> None:
+def stop_worker_server() -> None:
     """Left to itself the server would end once it notices the launcher gone, after freeing every torch
-    module, holding the job's console open a second longer; its workers have ended, so it is killed."""
+    module, holding the job's console open a second longer; its workers have ended, so it is killed. Its
+    workers die with it (keel.health.lifeline)."""
     if pid := _server_pid():
         with contextlib.suppress(ChildProcessError, ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -89,37 +89,86 @@ def test_a_link_that_flaps_again_and_again_is_an_alert_naming_its_node_and_nothi
     assert "link flapped on node node-1" in (tmp_path / "report.html").read_text()
 
 
-def test_a_cable_pulled_for_good_is_named_and_the_job_goes_on_without_its_node(reference_run: Path,
-                                                                              small_corpus: Path,
-                                                                              tmp_path: Path) -> None:
-    run_dir = tmp_path / "C"
-    with Cluster(2) as cluster:
-        launches = two_nodes(cluster, run_dir, small_corpus, tmp_path, 'drill.inject=["slow:rank=-1,seconds=0.1"]',
-                             nodes=("--nnodes", "1:2", "--max-restarts", "2"))
-        wait_for_step(run_dir, 20, launches)
-        cluster.link_down(1)
-        pulled = time.time()
-        codes = [launch.wait(timeout=240) for launch in launches]
-    logs = [(tmp_path / f"node-{n}.log").read_text() for n in range(2)]
+def wait_for(what, timeout_s: float, launches: list[Launch]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline and all(launch.proc.poll() is None for launch in launches)
+        time.sleep(0.2)
+
+
+def pull_node_1s_cable_at_step_20(cluster: Cluster, run_dir: Path, corpus: Path, tmp_path: Path,
+                                  *extra: str) -> tuple[list[Launch], float]:
+    """Node 1's cable pulled at step 20 of an elastic two-node job; put back once node 1 has left the job and
+    node 0 has restarted alone. Returns the launches and when the cable was pulled."""
+    launches = two_nodes(cluster, run_dir, corpus, tmp_path, 'drill.inject=["slow:rank=-1,seconds=0.5"]', *extra,
+                         nodes=("--nnodes", "1:2", "--max-restarts", "2"))
+    wait_for_step(run_dir, 20, launches)
+    cluster.link_down(1)
+    pulled = time.time()
+    wait_for(lambda: [e["detail"]["world_size"] for e in read_jsonl(run_dir / "events.jsonl")
+                      if e["kind"] == "start"][-1:] == [1], 120, launches)
+    cluster.link_up(1)
+    return launches, pulled
+
+
+def assert_cut_off_and_named(run_dir: Path, log: str, pulled: float) -> list[dict]:
     # The node behind the dead link sees the rendezvous go silent and leaves; the other goes on alone.
-    assert codes == [0, 76], [log[-3000:] for log in logs]
-    assert "keel: node node-1 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered" in logs[1]
+    assert "keel: node node-1 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered" in log
     events = read_jsonl(run_dir / "events.jsonl")
-    (leave,) = [e for e in events if e["kind"] == "leave"]
+    (leave, *_) = [e for e in events if e["kind"] == "leave"]
     assert (leave["action"], leave["detail"]["nodes"]) == ("cut_off", ["node-1"])
     # The hang it caused is named on the surviving node, within the learned step timeout.
     (hang,) = [e for e in events if e["kind"] == "hang"]
     assert hang["detail"]["stuck_ranks"] == [1] and hang["detail"]["hosts"] == ["node-1"], hang
     assert hang["time"] - pulled <= hang["detail"]["timeouts"]["step"], (hang["time"] - pulled, hang["detail"])
-    resumed = [e for e in events if e["kind"] == "resume"]
-    assert resumed and [e["detail"]["world_size"] for e in events if e["kind"] == "start"][-1] == 1
-    # The same global batches on one process (two micro-batches accumulated in another order): the losses after
-    # the resume match the uninterrupted 2-process run's to rounding.
-    after = {s: loss for s, loss in losses(run_dir).items() if s > resumed[-1]["step"]}
+    return events
+
+
+def assert_losses_after_resume_match(run_dir: Path, reference_run: Path, resumed_at: int) -> None:
+    """The same global batches on another number of processes (the micro-batches accumulated in another order):
+    the losses after the resume match the uninterrupted 2-process run's to rounding."""
+    after = {s: loss for s, loss in losses(run_dir).items() if s > resumed_at}
     expected = losses(reference_run)
-    assert sorted(after) == list(range(resumed[-1]["step"] + 1, 41))
+    assert sorted(after) == list(range(resumed_at + 1, 41))
     for s, loss in after.items():
         assert loss == pytest.approx(expected[s], rel=2e-3), s
+
+
+def test_a_node_cut_off_goes_on_without_it_and_rejoins_when_its_cable_is_back(reference_run: Path,
+                                                                              small_corpus: Path,
+                                                                              tmp_path: Path) -> None:
+    run_dir = tmp_path / "C"
+    with Cluster(2) as cluster:
+        launches, pulled = pull_node_1s_cable_at_step_20(cluster, run_dir, small_corpus, tmp_path)
+        codes = [launch.wait(timeout=240) for launch in launches]
+    logs = [(tmp_path / f"node-{n}.log").read_text() for n in range(2)]
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    events = assert_cut_off_and_named(run_dir, logs[1], pulled)
+    assert "keel: node node-1 reaches the rendezvous again after " in logs[1]
+    # Alone from the latest checkpoint, then both again once node 1 rejoined: from the checkpoint node 0 wrote as
+    # its workers restarted to take node 1 in.
+    assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0][-2:] == [1, 2]
+    resumed = [e for e in events if e["kind"] == "resume"]
+    assert len(resumed) >= 2 and not (run_dir / "quarantine.json").exists()
+    assert_losses_after_resume_match(run_dir, reference_run, resumed[0]["step"])
+
+
+def test_a_node_cut_off_once_too_often_is_quarantined_and_the_job_ends_without_it(reference_run: Path,
+                                                                                 small_corpus: Path,
+                                                                                 tmp_path: Path) -> None:
+    run_dir = tmp_path / "Q"
+    with Cluster(2) as cluster:
+        launches, pulled = pull_node_1s_cable_at_step_20(cluster, run_dir, small_corpus, tmp_path,
+                                                         "health.cut_off_limit=1")
+        codes = [launch.wait(timeout=240) for launch in launches]
+    logs = [(tmp_path / f"node-{n}.log").read_text() for n in range(2)]
+    assert codes == [0, 76], [log[-3000:] for log in logs]
+    events = assert_cut_off_and_named(run_dir, logs[1], pulled)
+    assert "keel: node node-1 reaches the rendezvous again, but it was cut off 1× (health.cut_off_limit = 1)" in logs[1]
+    (record,) = json.loads((run_dir / "quarantine.json").read_text())
+    assert record["hosts"] == ["node-1"] and record["source"] == "network", record
+    assert [e["detail"]["world_size"] for e in events if e["kind"] == "start"][-1] == 1
+    assert_losses_after_resume_match(run_dir, reference_run, [e for e in events if e["kind"] == "resume"][-1]["step"])
 
 
 def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:

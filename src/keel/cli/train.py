@@ -118,7 +118,7 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
                    in_groups: bool) -> int:
     from keel.checkpoint.identity import run_identity
     from keel.checkpoint.manifest import committed
-    from keel.checkpoint.memory import held_in_memory, memory_tier
+    from keel.checkpoint.memory import memory_tier
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
     from keel.health.signals import stop_requested_early
     from keel.rundir.lock import RunLock, held_by_launcher
@@ -161,19 +161,25 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
 
             return launch_groups(cfg, args.argv, run_dir, nproc, max_restarts)
         if launches:
-            from keel.cli import forked_worker
-            from keel.launch import Rendezvous, launch
-
-            with held_in_memory(cfg, run_dir, nproc):  # the memory tier outlives the workers, not the job
-                nodes = Rendezvous(args.nnodes, args.rdzv_endpoint, args.local_addr, cfg.health.rendezvous_timeout_s)
-                return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nodes,
-                              shutdown_grace_s=cfg.health.shutdown_grace_s,
-                              no_progress_restarts=cfg.health.no_progress_restarts)
+            return _launch_node(args, cfg, run_dir, nproc, max_restarts)
         from keel.drill.faults import as_callbacks
         from keel.train.worker import train
 
         # The drill's faults reach the loop as ordinary callbacks, after the configured ones.
         return train(cfg, run_dir, resume, accepted, [*cfg.callbacks, *as_callbacks(cfg.drill.inject, run_dir)])
+
+
+def _launch_node(args: argparse.Namespace, cfg: Config, run_dir: Path, nproc: int, max_restarts: int) -> int:
+    """This node's launcher: its workers under the elastic agent, meeting the other nodes' where there are."""
+    from keel.checkpoint.memory import held_in_memory
+    from keel.cli import forked_worker
+    from keel.launch import Rendezvous, launch
+
+    with held_in_memory(cfg, run_dir, nproc):  # the memory tier outlives the workers, not the job
+        nodes = Rendezvous(args.nnodes, args.rdzv_endpoint, args.local_addr, cfg.health.rendezvous_timeout_s)
+        return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nodes,
+                      shutdown_grace_s=cfg.health.shutdown_grace_s,
+                      no_progress_restarts=cfg.health.no_progress_restarts, cut_off_limit=cfg.health.cut_off_limit)
 
 
 def check_init_from(cfg: Config) -> None:

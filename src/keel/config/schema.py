@@ -514,6 +514,9 @@ class HealthConfig:
                                        "did not get past the step the run had reached", ge=1)
     rendezvous_timeout_s: int = option(900, "elastic jobs (--nnodes): how long a (re)starting node waits for the "
                                        "others to join; longer than a step's watchdog timeout", ge=1, le=YEAR_S)
+    cut_off_limit: int = option(3, "elastic jobs: a node cut off from the rendezvous rejoins once it answers "
+                                "again, until its Nth time in one command: then it is listed in quarantine.json",
+                                ge=1)
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
                                    "SIGKILL", ge=1, le=YEAR_S)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "
