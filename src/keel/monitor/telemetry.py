@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from keel.core.net import LINK_STATES
 from keel.paths import nearest_existing
 
 PROBE_BYTES = 4096
@@ -135,9 +136,6 @@ class NetworkSource(Source):
                 readings.append(Reading(name, float(tx), (("interface", nic), ("direction", "tx")), "counter"))
             readings += _link_state(nic)
         return readings
-
-
-LINK_STATES = {"up": 1.0, "down": 0.0, "lowerlayerdown": 0.0, "dormant": 0.0, "notpresent": 0.0}
 
 
 def _link_state(nic: str, root: Path = Path("/sys/class/net")) -> list[Reading]:
