@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +33,11 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
+from keel.core.net import job_interfaces, links_down
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
 from keel.health.reach import ReachWatch, until_answered
@@ -56,6 +59,7 @@ STORE_READ_TIMEOUT_S = 20
 # A node that cannot reach the rendezvous this long is cut off: longer than a flap a job should ride out.
 REACH_WINDOW_S = 15.0
 CUT_OFFS_ENV = "KEEL_CUT_OFFS"  # how many times this node's command was cut off from its job and rejoined it
+LEAVING = threading.Event()  # set once this node is cut off from its job: it joins no more rounds as it is
 QUARANTINE_POLL_S = 5.0
 WorkerEntry = Callable[[dict[str, str], list[str]], None]  # (the launcher's environment, the worker's argv)
 
@@ -102,6 +106,13 @@ class KeelAgent(LocalElasticAgent):
             return super().run(*args, **kwargs)
         finally:
             self.heartbeats.close()
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        # A node cut off from the job rejoins as a new process (`_cut_off`): this one, its pid and so its
+        # rendezvous identity the same, must not rejoin first, as the node it was, when the link returns.
+        if LEAVING.is_set():
+            threading.Event().wait()  # for ever: the cut-off ends this process
+        super()._rendezvous(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The workers run in the launcher's environment as it is when they start (the heartbeat directory that
@@ -191,9 +202,14 @@ def _cut_off(run_dir: Path, say: Callable[[str], None], rendezvous: Rendezvous, 
     still dead after the rendezvous timeout ends the command (76)."""
 
     def leave(why: str) -> None:
-        node, times = node_name(), int(os.environ.get(CUT_OFFS_ENV, "0")) + 1
-        say(f"keel: node {node} is cut off from the job: {why}; its workers end, the other nodes go on without it")
-        _record(run_dir, "leave", "cut_off", nodes=[node], reason=why)
+        LEAVING.set()
+        node, times, down = node_name(), int(os.environ.get(CUT_OFFS_ENV, "0")) + 1, links_down()
+        # The node's own link says which side the fault is on: a rendezvous host cut off silences every node.
+        side = (f"this node's link {', '.join(down)} is down" if down else f"this node's link "
+                f"{', '.join(job_interfaces()) or '(none found)'} is up: the fault is the rendezvous host's or between")
+        say(f"keel: node {node} is cut off from the job: {why}; {side}; its workers end, the other nodes go on "
+            f"without it")
+        _record(run_dir, "leave", "cut_off", nodes=[node], reason=why, links_down=down)
         stop_worker_server()  # the workers die with the server that forked them
         waited = until_answered(rendezvous.endpoint, rendezvous.timeout_s)
         if waited is None:
@@ -355,6 +371,11 @@ def _launch(config, entry: WorkerEntry, args: list, agents: list[KeelAgent], run
     except LeaveJob as e:
         say(f"keel: {e}; this node leaves the job, the others go on without it")
         return EXIT_QUARANTINE
+    except RendezvousClosedError:
+        if read_status(run_dir).get("state") != "finished":
+            raise
+        say("keel: the job finished while this node was away (its rendezvous is closed); nothing is left to join")
+        return 0
     except SignalException as e:
         return _stopped(e, run_dir, say)
     return 0

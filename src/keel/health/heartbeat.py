@@ -28,8 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.core.net import links_down
 from keel.errors import EXIT_HANG
 from keel.rundir.events import EventLog
+from keel.rundir.quarantine import node_name
 
 ENV = "KEEL_HEARTBEATS"
 STACKS_SIGNAL = signal.SIGUSR2  # a worker's watchdog has faulthandler answer it with every thread's stack
@@ -189,6 +191,10 @@ class HeartbeatWatch:
             self._dump_stacks(answering, f"rank(s) {', '.join(map(str, stuck))} stopped making progress")
             self._report(seen, stuck, restarting)
         elif cut := cut_off(seen):
+            if down := links_down():  # the silence is this node's own doing: its link is dead, not theirs
+                me = node_name()
+                cut = {r: (me, f"rank {r} on {me} is cut off from the job: this node's link {', '.join(down)} is "
+                               f"down (the ranks of other nodes did not answer rank {r}'s alarm)") for r in waiting}
             self._report(seen, {r: why for r, (_, why) in cut.items()}, restarting,
                          hosts={r: host for r, (host, _) in cut.items()})
         else:  # the ranks they wait for live on another node, whose launcher names them
