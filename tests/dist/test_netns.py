@@ -179,6 +179,42 @@ def test_a_node_cut_off_once_too_often_is_quarantined_and_the_job_ends_without_i
     assert_losses_after_resume_match(run_dir, reference_run, [e for e in events if e["kind"] == "resume"][-1]["step"])
 
 
+THREE_NODES = [*SMALL_RUN, "train.steps=30", "train.global_batch=12", "eval.sequences=12", "checkpoint.interval=30",
+               "health.straggler.interval=5", 'drill.inject=["slow:rank=-1,seconds=0.1"]']
+
+
+def test_a_node_whose_link_is_slowed_is_named_a_straggler_and_nothing_is_lost(small_corpus: Path,
+                                                                             tmp_path: Path) -> None:
+    alone = run_keel(["train", "--nproc", "3", "--run-dir", str(tmp_path / "one"), *THREE_NODES,
+                      f"data.dir={small_corpus}"], cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    run_dir = tmp_path / "S"
+    with Cluster(3) as cluster:
+        launches = [cluster.keel(node, ["train", "--nproc", "1", "--nnodes", "3", "--rdzv-endpoint",
+                                        f"{cluster.address(0)}:{PORT}", "--local-addr", cluster.address(node),
+                                        "--run-dir", str(run_dir), *THREE_NODES, f"data.dir={small_corpus}"],
+                                 tmp_path, tmp_path / f"node-{node}.log") for node in range(3)]
+        wait_for_step(run_dir, 8, launches)
+        cluster.throttle(2, mbit=20)  # node 2's port at 20 Mbit/s: every collective waits for it alike
+        wait_for(lambda: any(e["kind"] == "straggler" for e in read_jsonl(run_dir / "events.jsonl")), 120,
+                 launches)
+        cluster.unthrottle(2)
+        codes = [launch.wait(timeout=240) for launch in launches]
+    assert codes == [0, 0, 0], [(tmp_path / f"node-{n}.log").read_text()[-3000:] for n in range(3)]
+    events = read_jsonl(run_dir / "events.jsonl")
+    (straggler,) = [e for e in events if e["kind"] == "straggler"]
+    detail = straggler["detail"]
+    assert detail["link"] and detail["node"] == "node-2" and detail["ratio"] > 10, detail
+    assert straggler["step"] in (15, 20, 25), straggler  # two gathers in a row, from the first after the throttle
+    (alert,) = [e for e in events if e["kind"] == "alert" and e["action"] == "straggler"]
+    assert alert["detail"]["message"].startswith("node node-2 has a slow link: a 4 MiB probe takes "), alert
+    assert not [e for e in events if e["kind"] in ("hang", "failure")]
+    # A slow link delays; it changes nothing computed.
+    assert losses(run_dir) == losses(tmp_path / "one")
+    final = Path("checkpoints") / "step-000030"
+    assert state_sha256(run_dir / final) == state_sha256(tmp_path / "one" / final)
+
+
 def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:
     """Seconds to send `megabytes` from node 1 to a server listening on node 0; None when node 1 cannot connect
     within `connect_s`."""

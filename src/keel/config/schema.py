@@ -502,6 +502,9 @@ class StragglerConfig:
     interval: int = option(20, "steps between gathers of every rank's compute time (0: off)", ge=0)
     factor: float = option(1.5, "a rank is slow when its compute time is this many times the median rank's", gt=1)
     patience: int = option(2, "consecutive slow gathers before a rank is reported", ge=1)
+    link_probe_mib: int = option(4, "jobs of 3 nodes or more: on each gather the nodes' first ranks pass a probe "
+                                 "of this many MiB round a ring; a node whose links both ways take `factor` times "
+                                 "the median node's is reported too (0: off)", ge=0, le=1024)
     action: str = option("log", "log: event and warning · quarantine: also list its node in quarantine.json and "
                          "exit 76 so the run restarts without it", choices=("log", "quarantine"))
 

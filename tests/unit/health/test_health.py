@@ -19,6 +19,7 @@ from keel.errors import EXIT_HANG
 from keel.health.heartbeat import ENV, STACKS_SIGNAL, HeartbeatWatch, Sighting, culprits, cut_off, read_beat
 from keel.health.preflight import Check, blame_senders, slow_ranks, storage_checks
 from keel.health.signals import PAUSE_FILE, StopRequests, request_pause
+from keel.health.straggler import slow_nodes
 from keel.health.watchdog import Watchdog, stuck_ranks
 from keel.rundir.events import EventLog, read_jsonl
 from keel.rundir.quarantine import node_name
@@ -333,6 +334,17 @@ def test_preflight_probes_the_checkpoint_storage(tmp_path: Path) -> None:
 def test_straggler_config_defaults_report_within_50_steps() -> None:
     cfg = StragglerConfig()
     assert cfg.interval * (cfg.patience + 1) <= 60 and cfg.factor < 3
+
+
+def test_a_slow_link_is_the_node_whose_probes_both_ways_are_slow_never_its_neighbours() -> None:
+    # links[k]: the probe into node k, from node k - 1. Node 2's cable slowed: into 2 (from 1) and into 3 (from 2).
+    links = [0.01, 0.012, 0.9, 0.8, 0.011]
+    ((node, ratio),) = slow_nodes(links, factor=1.5)
+    assert node == 2 and ratio == pytest.approx(0.8 / 0.011)
+    assert slow_nodes([0.01, 0.9, 0.011], 1.5) == []  # one way slow (1 into node 1 only): no node's both ways
+    assert [k for k, _ in slow_nodes([0.9, 0.01, 0.8], 1.5)] == [2]  # round the ring: node 2 sends into node 0
+    assert slow_nodes([0.9, 0.8], 1.5) == []  # two nodes share one cable's two ways: whose end, none can say
+    assert slow_nodes([0.01, 0.012, 0.014], 1.5) == []
 
 
 class FakeNvml:
