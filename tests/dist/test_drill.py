@@ -118,7 +118,7 @@ def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, sma
 
 def test_every_scenario_delivers_a_fault_and_names_its_detector() -> None:
     for s in catalog().values():
-        assert s.inject or s.outside or s.lose_node_at, s.name
+        assert s.inject or s.outside or s.lose_node_at or s.network, s.name
         assert s.detect[0], s.name
 
 

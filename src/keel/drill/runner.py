@@ -24,15 +24,19 @@ from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.core.net import free_port
+from keel.drill.netns import Cluster, unavailable
 from keel.drill.procs import Launch, kill_tagged
 from keel.drill.scenarios import (
     BITWISE,
     CLOSE,
     CLOSE_RTOL,
     CORRUPT_LATEST,
+    FLAP_LINK,
     LIGHTHOUSE,
     LOSE_MANIFEST,
+    PULL_CABLE,
     REPLICA_ATOL,
+    SLOW_LINK,
     Outside,
     Scenario,
 )
@@ -50,6 +54,10 @@ OWN_KEYS = ("train.steps", "checkpoint.interval", "checkpoint.dir", "drill.injec
 # of them): clean runs that differ in them alone are the same reference.
 LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_interval"),
              ("guard", "sdc", "at_rest_interval"), ("guard", "sdc", "at_rest_moments_every"), ("health", "watchdog"))
+
+
+RDZV_PORT = 29400  # inside node 0's namespace, where nothing else listens
+SLOW_LINK_MBIT = 50  # a slowed port: a 4 MiB link probe takes about 0.7 s instead of milliseconds
 
 
 class DrillError(RuntimeError):
@@ -166,8 +174,10 @@ class Drill:
     # ------------------------------------------------------------ one scenario
 
     def run(self, scenario: Scenario) -> dict[str, Any]:
-        if scenario.nodes > 1 and self.nproc % scenario.nodes:
+        if scenario.nodes > 1 and self.procs(scenario.nproc) % scenario.nodes:
             return not_run(scenario, f"{scenario.nodes} nodes need --nproc divisible by {scenario.nodes}")
+        if scenario.network and (why := unavailable()):
+            return not_run(scenario, why)
         steps = scenario.steps or self.steps
         extra = scenario.config + (scenario.reference_with if scenario.compare == "reference_with" else ())
         ref_dir = self.reference(extra, steps, scenario.groups, scenario.nproc)
@@ -185,7 +195,9 @@ class Drill:
         try:
             inject = [spec.format(volume=volume) for spec in scenario.inject]
             faulted = [*overrides, f"drill.inject={json.dumps(inject)}"] if inject else overrides
-            if scenario.nodes > 1:
+            if scenario.network:
+                launches = [self.launch_cluster(run_dir, faulted, scenario)]
+            elif scenario.nodes > 1:
                 launches = [self.launch_nodes(run_dir, faulted, scenario)]
             else:
                 launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups,
@@ -230,6 +242,31 @@ class Drill:
                 job.__exit__()
         return {"exit": code, "seconds": round(time.time() - jobs[0].started, 2), "outside": sent,
                 "leftovers": leftovers, "started": jobs[0].started}
+
+    def launch_cluster(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
+        """A job of `scenario.nodes` nodes, each a network namespace of its own (node 0 hosts the rendezvous),
+        and its network fault on the last node's link from `fault_step` on; its end as `launch`'s."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        per_node, victim = self.procs(scenario.nproc) // scenario.nodes, scenario.nodes - 1
+        sent: dict[str, Any] = {}
+        with Cluster(scenario.nodes) as cluster:
+            nodes = f"1:{scenario.nodes}" if scenario.network == PULL_CABLE else str(scenario.nodes)
+            jobs = [cluster.keel(n, self.train_args(run_dir, overrides, scenario.max_restarts, per_node, (
+                "--nnodes", nodes, "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}", "--local-addr",
+                cluster.address(n))), self.workdir, run_dir / f"drill-node-{n}.log") for n in range(scenario.nodes)]
+            undone = False
+            while not undone and all(job.proc.poll() is None for job in jobs) and \
+                    time.time() - jobs[0].started < self.timeout:
+                if not sent and _status(run_dir).get("step", 0) >= scenario.fault_step:
+                    sent = {"time": time.time(), "step": _status(run_dir).get("step", 0), "node": f"node-{victim}"}
+                    undone = _hit_link(cluster, victim, scenario.network)
+                elif sent:
+                    undone = _mend_link(cluster, victim, scenario.network, run_dir, per_node * victim)
+                time.sleep(0.1)
+            codes = [job.wait(self.timeout) for job in jobs]
+            leftovers = [pid for job in jobs for pid in job.leftovers()]
+        return {"exit": next((c for c in codes if c != 0), 0), "seconds": round(time.time() - jobs[0].started, 2),
+                "outside": sent, "leftovers": leftovers, "started": jobs[0].started}
 
     # ------------------------------------------------------------ a plain restart, for comparison
 
@@ -299,6 +336,31 @@ def not_run(scenario: Scenario, why: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- actions from outside
+
+
+def _hit_link(cluster: Cluster, node: int, fault: str) -> bool:
+    """The network fault on `node`'s link; whether it is over already (a flap puts the link back itself)."""
+    if fault == PULL_CABLE:
+        cluster.link_down(node)
+    elif fault == FLAP_LINK:
+        cluster.flap(node, down_s=2.0, times=3)
+        return True
+    else:
+        cluster.throttle(node, mbit=SLOW_LINK_MBIT)
+    return False
+
+
+def _mend_link(cluster: Cluster, node: int, fault: str, run_dir: Path, left: int) -> bool:
+    """The link put right once the fault did what it rehearses: the cable back once the other nodes go on
+    alone (`left` processes), the port's full rate once a straggler was named. Whether it is."""
+    if fault == PULL_CABLE and _world(run_dir) == left:
+        cluster.link_up(node)
+        return True
+    if fault == SLOW_LINK and any(e["kind"] == "straggler" for e in _events(run_dir)):
+        cluster.unthrottle(node)
+        return True
+    return False
+
 
 
 def _newest_committed(checkpoints: Path) -> tuple[int, Path]:
@@ -633,13 +695,16 @@ def _status(run_dir: Path) -> dict:
     return _json(run_dir / "status.json")
 
 
+def _events(run_dir: Path) -> list[dict]:
+    try:
+        return read_jsonl(run_dir / "events.jsonl")
+    except OSError:
+        return []
+
+
 def _world(run_dir: Path) -> int:
     """The world size of the run's newest start."""
-    try:
-        events = read_jsonl(run_dir / "events.jsonl")
-    except OSError:
-        return 0
-    starts = [e for e in events if e["kind"] == "start"]
+    starts = [e for e in _events(run_dir) if e["kind"] == "start"]
     return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0
 
 

@@ -19,6 +19,11 @@ CLOSE_RTOL = 2e-3
 REPLICAS = "replicas"
 REPLICA_ATOL = 1e-4
 
+# Network faults, on nodes that are network namespaces of their own (keel.drill.netns, needs root), the last node
+# the one hit: its cable pulled, then put back once the others go on alone; its link down for 2 s three times;
+# its port slowed to a token bucket's rate until a straggler is named.
+PULL_CABLE, FLAP_LINK, SLOW_LINK = "pull_cable", "flap_link", "slow_link"
+
 # What the drill does from outside between the first launch and the rerun.
 CORRUPT_LATEST = "corrupt_latest_checkpoint"
 LOSE_MANIFEST = "lose_latest_manifest"
@@ -72,6 +77,7 @@ class Scenario:
     # Processes of each launch (of each replica group with `groups`) when its layout needs a number of its own;
     # 0: the drill's --nproc, or one per replica group. The reference runs on as many.
     nproc: int = 0
+    network: str = ""  # with nodes > 1: the nodes are network namespaces, and this fault hits the last one's link
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -228,6 +234,32 @@ def _moe(plan: Plan) -> list[Scenario]:
     ]
 
 
+def _network(plan: Plan) -> list[Scenario]:
+    """Faults of the network between nodes, each node a network namespace with its own address and link."""
+    mid = plan.mid
+    return [
+        Scenario("cable_pulled", "a node's cable pulled mid-run: it leaves the job, the other names it within the "
+                 "learned timeout and goes on from the last checkpoint; with the cable back the node rejoins, and the "
+                 "run ends with the same global batches in the same order", nodes=2, network=PULL_CABLE,
+                 fault_step=mid, max_restarts=2, compare=CLOSE, detect=("leave", "cut_off"),
+                 recovered_by=("resume", ""),
+                 # The step timeout learned early; one-second steps from the fault on, so that the node left
+                 # alone is still training when the other is back.
+                 tuning=("health.watchdog.warmup_steps=5",),
+                 inject=("slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}")),
+        Scenario("link_flaps", "a node's link down for 2 s three times in a row: the job waits each out, an alert "
+                 "names the node and its interface, and the run ends bitwise equal", nodes=2, network=FLAP_LINK,
+                 fault_step=mid, tuning=("monitor.telemetry_interval_s=0.5",), inject=("slow:rank=-1,seconds=0.1",),
+                 detect=("alert", "link_flapped"), recovered_by=None),
+        Scenario("slow_link", "one of three nodes' ports slowed to 50 Mbit/s: the node is named a straggler by its "
+                 "link probe, its neighbours are not, and the run ends bitwise equal", nodes=3, nproc=3,
+                 network=SLOW_LINK, fault_step=plan.interval,
+                 config=("train.global_batch=12", "train.micro_batch=4", "eval.sequences=12"),
+                 tuning=("health.straggler.interval=5",), inject=("slow:rank=-1,seconds=0.1",),
+                 detect=("straggler", "", {"link": True, "node": "node-2"}), recovered_by=None),
+    ]
+
+
 def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
     """Every scenario, keyed by name, with its faults placed for `plan`."""
     mid, save, r = plan.mid, plan.save, plan.rank
@@ -314,6 +346,7 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  recovered_by=None),
         *_replica_groups(plan),
         *_moe(plan),
+        *_network(plan),
     ]
     return {s.name: s for s in scenarios}
 

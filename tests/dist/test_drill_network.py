@@ -1,0 +1,87 @@
+"""`keel drill`'s network scenarios, on nodes that are network namespaces of their own (keel.drill.netns): a
+node's cable pulled and put back, its link flapping, its port slowed. Each promise kept, and what each fault
+leaves in the run as the nodes saw it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from keel.drill.netns import unavailable
+from keel.rundir.events import read_jsonl
+from tests.conftest import run_keel
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900),
+              pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
+
+NETWORK = ["link_flaps", "cable_pulled", "slow_link"]
+
+
+@pytest.fixture(scope="module")
+def drilled(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    cwd = tmp_path_factory.mktemp("drill")
+    done = run_keel(["drill", "--scenario", ",".join(NETWORK), "--json", "--workdir", "runs/drill",
+                     f"data.dir={small_corpus}"], cwd=cwd, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return cwd / "runs/drill/scenarios", {r["scenario"]: r for r in json.loads(done.stdout)}
+
+
+def test_every_network_fault_is_detected_and_its_promise_kept(drilled) -> None:
+    _, results = drilled
+    assert list(results) == NETWORK
+    for r in results.values():
+        assert r["promise_kept"], (r["scenario"], r["broken"], r["events"])
+    # A flap and a slow port delay the job and change nothing it computes.
+    assert results["link_flaps"]["state_equal"] and results["slow_link"]["state_equal"]
+    assert results["link_flaps"]["detected_by"] == "alert/link_flapped"
+    assert results["slow_link"]["detected_by"] == "straggler/log"
+    pulled = results["cable_pulled"]
+    assert pulled["detected_by"] == "leave/cut_off" and pulled["recover_s"] > pulled["detect_s"] > 10, pulled
+
+
+def test_a_flapping_link_is_one_alert_the_node_counted_and_the_report_shows(drilled, tmp_path: Path) -> None:
+    run_dir = drilled[0] / "link_flaps"
+    (flap,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"]
+    assert (flap["action"], flap["detail"]["node"], flap["detail"]["interface"]) == ("link_flapped", "node-1", "eth0")
+    # One alert per incident (the rule's cooldown), from the first sample that saw the carrier go.
+    assert flap["detail"]["message"].startswith("link flapped on node node-1: interface eth0, ")
+    samples = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    changes = [s["readings"]["network_carrier_changes_total{interface=eth0}"] for s in samples
+               if s["node"] == "node-1"]
+    assert changes and changes[-1] - changes[0] == 6, changes  # down and up, three times
+    report = run_keel(["report", str(run_dir), "--out", str(tmp_path / "report.html")], cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert "link flapped on node node-1" in (tmp_path / "report.html").read_text()
+
+
+def test_a_pulled_cable_is_named_on_both_sides_and_the_node_rejoins_once_it_is_back(drilled) -> None:
+    run_dir = drilled[0] / "cable_pulled"
+    log = (run_dir / "drill-node-1.log").read_text()
+    assert ("keel: node node-1 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered for "
+            in log and "this node's link eth0 is down;" in log)
+    assert "keel: node node-1 reaches the rendezvous again after " in log
+    events = read_jsonl(run_dir / "events.jsonl")
+    (leave,) = [e for e in events if e["kind"] == "leave"]
+    assert (leave["action"], leave["detail"]["nodes"], leave["detail"]["links_down"]) == \
+        ("cut_off", ["node-1"], ["eth0"])
+    (hang,) = [e for e in events if e["kind"] == "hang"]
+    assert (hang["detail"]["stuck_ranks"], hang["detail"]["hosts"]) == ([1], ["node-1"]), hang
+    # Alone from the latest checkpoint, then both again: from the checkpoint node 0 wrote as it paused to take
+    # node 1 back in.
+    starts = [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0]
+    assert starts == [2, 1, 2], starts
+    assert [e["kind"] for e in events if e["kind"] in ("pause", "resume")] == ["resume", "pause", "resume"]
+    assert not (run_dir / "quarantine.json").exists()
+
+
+def test_a_slowed_port_names_its_node_and_not_its_neighbours(drilled) -> None:
+    run_dir = drilled[0] / "slow_link"
+    events = read_jsonl(run_dir / "events.jsonl")
+    (straggler,) = [e for e in events if e["kind"] == "straggler"]
+    detail = straggler["detail"]
+    assert detail["link"] and detail["node"] == "node-2" and detail["ratio"] > 10, detail
+    (alert,) = [e for e in events if e["kind"] == "alert"]
+    assert alert["detail"]["message"].startswith("node node-2 has a slow link: a 4 MiB probe takes "), alert
+    assert not [e for e in events if e["kind"] in ("hang", "failure")]
