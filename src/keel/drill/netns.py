@@ -1,9 +1,12 @@
 """A cluster of nodes on one machine, each a network namespace of its own: its own address, its own link, real
 TCP between nodes. The nodes hang off a switch, a bridge in a hub namespace, each by a veth pair (`eth0` in the
 node, `PREFIX-hN` on the switch), so a node's cable is pulled by setting its switch port down, and a slow port is
-a token bucket (`tc … tbf`) on both ends of its cable. Nothing is added to the machine's own namespace: the traffic
-of the cluster never leaves the namespaces it made, and `close` deletes them by name and ends the processes it
-started by PID, on every exit path. Needs root and iproute2 (`unavailable` says why not)."""
+a token bucket (`tc … tbf`) on both ends of its cable. A process on node N runs with the host name `node-N` (a UTS
+namespace of its own), and every node's name resolves to its address there (the node's own hosts file, which `ip
+netns exec` puts in place of /etc/hosts): what finds a peer by host name, as torchft's managers do, finds it.
+Nothing is added to the machine's own namespace: the traffic of the cluster never leaves the namespaces it made,
+and `close` deletes them (and their hosts files) by name and ends the processes it started by PID, on every exit
+path. Needs root and iproute2 (`unavailable` says why not)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 from keel.drill.procs import Launch
 
 IFACE = "eth0"  # each node's one interface: keel's workers are told to use it (GLOO_SOCKET_IFNAME)
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` puts the files of NETNS_ETC/NS in place of /etc's
 _made = itertools.count()
 
 
@@ -62,6 +66,9 @@ class Cluster:
     def address(self, node: int) -> str:
         return f"10.231.0.{node + 1}"
 
+    def hostname(self, node: int) -> str:
+        return f"node-{node}"
+
     def __enter__(self) -> Cluster:
         try:
             self._add(self.hub)
@@ -76,6 +83,10 @@ class Cluster:
                 _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", IFACE)
                 _ip("-n", ns, "link", "set", IFACE, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            names = "".join(f"{self.address(node)} {self.hostname(node)}\n" for node in range(self.nodes))
+            for ns in map(self.namespace, range(self.nodes)):
+                (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+                (NETNS_ETC / ns / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
         except BaseException:
             self.close()
             raise
@@ -94,15 +105,21 @@ class Cluster:
         for launch in self.launches:
             launch.__exit__(None, None, None)
         for ns in reversed(self.namespaces):
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", ns)
         self.namespaces.clear()
 
     # ---------------------------------------------------------------- processes on a node
+    def on(self, node: int) -> list[str]:
+        """The command prefix that runs a program on `node`: in its network namespace, under its host name."""
+        return ["ip", "netns", "exec", self.namespace(node), "unshare", "--uts", "sh", "-c",
+                f'hostname {self.hostname(node)} && exec "$0" "$@"']
+
     def keel(self, node: int, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> Launch:
         """`python -m keel ARGS` on `node`, named `node-N` (KEEL_NODE), its collectives on the node's interface."""
-        launch = Launch(args, cwd, log, env={"KEEL_NODE": f"node-{node}", "GLOO_SOCKET_IFNAME": IFACE, **(env or {})},
-                        prefix=["ip", "netns", "exec", self.namespace(node)])
+        launch = Launch(args, cwd, log, env={"KEEL_NODE": self.hostname(node), "GLOO_SOCKET_IFNAME": IFACE,
+                                             **(env or {})}, prefix=self.on(node))
         self.launches.append(launch)
         return launch
 

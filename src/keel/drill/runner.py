@@ -484,7 +484,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     detection is its quorum without the lost group, recovery the last heal of the lost one after it."""
     events = replica_events(run_dir)
     survivor, ref_survivor = run_dir / "groups" / "0", ref_dir / "groups" / "0"
-    outcome = _replica_outcome(run_dir, ref_dir, steps)
+    outcome = replica_outcome(run_dir, ref_dir, steps)
     broken = outcome.pop("broken") + _launches_broken(scenario, launches)
     # Each rank of a group writes its own start: a group of several processes started once has one per rank.
     starts = max(Counter(e["rank"] for e in events if e["kind"] == "start" and e["group"] == 0).values(), default=0)
@@ -533,7 +533,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     }
 
 
-def _replica_outcome(run_dir: Path, ref_dir: Path, steps: int) -> dict[str, Any]:
+def replica_outcome(run_dir: Path, ref_dir: Path, steps: int) -> dict[str, Any]:
     """The final parameters, every loss and the tokens seen of the run's first group against the reference's."""
     final, ref_final = _final(run_dir, steps), _final(ref_dir, steps)
     if not final.is_dir():
