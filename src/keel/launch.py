@@ -33,7 +33,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
 from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
@@ -60,6 +60,7 @@ STORE_READ_TIMEOUT_S = 20
 REACH_WINDOW_S = 15.0
 CUT_OFFS_ENV = "KEEL_CUT_OFFS"  # how many times this node's command was cut off from its job and rejoined it
 LEAVING = threading.Event()  # set once this node is cut off from its job: it joins no more rounds as it is
+LEAVE_LOCK = threading.Lock()
 QUARANTINE_POLL_S = 5.0
 WorkerEntry = Callable[[dict[str, str], list[str]], None]  # (the launcher's environment, the worker's argv)
 
@@ -89,6 +90,14 @@ class LeaveJob(SignalException):
         super().__init__(f"node {node} is listed in quarantine.json", signal.SIGTERM)
 
 
+class StoreLost(SignalException):
+    """This node's agent lost the rendezvous store (a network fault): it leaves without closing the rendezvous,
+    as torch's agent would on its way out, ending the job for every node the moment the link returns."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the rendezvous store is unreachable ({why})", signal.SIGTERM)
+
+
 class KeelAgent(LocalElasticAgent):
     """torchrun's agent, deciding about restarts with keel's exit codes and the run's quarantine list."""
 
@@ -104,6 +113,8 @@ class KeelAgent(LocalElasticAgent):
     def run(self, *args, **kwargs) -> RunResult:
         try:
             return super().run(*args, **kwargs)
+        except RendezvousConnectionError as e:
+            raise StoreLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
         finally:
             self.heartbeats.close()
 
@@ -202,7 +213,10 @@ def _cut_off(run_dir: Path, say: Callable[[str], None], rendezvous: Rendezvous, 
     still dead after the rendezvous timeout ends the command (76)."""
 
     def leave(why: str) -> None:
-        LEAVING.set()
+        with LEAVE_LOCK:  # the reach watch and the agent (its store lost) may both find it: one acts
+            if LEAVING.is_set():
+                threading.Event().wait()  # for ever: the other caller ends this process
+            LEAVING.set()
         node, times, down = node_name(), int(os.environ.get(CUT_OFFS_ENV, "0")) + 1, links_down()
         # The node's own link says which side the fault is on: a rendezvous host cut off silences every node.
         side = (f"this node's link {', '.join(down)} is down" if down else f"this node's link "
@@ -299,13 +313,13 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
     # rendezvous the way the agent's would, without closing it for the other nodes.
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_signal)
-    reach = (ReachWatch(rendezvous.endpoint, REACH_WINDOW_S, _cut_off(run_dir, say, rendezvous, cut_off_limit)).start()
-             if elastic else None)
+    leave = _cut_off(run_dir, say, rendezvous, cut_off_limit)
+    reach = ReachWatch(rendezvous.endpoint, REACH_WINDOW_S, leave).start() if elastic else None
     try:
         if received := stop_requested_early():  # caught while this command was still validating
             raise SignalException(f"{received} received", getattr(signal, received))
         # The first argument is the launcher's environment, which the agent fills as it starts the workers.
-        return _launch(config, entry, [{}, worker_argv(argv)], agents, run_dir, say)
+        return _launch(config, entry, [{}, worker_argv(argv)], agents, run_dir, say, leave)
     finally:
         if reach is not None:
             reach.stop()
@@ -355,7 +369,8 @@ def _agent_config(nproc: int, max_restarts: int, run_dir: Path, rendezvous: Rend
     return config
 
 
-def _launch(config, entry: WorkerEntry, args: list, agents: list[KeelAgent], run_dir: Path, say) -> int:
+def _launch(config, entry: WorkerEntry, args: list, agents: list[KeelAgent], run_dir: Path, say,
+            leave: Callable[[str], None]) -> int:
     try:
         launcher_api.launch_agent(config, entry, args)
     except ChildFailedError as e:
@@ -371,6 +386,8 @@ def _launch(config, entry: WorkerEntry, args: list, agents: list[KeelAgent], run
     except LeaveJob as e:
         say(f"keel: {e}; this node leaves the job, the others go on without it")
         return EXIT_QUARANTINE
+    except StoreLost as e:
+        leave(str(e))  # as when the rendezvous is found silent (keel.health.reach): never returns
     except RendezvousClosedError:
         if read_status(run_dir).get("state") != "finished":
             raise

@@ -5,40 +5,46 @@ leaves in the run as the nodes saw it."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from keel.drill.netns import unavailable
+from keel.drill.scenarios import NETWORK_SUITE
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900),
               pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
-NETWORK = ["link_flaps", "cable_pulled", "slow_link"]
-
-
 @pytest.fixture(scope="module")
 def drilled(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     cwd = tmp_path_factory.mktemp("drill")
-    done = run_keel(["drill", "--scenario", ",".join(NETWORK), "--json", "--workdir", "runs/drill",
-                     f"data.dir={small_corpus}"], cwd=cwd, timeout=900)
+    done = run_keel(["drill", "--suite", "network", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}"],
+                    cwd=cwd, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return cwd / "runs/drill/scenarios", {r["scenario"]: r for r in json.loads(done.stdout)}
 
 
 def test_every_network_fault_is_detected_and_its_promise_kept(drilled) -> None:
     _, results = drilled
-    assert list(results) == NETWORK
+    assert list(results) == NETWORK_SUITE
     for r in results.values():
         assert r["promise_kept"], (r["scenario"], r["broken"], r["events"])
+    # Every cluster is gone, passed or failed: its namespaces, and every process it started (the drill checks
+    # the processes of each launch: a leftover breaks the promise).
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [ns for ns in listed.split() if ns.startswith("k") and "-n" in ns], listed
     # A flap and a slow port delay the job and change nothing it computes.
     assert results["link_flaps"]["state_equal"] and results["slow_link"]["state_equal"]
     assert results["link_flaps"]["detected_by"] == "alert/link_flapped"
     assert results["slow_link"]["detected_by"] == "straggler/log"
     pulled = results["cable_pulled"]
-    assert pulled["detected_by"] == "leave/cut_off" and pulled["recover_s"] > pulled["detect_s"] > 10, pulled
+    assert pulled["detected_by"] == "leave/cut_off" and pulled["recover_s"] > 0 and pulled["detect_s"] > 10, pulled
+    # The rendezvous host's own hang verdict names it, within the learned step timeout of the pull.
+    host = results["rendezvous_cable_pulled"]
+    assert host["detected_by"] == "hang/restart" and 0 < host["detect_s"] < 60, host
 
 
 def test_a_flapping_link_is_one_alert_the_node_counted_and_the_report_shows(drilled, tmp_path: Path) -> None:
@@ -74,6 +80,20 @@ def test_a_pulled_cable_is_named_on_both_sides_and_the_node_rejoins_once_it_is_b
     assert starts == [2, 1, 2], starts
     assert [e["kind"] for e in events if e["kind"] in ("pause", "resume")] == ["resume", "pause", "resume"]
     assert not (run_dir / "quarantine.json").exists()
+
+
+def test_the_rendezvous_hosts_cable_pulled_is_blamed_on_the_host_and_the_other_node_rejoins(drilled) -> None:
+    run_dir = drilled[0] / "rendezvous_cable_pulled"
+    log = (run_dir / "drill-node-1.log").read_text()
+    assert "this node's link eth0 is up: the fault is the rendezvous host's or between;" in log
+    assert "keel: node node-1 reaches the rendezvous again after " in log
+    events = read_jsonl(run_dir / "events.jsonl")
+    (leave,) = [e for e in events if e["kind"] == "leave"]
+    assert (leave["detail"]["nodes"], leave["detail"]["links_down"]) == (["node-1"], [])
+    (hang,) = [e for e in events if e["kind"] == "hang"]
+    assert (hang["detail"]["stuck_ranks"], hang["detail"]["hosts"]) == ([0], ["node-0"]), hang
+    assert "rank 0 on node-0 is cut off from the job: this node's link eth0 is down" in hang["detail"]["reason"]
+    assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0] == [2, 1, 2]
 
 
 def test_a_slowed_port_names_its_node_and_not_its_neighbours(drilled) -> None:

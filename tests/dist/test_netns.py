@@ -76,7 +76,8 @@ def wait_for(what, timeout_s: float, launches: list[Launch]) -> None:
 def pull_a_cable_at_step_12(cluster: Cluster, node: int, run_dir: Path, corpus: Path, tmp_path: Path,
                             *extra: str) -> tuple[list[Launch], float]:
     """A node's cable pulled at step 12 of an elastic two-node job (node 0 hosts the rendezvous); put back once
-    node 0 has restarted alone. Returns the launches and when the cable was pulled. The step timeout is learned
+    node 0 has restarted alone. (`keel drill --suite network` pulls either node's cable and puts it back: see
+    tests/dist/test_drill_network.py.) Returns the launches and when the cable was pulled. The step timeout is learned
     by step 10; from step 13 a step takes a second, so node 0 alone is still training when node 1 is back."""
     launches = two_nodes(cluster, run_dir, corpus, tmp_path, "health.watchdog.warmup_steps=10",
                          'drill.inject=["slow:rank=-1,seconds=0.1", "slow:rank=-1,seconds=0.9,from_step=13"]', *extra,
@@ -90,20 +91,17 @@ def pull_a_cable_at_step_12(cluster: Cluster, node: int, run_dir: Path, corpus: 
     return launches, pulled
 
 
-def assert_cut_off_and_named(run_dir: Path, log: str, pulled: float, culprit: int = 1) -> list[dict]:
-    # Node 1 sees the rendezvous go silent and leaves, saying which side its own link puts the fault on.
+def assert_cut_off_and_named(run_dir: Path, log: str, pulled: float) -> list[dict]:
+    # Node 1 sees the rendezvous go silent and leaves, its own link down.
     assert "keel: node node-1 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered" in log
-    assert ("this node's link eth0 is down;" if culprit == 1 else
-            "this node's link eth0 is up: the fault is the rendezvous host's or between;") in log
+    assert "this node's link eth0 is down;" in log
     events = read_jsonl(run_dir / "events.jsonl")
     (leave, *_) = [e for e in events if e["kind"] == "leave"]
-    assert (leave["action"], leave["detail"]["nodes"]) == ("cut_off", ["node-1"])
-    assert leave["detail"]["links_down"] == (["eth0"] if culprit == 1 else [])
-    # The hang it caused is named on node 0 within the learned step timeout: the node whose link is dead.
+    assert (leave["action"], leave["detail"]["nodes"], leave["detail"]["links_down"]) == \
+        ("cut_off", ["node-1"], ["eth0"])
+    # The hang it caused is named on node 0 within the learned step timeout.
     (hang,) = [e for e in events if e["kind"] == "hang"]
-    assert hang["detail"]["hosts"] == [f"node-{culprit}"], hang
-    assert hang["detail"]["stuck_ranks"] == [culprit] and ("this node's link eth0 is down" in hang["detail"]["reason"]
-                                                           ) == (culprit == 0), hang
+    assert (hang["detail"]["stuck_ranks"], hang["detail"]["hosts"]) == ([1], ["node-1"]), hang
     assert hang["time"] - pulled <= hang["detail"]["timeouts"]["step"], (hang["time"] - pulled, hang["detail"])
     return events
 
@@ -116,27 +114,6 @@ def assert_losses_after_resume_match(run_dir: Path, reference_run: Path, resumed
     assert sorted(after) == list(range(resumed_at + 1, 41))
     for s, loss in after.items():
         assert loss == pytest.approx(expected[s], rel=2e-3), s
-
-
-def test_the_rendezvous_hosts_cable_pulled_names_it_and_the_other_node_rejoins_when_it_is_back(
-        reference_run: Path, small_corpus: Path, tmp_path: Path) -> None:
-    # Another node's cable pulled and put back is `keel drill`'s cable_pulled (tests/dist/test_drill_network.py).
-    node = 0
-    run_dir = tmp_path / "C"
-    with Cluster(2) as cluster:
-        launches, pulled = pull_a_cable_at_step_12(cluster, node, run_dir, small_corpus, tmp_path)
-        codes = [launch.wait(timeout=240) for launch in launches]
-    logs = [(tmp_path / f"node-{n}.log").read_text() for n in range(2)]
-    assert codes == [0, 0], [log[-3000:] for log in logs]
-    events = assert_cut_off_and_named(run_dir, logs[1], pulled, culprit=node)
-    assert "keel: node node-1 reaches the rendezvous again after " in logs[1]
-    # Alone from the latest checkpoint (node 0 holds the rendezvous: the job goes on there even when its own cable
-    # is out), then both again once node 1 rejoined, from the checkpoint node 0 wrote as its workers paused to
-    # take node 1 in.
-    assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0][-2:] == [1, 2]
-    resumed = [e for e in events if e["kind"] == "resume"]
-    assert len(resumed) >= 2 and not (run_dir / "quarantine.json").exists()
-    assert_losses_after_resume_match(run_dir, reference_run, resumed[0]["step"])
 
 
 def test_a_node_cut_off_once_too_often_is_quarantined_and_the_job_ends_without_it(reference_run: Path,

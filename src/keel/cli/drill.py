@@ -19,10 +19,11 @@ from keel.paths import check_writable_dir
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     dr = sub.add_parser("drill", help="rehearse failures on real runs and check each recovery against a clean run")
     add_config_args(dr)
-    dr.add_argument("--suite", choices=("quick", "moe", "full"), default="quick",
+    dr.add_argument("--suite", choices=("quick", "moe", "network", "full"), default="quick",
                     help="quick: one scenario of each recovery on a small model and batch (minutes); moe: the "
-                         "mixture-of-experts scenarios on that small model; full: every scenario on the config "
-                         "as given")
+                         "mixture-of-experts scenarios on that small model; network: faults of the links between "
+                         "nodes made of network namespaces, on that small model (needs root); full: every scenario "
+                         "on the config as given")
     dr.add_argument("--scenario", help="NAME[,NAME]: only these scenarios (`--list` names them)")
     dr.add_argument("--list", action="store_true", help="print the catalog: each scenario and its promise")
     dr.add_argument("--chaos", action="store_true", help="one run with faults drawn at random from the catalog")

@@ -245,9 +245,9 @@ class Drill:
 
     def launch_cluster(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
         """A job of `scenario.nodes` nodes, each a network namespace of its own (node 0 hosts the rendezvous),
-        and its network fault on the last node's link from `fault_step` on; its end as `launch`'s."""
+        and its network fault on the victim node's link from `fault_step` on; its end as `launch`'s."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        per_node, victim = self.procs(scenario.nproc) // scenario.nodes, scenario.nodes - 1
+        per_node, victim = self.procs(scenario.nproc) // scenario.nodes, scenario.victim % scenario.nodes
         sent: dict[str, Any] = {}
         with Cluster(scenario.nodes) as cluster:
             nodes = f"1:{scenario.nodes}" if scenario.network == PULL_CABLE else str(scenario.nodes)
@@ -261,7 +261,7 @@ class Drill:
                     sent = {"time": time.time(), "step": _status(run_dir).get("step", 0), "node": f"node-{victim}"}
                     undone = _hit_link(cluster, victim, scenario.network)
                 elif sent:
-                    undone = _mend_link(cluster, victim, scenario.network, run_dir, per_node * victim)
+                    undone = _mend_link(cluster, victim, scenario.network, run_dir, per_node * (scenario.nodes - 1))
                 time.sleep(0.1)
             codes = [job.wait(self.timeout) for job in jobs]
             leftovers = [pid for job in jobs for pid in job.leftovers()]

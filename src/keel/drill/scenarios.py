@@ -77,7 +77,8 @@ class Scenario:
     # Processes of each launch (of each replica group with `groups`) when its layout needs a number of its own;
     # 0: the drill's --nproc, or one per replica group. The reference runs on as many.
     nproc: int = 0
-    network: str = ""  # with nodes > 1: the nodes are network namespaces, and this fault hits the last one's link
+    network: str = ""  # with nodes > 1: the nodes are network namespaces, and this fault hits `victim`'s link
+    victim: int = -1  # the node whose link the network fault hits (-1: the last; node 0 hosts the rendezvous)
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -247,6 +248,13 @@ def _network(plan: Plan) -> list[Scenario]:
                  # alone is still training when the other is back.
                  tuning=("health.watchdog.warmup_steps=5",),
                  inject=("slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}")),
+        Scenario("rendezvous_cable_pulled", "the cable of the node hosting the rendezvous pulled mid-run: the "
+                 "other node leaves saying its own link is up, the host names itself (its link down) and goes on "
+                 "alone from the last checkpoint; with the cable back the other rejoins, and the run ends with the "
+                 "same global batches in the same order", nodes=2, network=PULL_CABLE, victim=0, fault_step=mid,
+                 max_restarts=2, compare=CLOSE, detect=("hang", "", {"hosts": ["node-0"]}),
+                 recovered_by=("resume", ""), tuning=("health.watchdog.warmup_steps=5",),
+                 inject=("slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}")),
         Scenario("link_flaps", "a node's link down for 2 s three times in a row: the job waits each out, an alert "
                  "names the node and its interface, and the run ends bitwise equal", nodes=2, network=FLAP_LINK,
                  fault_step=mid, tuning=("monitor.telemetry_interval_s=0.5",), inject=("slow:rank=-1,seconds=0.1",),
@@ -363,7 +371,9 @@ QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_k
 # The mixture-of-experts suite: a restart, an expert shard's flipped bit seen by replicas and by replay, and a
 # replica group healed, each on the config's model made a mixture of experts split over 2 ranks.
 MOE_SUITE = ["moe_kill_mid_step", "moe_bitflip_expert", "moe_bitflip_expert_grads", "moe_group_loss"]
-SUITES = {"quick": QUICK, "moe": MOE_SUITE}
+# The network suite: faults of the links between nodes made of network namespaces (root only).
+NETWORK_SUITE = ["cable_pulled", "rendezvous_cable_pulled", "link_flaps", "slow_link"]
+SUITES = {"quick": QUICK, "moe": MOE_SUITE, "network": NETWORK_SUITE}
 
 
 def suite(name: str, plan: Plan) -> list[Scenario]:
