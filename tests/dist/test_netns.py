@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from keel.checkpoint.inspect import state_sha256
+from keel.drill.netns import RDZV_PORT as PORT
 from keel.drill.netns import Cluster, unavailable
 from keel.drill.procs import Launch
 from keel.drill.runner import replica_events, replica_outcome
@@ -22,7 +23,6 @@ from tests.conftest import SMALL_RUN, run_keel
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
-PORT = 29400  # inside node 0's namespace, where nothing else listens
 
 
 def losses(run_dir: Path) -> dict[int, float]:

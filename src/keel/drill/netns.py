@@ -22,6 +22,7 @@ from keel.drill.procs import Launch
 
 IFACE = "eth0"  # each node's one interface: keel's workers are told to use it (GLOO_SOCKET_IFNAME)
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` puts the files of NETNS_ETC/NS in place of /etc's
+RDZV_PORT = 29400  # a job's rendezvous, inside node 0's namespace, where nothing else listens
 _made = itertools.count()
 
 

@@ -24,7 +24,7 @@ from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.core.net import free_port
-from keel.drill.netns import Cluster, unavailable
+from keel.drill.netns import RDZV_PORT, Cluster, unavailable
 from keel.drill.procs import Launch, kill_tagged
 from keel.drill.scenarios import (
     BITWISE,
@@ -56,7 +56,6 @@ LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_
              ("guard", "sdc", "at_rest_interval"), ("guard", "sdc", "at_rest_moments_every"), ("health", "watchdog"))
 
 
-RDZV_PORT = 29400  # inside node 0's namespace, where nothing else listens
 SLOW_LINK_MBIT = 50  # a slowed port: a 4 MiB link probe takes about 0.7 s instead of milliseconds
 
 
@@ -257,8 +256,9 @@ class Drill:
             undone = False
             while not undone and all(job.proc.poll() is None for job in jobs) and \
                     time.time() - jobs[0].started < self.timeout:
-                if not sent and _status(run_dir).get("step", 0) >= scenario.fault_step:
-                    sent = {"time": time.time(), "step": _status(run_dir).get("step", 0), "node": f"node-{victim}"}
+                step = _status(run_dir).get("step", 0)
+                if not sent and step >= scenario.fault_step:
+                    sent = {"time": time.time(), "step": step, "node": f"node-{victim}"}
                     undone = _hit_link(cluster, victim, scenario.network)
                 elif sent:
                     undone = _mend_link(cluster, victim, scenario.network, run_dir, per_node * (scenario.nodes - 1))
@@ -356,7 +356,7 @@ def _mend_link(cluster: Cluster, node: int, fault: str, run_dir: Path, left: int
     if fault == PULL_CABLE and _world(run_dir) == left:
         cluster.link_up(node)
         return True
-    if fault == SLOW_LINK and any(e["kind"] == "straggler" for e in _events(run_dir)):
+    if fault == SLOW_LINK and any(e["kind"] == "straggler" for e in _read(run_dir / "events.jsonl")):
         cluster.unthrottle(node)
         return True
     return False
@@ -695,16 +695,9 @@ def _status(run_dir: Path) -> dict:
     return _json(run_dir / "status.json")
 
 
-def _events(run_dir: Path) -> list[dict]:
-    try:
-        return read_jsonl(run_dir / "events.jsonl")
-    except OSError:
-        return []
-
-
 def _world(run_dir: Path) -> int:
     """The world size of the run's newest start."""
-    starts = [e for e in _events(run_dir) if e["kind"] == "start"]
+    starts = [e for e in _read(run_dir / "events.jsonl") if e["kind"] == "start"]
     return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0
 
 
