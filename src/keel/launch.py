@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
-from keel.core.net import job_interfaces, links_down
+from keel.core.net import carrier_changes, job_interfaces, links_down
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
 from keel.health.reach import ReachWatch, until_answered
@@ -107,6 +107,8 @@ class KeelAgent(LocalElasticAgent):
     outcome: tuple[int, str, bool] | None  # the job's exit code, why, and whether the launcher must say so
     heartbeats: HeartbeatWatch
     _quarantine_checked: float  # when the quarantine list was last read (monotonic)
+    flap_limit: int  # flaps of the job's links after which this node leaves (0: never)
+    _carriers: int  # the job's links' carrier changes when this command began
     _stalled: int  # restarts in a row that got no further than the one before
     _last_step: int  # the furthest step the run reached
 
@@ -144,6 +146,7 @@ class KeelAgent(LocalElasticAgent):
         # Only an elastic job can go on without a node; a one-node job ends with the workers' 76.
         if self.elastic and (now - self._quarantine_checked > QUARANTINE_POLL_S or result.state == WorkerState.FAILED):
             self._quarantine_checked = now
+            self._leave_if_flapping()
             if is_quarantined(self.run_dir, node_name()):
                 raise LeaveJob(node_name())
         if result.state != WorkerState.FAILED:
@@ -173,6 +176,17 @@ class KeelAgent(LocalElasticAgent):
         events.close()
         return result
 
+    def _leave_if_flapping(self) -> None:
+        """A node whose links flapped `flap_limit` times since its command began lists itself in quarantine.json
+        (and so leaves, below): a link that keeps failing costs every node a wait each time."""
+        flaps = (carrier_changes() - self._carriers) // 2
+        if self.flap_limit and flaps >= self.flap_limit and not is_quarantined(self.run_dir, node_name()):
+            links = ", ".join(job_interfaces())
+            why = f"its link {links} flapped {flaps} times (health.flap_limit = {self.flap_limit})"
+            step = int(read_status(self.run_dir).get("step", 0))
+            add_to_quarantine(self.run_dir, [node_name()], "network", why, step=step)
+            _record(self.run_dir, "leave", "flapping", nodes=[node_name()], reason=why)
+
     def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
         """The workers' exit codes by global rank, None while one runs."""
         context = getattr(self._pcontext, "_pc", None)  # torch.multiprocessing's, once the workers started
@@ -197,8 +211,9 @@ class KeelAgent(LocalElasticAgent):
         self.outcome = (code, why, announce)
         self._remaining_restarts = 0  # the agent's loop then stops the workers and returns the failure
 
-    def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int) -> None:
+    def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int, flap_limit: int = 0) -> None:
         self.run_dir, self.elastic, self.no_progress_limit = run_dir, elastic, no_progress_limit
+        self.flap_limit, self._carriers = flap_limit, carrier_changes()
         self.outcome = None
         self.heartbeats = HeartbeatWatch(run_dir)
         self._quarantine_checked = time.monotonic()
@@ -276,7 +291,7 @@ class _WorkerTracebackOnly(logging.Filter):
 
 def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry,
            rendezvous: Rendezvous | None = None, *, shutdown_grace_s: int = 120, no_progress_restarts: int = 2,
-           cut_off_limit: int = 3, say=print) -> int:
+           cut_off_limit: int = 3, flap_limit: int = 0, say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
     2 bad input, 3 stopped (do not requeue), 73 the checkpoint volume refused a save, 75 paused (rerun
     resumes), 76 this node or a rank was
@@ -301,7 +316,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
 
     def make_agent(*a, **kw) -> KeelAgent:
         agent = KeelAgent(*a, **kw)
-        agent.prepare(run_dir, elastic, no_progress_restarts)
+        agent.prepare(run_dir, elastic, no_progress_restarts, flap_limit)
         agents.append(agent)
         return agent
 

@@ -179,7 +179,8 @@ def _launch_node(args: argparse.Namespace, cfg: Config, run_dir: Path, nproc: in
         nodes = Rendezvous(args.nnodes, args.rdzv_endpoint, args.local_addr, cfg.health.rendezvous_timeout_s)
         return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nodes,
                       shutdown_grace_s=cfg.health.shutdown_grace_s,
-                      no_progress_restarts=cfg.health.no_progress_restarts, cut_off_limit=cfg.health.cut_off_limit)
+                      no_progress_restarts=cfg.health.no_progress_restarts, cut_off_limit=cfg.health.cut_off_limit,
+                      flap_limit=cfg.health.flap_limit)
 
 
 def check_init_from(cfg: Config) -> None:

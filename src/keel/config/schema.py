@@ -520,6 +520,8 @@ class HealthConfig:
     cut_off_limit: int = option(3, "elastic jobs: a node cut off from the rendezvous rejoins once it answers "
                                 "again, until its Nth time in one command: then it is listed in quarantine.json",
                                 ge=1)
+    flap_limit: int = option(3, "elastic jobs: a node whose job links flap (carrier lost, then back) this many "
+                             "times in one command lists itself in quarantine.json and leaves (0: never)", ge=0)
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
                                    "SIGKILL", ge=1, le=YEAR_S)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "

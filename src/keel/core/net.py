@@ -47,3 +47,14 @@ def links_down(root: Path = SYS_NET, routes: Path = ROUTES) -> list[str]:
         if LINK_STATES.get(state) == 0.0:
             down.append(nic)
     return down
+
+
+def carrier_changes(root: Path = SYS_NET, routes: Path = ROUTES) -> int:
+    """How many times the job's links lost or found their carrier since their interfaces came up (a flap is two)."""
+    total = 0
+    for nic in job_interfaces(routes):
+        try:
+            total += int((root / nic / "carrier_changes").read_text())
+        except (OSError, ValueError):
+            continue
+    return total

@@ -32,6 +32,7 @@ from keel.drill.scenarios import (
     CLOSE_RTOL,
     CORRUPT_LATEST,
     FLAP_LINK,
+    FLAPPING,
     LIGHTHOUSE,
     LOSE_MANIFEST,
     PULL_CABLE,
@@ -249,7 +250,8 @@ class Drill:
         per_node, victim = self.procs(scenario.nproc) // scenario.nodes, scenario.victim % scenario.nodes
         sent: dict[str, Any] = {}
         with Cluster(scenario.nodes) as cluster:
-            nodes = f"1:{scenario.nodes}" if scenario.network == PULL_CABLE else str(scenario.nodes)
+            # Where the job goes on without a node, it is elastic.
+            nodes = f"1:{scenario.nodes}" if scenario.compare == CLOSE else str(scenario.nodes)
             jobs = [cluster.keel(n, self.train_args(run_dir, overrides, scenario.max_restarts, per_node, (
                 "--nnodes", nodes, "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}", "--local-addr",
                 cluster.address(n))), self.workdir, run_dir / f"drill-node-{n}.log") for n in range(scenario.nodes)]
@@ -342,8 +344,8 @@ def _hit_link(cluster: Cluster, node: int, fault: str) -> bool:
     """The network fault on `node`'s link; whether it is over already (a flap puts the link back itself)."""
     if fault == PULL_CABLE:
         cluster.link_down(node)
-    elif fault == FLAP_LINK:
-        cluster.flap(node, down_s=2.0, times=3)
+    elif fault in (FLAP_LINK, FLAPPING):
+        cluster.flap(node, *((5.0, 1) if fault == FLAP_LINK else (2.0, 3)))
         return True
     else:
         cluster.throttle(node, mbit=SLOW_LINK_MBIT)

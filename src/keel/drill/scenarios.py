@@ -19,10 +19,12 @@ CLOSE_RTOL = 2e-3
 REPLICAS = "replicas"
 REPLICA_ATOL = 1e-4
 
-# Network faults, on nodes that are network namespaces of their own (keel.drill.netns, needs root), the last node
-# the one hit: its cable pulled, then put back once the others go on alone; its link down for 2 s three times;
-# its port slowed to a token bucket's rate until a straggler is named.
-PULL_CABLE, FLAP_LINK, SLOW_LINK = "pull_cable", "flap_link", "slow_link"
+# Network faults, on nodes that are network namespaces of their own (keel.drill.netns, needs root), one node's link
+# hit: its cable pulled, then put back once the others go on alone; its link down for 5 s once; down for 2 s three
+# times; its port slowed to a token bucket's rate until a straggler is named.
+PULL_CABLE, FLAP_LINK, FLAPPING, SLOW_LINK = "pull_cable", "flap_link", "flapping", "slow_link"
+# Three nodes of one process: a global batch that splits over 3 data-parallel ranks and over the 2 left.
+THREE_NODES = ("train.global_batch=24", "train.micro_batch=4", "eval.sequences=12")
 
 # What the drill does from outside between the first launch and the rerun.
 CORRUPT_LATEST = "corrupt_latest_checkpoint"
@@ -238,31 +240,34 @@ def _moe(plan: Plan) -> list[Scenario]:
 def _network(plan: Plan) -> list[Scenario]:
     """Faults of the network between nodes, each node a network namespace with its own address and link."""
     mid = plan.mid
+    # The step timeout learned early; one-second steps from the fault on, so that the nodes left are still
+    # training when a node is back (or has left for good).
+    paced: dict[str, Any] = dict(tuning=("health.watchdog.warmup_steps=5",), inject=(
+        "slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}"))
     return [
-        Scenario("cable_pulled", "a node's cable pulled mid-run: it leaves the job, the other names it within the "
-                 "learned timeout and goes on from the last checkpoint; with the cable back the node rejoins, and the "
-                 "run ends with the same global batches in the same order", nodes=2, network=PULL_CABLE,
-                 fault_step=mid, max_restarts=2, compare=CLOSE, detect=("leave", "cut_off"),
-                 recovered_by=("resume", ""),
-                 # The step timeout learned early; one-second steps from the fault on, so that the node left
-                 # alone is still training when the other is back.
-                 tuning=("health.watchdog.warmup_steps=5",),
-                 inject=("slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}")),
+        Scenario("cable_pulled", "the cable of one of three nodes pulled mid-run: it leaves the job, the others name "
+                 "it within the learned timeout and go on from the last checkpoint on two nodes; with the cable back "
+                 "it rejoins, and the run ends with the same global batches in the same order", nodes=3, nproc=3,
+                 config=THREE_NODES, network=PULL_CABLE, fault_step=mid, max_restarts=2, compare=CLOSE,
+                 detect=("leave", "cut_off"), recovered_by=("resume", ""), **paced),
         Scenario("rendezvous_cable_pulled", "the cable of the node hosting the rendezvous pulled mid-run: the "
                  "other node leaves saying its own link is up, the host names itself (its link down) and goes on "
                  "alone from the last checkpoint; with the cable back the other rejoins, and the run ends with the "
                  "same global batches in the same order", nodes=2, network=PULL_CABLE, victim=0, fault_step=mid,
                  max_restarts=2, compare=CLOSE, detect=("hang", "", {"hosts": ["node-0"]}),
-                 recovered_by=("resume", ""), tuning=("health.watchdog.warmup_steps=5",),
-                 inject=("slow:rank=-1,seconds=0.1", f"slow:rank=-1,seconds=0.9,from_step={mid + 1}")),
-        Scenario("link_flaps", "a node's link down for 2 s three times in a row: the job waits each out, an alert "
-                 "names the node and its interface, and the run ends bitwise equal", nodes=2, network=FLAP_LINK,
-                 fault_step=mid, tuning=("monitor.telemetry_interval_s=0.5",), inject=("slow:rank=-1,seconds=0.1",),
-                 detect=("alert", "link_flapped"), recovered_by=None),
+                 recovered_by=("resume", ""), **paced),
+        Scenario("link_flap", "a node's link down for 5 s: the job waits it out, an alert names the node and its "
+                 "interface, no node is quarantined for one flap, and the run ends bitwise equal", nodes=2,
+                 network=FLAP_LINK, fault_step=mid, tuning=("monitor.telemetry_interval_s=0.5",),
+                 inject=("slow:rank=-1,seconds=0.1",), detect=("alert", "link_flapped"), recovered_by=None),
+        Scenario("link_flapping", "a node's link down for 2 s three times in a row: an alert names it, the node "
+                 "lists itself in quarantine.json (health.flap_limit) and leaves, and the other goes on from the last "
+                 "checkpoint with the same global batches in the same order", nodes=2, network=FLAPPING,
+                 fault_step=mid, max_restarts=2, compare=CLOSE, detect=("leave", "flapping"),
+                 recovered_by=("resume", ""), **{**paced, "tuning": ("monitor.telemetry_interval_s=0.5",)}),
         Scenario("slow_link", "one of three nodes' ports slowed to 50 Mbit/s: the node is named a straggler by its "
                  "link probe, its neighbours are not, and the run ends bitwise equal", nodes=3, nproc=3,
-                 network=SLOW_LINK, fault_step=plan.interval,
-                 config=("train.global_batch=12", "train.micro_batch=4", "eval.sequences=12"),
+                 network=SLOW_LINK, fault_step=plan.interval, config=THREE_NODES,
                  tuning=("health.straggler.interval=5",), inject=("slow:rank=-1,seconds=0.1",),
                  detect=("straggler", "", {"link": True, "node": "node-2"}), recovered_by=None),
     ]
@@ -372,7 +377,7 @@ QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_k
 # replica group healed, each on the config's model made a mixture of experts split over 2 ranks.
 MOE_SUITE = ["moe_kill_mid_step", "moe_bitflip_expert", "moe_bitflip_expert_grads", "moe_group_loss"]
 # The network suite: faults of the links between nodes made of network namespaces (root only).
-NETWORK_SUITE = ["cable_pulled", "rendezvous_cable_pulled", "link_flaps", "slow_link"]
+NETWORK_SUITE = ["cable_pulled", "rendezvous_cable_pulled", "link_flap", "link_flapping", "slow_link"]
 SUITES = {"quick": QUICK, "moe": MOE_SUITE, "network": NETWORK_SUITE}
 
 
