@@ -67,10 +67,8 @@ def start_lighthouse(cfg: Config, run_dir: Path, port: int = 0) -> tuple[subproc
     port = port or free_port()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "logs" / "lighthouse.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, lighthouse_script.__file__, "--min_replicas", str(ft.min_replicas),
-                                 "--bind", f"127.0.0.1:{port}",
-                                 "--quorum_tick_ms", "100", "--join_timeout_ms", str(int(ft.join_timeout_s * 1000)),
-                                 "--heartbeat_timeout_ms", str(int(ft.heartbeat_timeout_s * 1000))],
+        proc = subprocess.Popen(lighthouse_script.command(ft.min_replicas, f"127.0.0.1:{port}", ft.join_timeout_s,
+                                                          ft.heartbeat_timeout_s),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
     while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """`keel drill`'s network scenarios, on nodes that are network namespaces of their own (keel.drill.netns): a
-node's cable pulled and put back, its link flapping, its port slowed. Each promise kept, and what each fault
-leaves in the run as the nodes saw it."""
+node's cable pulled and put back, its link flapping, its port slowed, a replica group's cable pulled. Each promise
+kept, and what each fault leaves in the run as the nodes saw it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from keel.drill.netns import unavailable
+from keel.drill.runner import replica_events
 from keel.drill.scenarios import NETWORK_SUITE
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
@@ -77,8 +78,10 @@ def test_a_link_that_keeps_flapping_puts_its_node_in_quarantine_and_the_job_goes
     (record,) = json.loads((run_dir / "quarantine.json").read_text())
     assert (record["hosts"], record["source"]) == (["node-1"], "network"), record
     assert record["reason"] == "its link eth0 flapped 3 times (health.flap_limit = 3)", record
-    (leave,) = [e for e in events if e["kind"] == "leave"]
-    assert (leave["action"], leave["detail"]["nodes"]) == ("flapping", ["node-1"])
+    # The node's own launcher says why it lists itself; then it leaves as a quarantined node does.
+    leaves = [e for e in events if e["kind"] == "leave"]
+    assert [(e["action"], e["detail"]["nodes"]) for e in leaves] == \
+        [("flapping", ["node-1"]), ("quarantine", ["node-1"])], leaves
     assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0] == [2, 1]
 
 
@@ -114,6 +117,25 @@ def test_the_rendezvous_hosts_cable_pulled_is_blamed_on_the_host_and_the_other_n
     assert (hang["detail"]["stuck_ranks"], hang["detail"]["hosts"]) == ([0], ["node-0"]), hang
     assert "rank 0 on node-0 is cut off from the job: this node's link eth0 is down" in hang["detail"]["reason"]
     assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0] == [2, 1, 2]
+
+
+def test_a_replica_group_behind_a_dead_link_is_dropped_and_heals_once_it_is_back_the_other_never_stopping(
+        drilled) -> None:
+    run_dir = drilled[0] / "group_cable_pulled"
+    result = drilled[1]["group_cable_pulled"]
+    assert (result["detected_by"], result["steps_lost"], result["updates_skipped"]) == ("quorum/change", 0, 0), result
+    events = replica_events(run_dir)
+    # Group 0 never stopped: one start (its process kept), and no failure of its own.
+    assert [e["kind"] for e in events if e["group"] == 0 and e["kind"] in ("start", "failure")] == ["start"]
+    pulled = result["fault_step"]
+    alone = [e for e in events if e["group"] == 0 and e["kind"] == "quorum" and e["step"] >= pulled
+             and e["detail"]["participants"] == 1]
+    assert alone, [(e["group"], e["kind"], e["action"], e["detail"]) for e in events if e["kind"] == "quorum"]
+    # Group 1 healed from group 0 once its link was back, and both trained together again to the end.
+    assert [e for e in events if e["group"] == 1 and e["kind"] == "quorum" and e["action"] == "heal"
+            and e["time"] > alone[0]["time"]]
+    last = [e for e in events if e["group"] == 0 and e["kind"] == "quorum"][-1]
+    assert last["detail"]["participants"] == 2, last
 
 
 def test_a_slowed_port_names_its_node_and_not_its_neighbours(drilled) -> None:

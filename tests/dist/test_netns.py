@@ -15,11 +15,9 @@ from keel.checkpoint.inspect import state_sha256
 from keel.drill.netns import RDZV_PORT as PORT
 from keel.drill.netns import Cluster, unavailable
 from keel.drill.procs import Launch
-from keel.drill.runner import replica_events, replica_outcome
 from keel.rundir.events import read_jsonl
 from keel.rundir.status import read_status
-from keel.train import lighthouse as lighthouse_script
-from tests.conftest import SMALL_RUN, run_keel
+from tests.conftest import SMALL_RUN
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
@@ -132,61 +130,6 @@ def test_a_node_cut_off_once_too_often_is_quarantined_and_the_job_ends_without_i
     assert record["hosts"] == ["node-1"] and record["source"] == "network", record
     assert [e["detail"]["world_size"] for e in events if e["kind"] == "start"][-1] == 1
     assert_losses_after_resume_match(run_dir, reference_run, [e for e in events if e["kind"] == "resume"][-1]["step"])
-
-
-# Two replica groups of one process, each group's steps paced while the other is missing (so that the lost one is
-# back before the end); the cross-group all-reduce gives up on a silent group after 10 s.
-GROUPS = [*SMALL_RUN, "train.steps=40", "checkpoint.interval=10", "fault_tolerance.replica_groups=2"]
-LIGHTHOUSE_PORT = 29510
-
-
-def test_a_replica_group_behind_a_dead_link_is_dropped_and_heals_once_it_is_back_the_other_never_stopping(
-        small_corpus: Path, tmp_path: Path) -> None:
-    clean = run_keel(["train", "--replica-groups", "2", "--nproc", "1", "--run-dir", str(tmp_path / "clean"),
-                      *GROUPS, f"data.dir={small_corpus}"], cwd=tmp_path)
-    assert clean.returncode == 0, clean.stderr
-    run_dir = tmp_path / "R"
-    with Cluster(2) as cluster:
-        lighthouse = subprocess.Popen([*cluster.on(0), sys.executable, lighthouse_script.__file__, "--min_replicas",
-                                       "1", "--bind", f"[::]:{LIGHTHOUSE_PORT}", "--quorum_tick_ms", "100",
-                                       "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "1000"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            groups = [cluster.keel(g, ["train", "--nproc", "1", "--run-dir", str(run_dir / "groups" / str(g)),
-                                       *GROUPS, f"data.dir={small_corpus}", f"checkpoint.dir={run_dir / 'checkpoints'}",
-                                       f"fault_tolerance.lighthouse=http://{cluster.address(0)}:{LIGHTHOUSE_PORT}",
-                                       "fault_tolerance.timeout_s=10", "fault_tolerance.max_restarts=3",
-                                       'drill.inject=["slow:rank=-1,seconds=0.4,while_missing=true"]'],
-                                   tmp_path, tmp_path / f"group-{g}.log",
-                                   env={"KEEL_REPLICA_GROUP": str(g), "KEEL_REPLICA_ROOT": str(run_dir)})
-                      for g in range(2)]
-            survivor = run_dir / "groups" / "0"
-            wait_for_step(survivor, 8, groups)
-            cluster.link_down(1)  # group 1's node cut off from the lighthouse and from group 0
-            pulled = time.time()
-            wait_for(lambda: any(e["kind"] == "quorum" and e["detail"]["participants"] == 1 and e["time"] > pulled
-                                 for e in read_jsonl(survivor / "events.jsonl")), 60, groups)
-            alone = read_status(survivor)["step"]
-            wait_for_step(survivor, alone + 3, groups)  # group 0 trains on without it
-            cluster.link_up(1)
-            back = time.time()
-            codes = [group.wait(timeout=240) for group in groups]
-        finally:
-            lighthouse.kill()
-            lighthouse.wait(timeout=30)
-    assert codes == [0, 0], [(tmp_path / f"group-{g}.log").read_text()[-3000:] for g in range(2)]
-    events = replica_events(run_dir)
-    # Group 0 never stopped: one start, and no failure of its own.
-    assert [e["kind"] for e in events if e["group"] == 0 and e["kind"] in ("start", "failure")] == ["start"]
-    # Group 1 healed from group 0 once its link was back, and both trained together again.
-    heals = [e for e in events if e["group"] == 1 and e["kind"] == "quorum" and e["action"] == "heal"
-             and e["time"] > back]
-    assert heals, [(e["group"], e["kind"], e["action"], e["detail"]) for e in events if e["kind"] == "quorum"]
-    last = [e for e in events if e["group"] == 0 and e["kind"] == "quorum"][-1]
-    assert last["detail"]["participants"] == 2, last
-    # The survivor summed the lost group's share itself: the run ends as the fault-free one.
-    outcome = replica_outcome(run_dir, tmp_path / "clean", 40)
-    assert not outcome["broken"], outcome
 
 
 def _send(cluster: Cluster, megabytes: int, connect_s: float = 5.0) -> float | None:

@@ -117,10 +117,12 @@ class Cluster:
         return ["ip", "netns", "exec", self.namespace(node), "unshare", "--uts", "sh", "-c",
                 f'hostname {self.hostname(node)} && exec "$0" "$@"']
 
-    def keel(self, node: int, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> Launch:
-        """`python -m keel ARGS` on `node`, named `node-N` (KEEL_NODE), its collectives on the node's interface."""
+    def keel(self, node: int, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None,
+             program: list[str] | None = None) -> Launch:
+        """`python -m keel ARGS` (or `program ARGS`) on `node`, named `node-N` (KEEL_NODE), its collectives on the
+        node's interface; ended with the cluster."""
         launch = Launch(args, cwd, log, env={"KEEL_NODE": self.hostname(node), "GLOO_SOCKET_IFNAME": IFACE,
-                                             **(env or {})}, prefix=self.on(node))
+                                             **(env or {})}, prefix=self.on(node), program=program)
         self.launches.append(launch)
         return launch
 

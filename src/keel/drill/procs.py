@@ -48,15 +48,16 @@ def kill_tagged(tag: str, wait_s: float = 10.0, var: str = TAG) -> None:
 
 
 class Launch:
-    """`python -m keel ARGS` in its own session, output to `log`; a context manager that leaves nothing behind.
-    `prefix` runs it through another command that then executes it (`ip netns exec NAMESPACE`)."""
+    """`python -m keel ARGS` (or the `program` given) in its own session, output to `log`; a context manager that
+    leaves nothing behind. `prefix` runs it through another command that then executes it (`ip netns exec NS`)."""
 
     def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, program: list[str] | None = None) -> None:
         self.tag = uuid.uuid4().hex
         self.started = time.time()
         self.log = open(log, "a")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "keel", *args], cwd=cwd, stdout=self.log,
+        program = program or [sys.executable, "-m", "keel"]
+        self.proc = subprocess.Popen([*(prefix or []), *program, *args], cwd=cwd, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=keel_env({**(env or {}), TAG: self.tag}),
                                      start_new_session=True)
 

@@ -24,20 +24,17 @@ from keel.checkpoint.manifest import MANIFEST, step_of
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.core.net import free_port
-from keel.drill.netns import RDZV_PORT, Cluster, unavailable
+from keel.drill import network
+from keel.drill.netns import unavailable
 from keel.drill.procs import Launch, kill_tagged
 from keel.drill.scenarios import (
     BITWISE,
     CLOSE,
     CLOSE_RTOL,
     CORRUPT_LATEST,
-    FLAP_LINK,
-    FLAPPING,
     LIGHTHOUSE,
     LOSE_MANIFEST,
-    PULL_CABLE,
     REPLICA_ATOL,
-    SLOW_LINK,
     Outside,
     Scenario,
 )
@@ -57,7 +54,6 @@ LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_
              ("guard", "sdc", "at_rest_interval"), ("guard", "sdc", "at_rest_moments_every"), ("health", "watchdog"))
 
 
-SLOW_LINK_MBIT = 50  # a slowed port: a 4 MiB link probe takes about 0.7 s instead of milliseconds
 
 
 class DrillError(RuntimeError):
@@ -114,6 +110,13 @@ class Drill:
             more = (*more, "--replica-groups", str(groups))
         return ["train", "--nproc", str(self.procs(nproc or 0, groups)), "--run-dir", str(run_dir), "--quiet",
                 *config, *overrides, "--max-restarts", str(max_restarts), *more]
+
+    def group_args(self, run_dir: Path, overrides: list[str], scenario: Scenario, group: int,
+                   lighthouse: str) -> list[str]:
+        """The command of one replica group of a run on several nodes, as each group's node runs it."""
+        return self.train_args(run_dir / "groups" / str(group), [
+            *overrides, f"fault_tolerance.replica_groups={scenario.groups}", f"fault_tolerance.lighthouse={lighthouse}",
+            f"checkpoint.dir={run_dir / 'checkpoints'}"], scenario.max_restarts, 1)
 
     def launch(self, run_dir: Path, overrides: list[str], max_restarts: int = 0,
                outside: Any = None, groups: int = 1, nproc: int = 0) -> dict[str, Any]:
@@ -195,13 +198,7 @@ class Drill:
         try:
             inject = [spec.format(volume=volume) for spec in scenario.inject]
             faulted = [*overrides, f"drill.inject={json.dumps(inject)}"] if inject else overrides
-            if scenario.network:
-                launches = [self.launch_cluster(run_dir, faulted, scenario)]
-            elif scenario.nodes > 1:
-                launches = [self.launch_nodes(run_dir, faulted, scenario)]
-            else:
-                launches = [self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups,
-                                        scenario.nproc)]
+            launches = [self.first_launch(run_dir, faulted, scenario)]
             if scenario.between == CORRUPT_LATEST:
                 launches[0]["outside"] = corrupt_latest(run_dir / "checkpoints")
             elif scenario.between == LOSE_MANIFEST:
@@ -214,6 +211,21 @@ class Drill:
         if scenario.groups > 1:
             return judge_replicas(scenario, run_dir, ref_dir, steps, launches)
         return judge(scenario, run_dir, ref_dir, steps, launches)
+
+    def first_launch(self, run_dir: Path, faulted: list[str], scenario: Scenario) -> dict[str, Any]:
+        """The scenario's job with its fault: on nodes of their own network (replica groups or an elastic job),
+        on several launchers of this machine, or one launch."""
+        if scenario.network and scenario.groups > 1:
+            return network.launch_groups(scenario, run_dir, functools.partial(self.group_args, run_dir, faulted,
+                                                                              scenario), self.workdir, self.timeout)
+        if scenario.network:
+            per_node = self.procs(scenario.nproc) // scenario.nodes
+            return network.launch_nodes(scenario, run_dir, functools.partial(
+                self.train_args, run_dir, faulted, scenario.max_restarts, per_node), per_node, self.workdir,
+                self.timeout)
+        if scenario.nodes > 1:
+            return self.launch_nodes(run_dir, faulted, scenario)
+        return self.launch(run_dir, faulted, scenario.max_restarts, scenario.outside, scenario.groups, scenario.nproc)
 
     def launch_nodes(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
         """An elastic job of `scenario.nodes` launchers on this machine (node-0 hosts the rendezvous); at step
@@ -242,33 +254,6 @@ class Drill:
                 job.__exit__()
         return {"exit": code, "seconds": round(time.time() - jobs[0].started, 2), "outside": sent,
                 "leftovers": leftovers, "started": jobs[0].started}
-
-    def launch_cluster(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
-        """A job of `scenario.nodes` nodes, each a network namespace of its own (node 0 hosts the rendezvous),
-        and its network fault on the victim node's link from `fault_step` on; its end as `launch`'s."""
-        run_dir.mkdir(parents=True, exist_ok=True)
-        per_node, victim = self.procs(scenario.nproc) // scenario.nodes, scenario.victim % scenario.nodes
-        sent: dict[str, Any] = {}
-        with Cluster(scenario.nodes) as cluster:
-            # Where the job goes on without a node, it is elastic.
-            nodes = f"1:{scenario.nodes}" if scenario.compare == CLOSE else str(scenario.nodes)
-            jobs = [cluster.keel(n, self.train_args(run_dir, overrides, scenario.max_restarts, per_node, (
-                "--nnodes", nodes, "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}", "--local-addr",
-                cluster.address(n))), self.workdir, run_dir / f"drill-node-{n}.log") for n in range(scenario.nodes)]
-            undone = False
-            while not undone and all(job.proc.poll() is None for job in jobs) and \
-                    time.time() - jobs[0].started < self.timeout:
-                step = _status(run_dir).get("step", 0)
-                if not sent and step >= scenario.fault_step:
-                    sent = {"time": time.time(), "step": step, "node": f"node-{victim}"}
-                    undone = _hit_link(cluster, victim, scenario.network)
-                elif sent:
-                    undone = _mend_link(cluster, victim, scenario.network, run_dir, per_node * (scenario.nodes - 1))
-                time.sleep(0.1)
-            codes = [job.wait(self.timeout) for job in jobs]
-            leftovers = [pid for job in jobs for pid in job.leftovers()]
-        return {"exit": next((c for c in codes if c != 0), 0), "seconds": round(time.time() - jobs[0].started, 2),
-                "outside": sent, "leftovers": leftovers, "started": jobs[0].started}
 
     # ------------------------------------------------------------ a plain restart, for comparison
 
@@ -338,31 +323,6 @@ def not_run(scenario: Scenario, why: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- actions from outside
-
-
-def _hit_link(cluster: Cluster, node: int, fault: str) -> bool:
-    """The network fault on `node`'s link; whether it is over already (a flap puts the link back itself)."""
-    if fault == PULL_CABLE:
-        cluster.link_down(node)
-    elif fault in (FLAP_LINK, FLAPPING):
-        cluster.flap(node, *((5.0, 1) if fault == FLAP_LINK else (2.0, 3)))
-        return True
-    else:
-        cluster.throttle(node, mbit=SLOW_LINK_MBIT)
-    return False
-
-
-def _mend_link(cluster: Cluster, node: int, fault: str, run_dir: Path, left: int) -> bool:
-    """The link put right once the fault did what it rehearses: the cable back once the other nodes go on
-    alone (`left` processes), the port's full rate once a straggler was named. Whether it is."""
-    if fault == PULL_CABLE and _world(run_dir) == left:
-        cluster.link_up(node)
-        return True
-    if fault == SLOW_LINK and any(e["kind"] == "straggler" for e in _read(run_dir / "events.jsonl")):
-        cluster.unthrottle(node)
-        return True
-    return False
-
 
 
 def _newest_committed(checkpoints: Path) -> tuple[int, Path]:
@@ -473,7 +433,7 @@ def judge(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
         "goodput": round(ratio(ledger["buckets"]), 4) if ledger.get("buckets") else None,
         "reference_goodput": round(ratio(ref_ledger["buckets"]), 4) if ref_ledger.get("buckets") else None,
         "goodput_buckets": ledger.get("buckets", {}),
-        "launches": [{"exit": launch["exit"], "seconds": launch["seconds"]} for launch in launches],
+        "launches": [{k: launch[k] for k in ("exit", "victim_exit", "seconds") if k in launch} for launch in launches],
         "events": story(events),
         "run_dir": str(run_dir),
         "reference_dir": str(ref_dir),
@@ -621,6 +581,8 @@ def _launches_broken(scenario: Scenario, launches: list[dict[str, Any]]) -> list
         broken.append(f"first launch exited {first_exit}, expected {scenario.first_exit or 'a failure'}")
     if launches[-1]["exit"] != 0:
         broken.append(f"the run ended with exit {launches[-1]['exit']}")
+    if launches[-1].get("victim_exit", scenario.victim_exit) != scenario.victim_exit:
+        broken.append(f"the node hit ended with exit {launches[-1]['victim_exit']}, expected {scenario.victim_exit}")
     if any(launch["leftovers"] for launch in launches):
         broken.append("processes outlived the launcher")
     return broken

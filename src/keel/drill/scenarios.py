@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from keel.errors import EXIT_QUARANTINE
+
 BITWISE = "bitwise"  # the final state equals the clean run's, bit for bit
 REFERENCE_WITH = "reference_with"  # the final state equals a clean run told to do what the guard did
 # The same global batches in the same order as the clean run, on another world size: every loss equal to
@@ -81,6 +83,7 @@ class Scenario:
     nproc: int = 0
     network: str = ""  # with nodes > 1: the nodes are network namespaces, and this fault hits `victim`'s link
     victim: int = -1  # the node whose link the network fault hits (-1: the last; node 0 hosts the rendezvous)
+    victim_exit: int = 0  # with network: the exit code the hit node's command must end with
 
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -263,8 +266,13 @@ def _network(plan: Plan) -> list[Scenario]:
         Scenario("link_flapping", "a node's link down for 2 s three times in a row: an alert names it, the node "
                  "lists itself in quarantine.json (health.flap_limit) and leaves, and the other goes on from the last "
                  "checkpoint with the same global batches in the same order", nodes=2, network=FLAPPING,
-                 fault_step=mid, max_restarts=2, compare=CLOSE, detect=("leave", "flapping"),
-                 recovered_by=("resume", ""), **{**paced, "tuning": ("monitor.telemetry_interval_s=0.5",)}),
+                 fault_step=mid, max_restarts=2, compare=CLOSE, victim_exit=EXIT_QUARANTINE,
+                 detect=("leave", "flapping"), recovered_by=("resume", ""),
+                 **{**paced, "tuning": (*paced["tuning"], "monitor.telemetry_interval_s=0.5")}),
+        Scenario("group_cable_pulled", "the cable of one replica group's node pulled mid-run: the other group goes "
+                 "on without it and never restarts, the lost group heals from it once the cable is back; "
+                 f"{REPLICA_PROMISE}", network=PULL_CABLE, inject=(PACE_WHILE_MISSING,),
+                 tuning=("fault_tolerance.timeout_s=10",), **{**_group_lost(plan)[1], "max_restarts": 3}),
         Scenario("slow_link", "one of three nodes' ports slowed to 50 Mbit/s: the node is named a straggler by its "
                  "link probe, its neighbours are not, and the run ends bitwise equal", nodes=3, nproc=3,
                  network=SLOW_LINK, fault_step=plan.interval, config=THREE_NODES,
@@ -377,7 +385,8 @@ QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_k
 # replica group healed, each on the config's model made a mixture of experts split over 2 ranks.
 MOE_SUITE = ["moe_kill_mid_step", "moe_bitflip_expert", "moe_bitflip_expert_grads", "moe_group_loss"]
 # The network suite: faults of the links between nodes made of network namespaces (root only).
-NETWORK_SUITE = ["cable_pulled", "rendezvous_cable_pulled", "link_flap", "link_flapping", "slow_link"]
+NETWORK_SUITE = ["cable_pulled", "rendezvous_cable_pulled", "link_flap", "link_flapping", "group_cable_pulled",
+                 "slow_link"]
 SUITES = {"quick": QUICK, "moe": MOE_SUITE, "network": NETWORK_SUITE}
 
 

@@ -24,6 +24,13 @@ def extension() -> Path | None:
     return None
 
 
+def command(min_replicas: int, bind: str, join_timeout_s: float, heartbeat_timeout_s: float) -> list[str]:
+    """The command that starts a lighthouse listening on `bind` (HOST:PORT), its quorum ticking every 100 ms."""
+    return [sys.executable, __file__, "--min_replicas", str(min_replicas), "--bind", bind, "--quorum_tick_ms", "100",
+            "--join_timeout_ms", str(int(join_timeout_s * 1000)),
+            "--heartbeat_timeout_ms", str(int(heartbeat_timeout_s * 1000))]
+
+
 def main() -> int:
     path = extension()
     if path is None:
