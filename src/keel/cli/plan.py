@@ -32,12 +32,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--repair-h", type=float, default=None, help="hours until a failed node is back (default 4)")
     pl.add_argument("--spares", default=None, metavar="N|auto", help="hot spare nodes kept (and billed) for "
                     "failures (default auto: as many as pay for themselves)")
+    pl.add_argument("--memory-coverage", type=float, default=None, help="share of the failures the memory tier "
+                    "restores, p_m (default 0.916: all but Llama 3's network switch and cable failures)")
     pl.add_argument("--fragmentation", type=float, default=None, help="memory the allocator reserves beyond the "
                     "allocated peak, as a share of it (default 0.05; a CUDA run's max reserved / max allocated - 1)")
     pl.add_argument("--cluster", action=PathArg, check=reads("file", "pass a TOML file of the cluster's figures"),
-                    metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, "
-                    "detect_s, restart_s, repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation); "
-                    "flags win over it")
+                    metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, detect_s, restart_s, "
+                    "repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation, memory_coverage); flags win "
+                    "over it")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
                     "dp_replicate, cp, ep, micro_batch, ac, zero) and rank it among the searched ones; a config's "
                     "[parallel] gives one too")
@@ -80,10 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_numbers(args)
     cluster = cluster_from(args.cluster, {name: getattr(args, name) for name in (
         "net_gbps", "detect_s", "restart_s", "repair_h", "spares", "mtbf_hours", "storage_gbps", "price",
-        "fragmentation")})
+        "fragmentation", "memory_coverage")})
     q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens, price=cluster.price,
                  storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
-                 fragmentation=cluster.fragmentation,
+                 fragmentation=cluster.fragmentation, memory_coverage=cluster.memory_coverage,
                  recovery=cluster.recovery(), spares=cluster.spares, layout=args.layout,
                  calibrate_from=args.calibrate, sweep=args.sweep, trials=args.trials, seed=args.seed)
     a = answer(q)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from keel.checkpoint.memory import BYTES_PER_PARAMETER
 from keel.config import Config
 from keel.errors import EXIT_QUARANTINE, KeelError
 from keel.rundir.events import EventLog
@@ -55,7 +56,7 @@ STORAGE_CHECKS = ("storage_writable", "storage_readback", "storage_free")
 
 def checkpoint_bytes(n_params: int) -> int:
     """A checkpoint holds fp32 parameters and two fp32 Adam moments: 12 bytes per parameter."""
-    return 12 * n_params
+    return BYTES_PER_PARAMETER * n_params
 
 
 def run_preflight(cfg: Config, checkpoint_dir: str, n_params: int, events: EventLog, say: Callable[[str], None],

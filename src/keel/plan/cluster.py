@@ -17,7 +17,7 @@ from typing import Any
 
 from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
-from keel.plan.failures import DEFAULT_DEVICE_MTBF_H, Recovery
+from keel.plan.failures import DEFAULT_DEVICE_MTBF_H, DEFAULT_MEMORY_COVERAGE, Recovery
 
 YEAR_H = 365 * 24.0
 MAX_SPARES = 100_000
@@ -35,6 +35,7 @@ class Cluster:
     storage_gbps: float = 2000.0  # aggregate checkpoint write bandwidth (Llama 3's 2 TB/s)
     price: float = DEFAULT_PRICE_PER_HOUR  # per accelerator-hour
     fragmentation: float = 0.05  # memory the allocator reserves beyond its allocated peak, a share of it
+    memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
 
     def recovery(self) -> Recovery:
         return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600)
@@ -50,6 +51,7 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "storage_gbps": (0.0, False, 1e6, "GB/s of aggregate checkpoint writes"),
     "price": (0.0, True, 1e6, "price per accelerator-hour"),
     "fragmentation": (0.0, True, 1.0, "share of the peak the memory allocator reserves beyond it"),
+    "memory_coverage": (0.0, True, 1.0, "share of the failures the memory tier restores"),
 }
 FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"]}
 FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"

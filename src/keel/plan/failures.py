@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from keel.checkpoint.interval import daly_interval
+from keel.checkpoint.memory import BYTES_PER_PARAMETER
 from keel.errors import KeelError
 
 LLAMA3_GPUS = 16_384
@@ -99,7 +100,7 @@ def checkpoint_bytes(n_params: float, ranks: int, *, bf16_weights: bool = True,
                      extra_per_rank: float = 2**20) -> float:
     """Bytes of one restartable checkpoint: 12/param (fp32 master, Adam m and v), + 2/param for the bf16
     weights when saved, + loader position and RNG states of each rank (~5 KB of RNG; 1 MiB is a generous bound)."""
-    return n_params * (12 + (2 if bf16_weights else 0)) + ranks * extra_per_rank
+    return n_params * (BYTES_PER_PARAMETER + (2 if bf16_weights else 0)) + ranks * extra_per_rank
 
 
 @dataclass(frozen=True)

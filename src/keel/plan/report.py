@@ -14,6 +14,7 @@ from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, best_spares, cost_of, money_percentiles
 from keel.plan.failures import (
     DEFAULT_DEVICE_MTBF_H,
+    DEFAULT_MEMORY_COVERAGE,
     FailureModel,
     Policy,
     Recovery,
@@ -48,6 +49,7 @@ class Question:
     mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # per accelerator
     net_gbps: float | None = None  # inter-node GB/s per accelerator (None: the catalog's)
     fragmentation: float = 0.05  # what the allocator reserves beyond the allocated peak, a share of it
+    memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
     recovery: Recovery = Recovery()
     spares: int | None = None  # hot spare nodes; None: as many as pay for themselves
     layout: str = ""  # `--layout tp=8,pp=16,...`: predict this layout (else the config's [parallel], if set)
@@ -126,7 +128,8 @@ def planned_run(q: Question, hw: Accelerator, work_s: float, ckpt_bytes: float) 
     """The run the failure model replays: the memory tier's copies and restores cross the cluster's scale-out
     network, at its bandwidth per accelerator."""
     return Run(work_s, q.gpus, ckpt_bytes,
-               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node),
+               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node,
+                            memory_coverage=q.memory_coverage),
                Storage(write_bw=q.storage_gbs * 1e9, peer_bw=hw.inter_bw), q.recovery)
 
 

@@ -96,6 +96,8 @@ def test_asking_for_cuda_without_it_is_bad_input(tmp_path: Path, capsys: pytest.
                                                "at most 8760"),
     (["--tokens", "1e9", "--fragmentation", "nan"], "--fragmentation nan: expected a finite number at least 0 and "
                                                     "at most 1"),
+    (["--tokens", "1e9", "--memory-coverage", "2"], "--memory-coverage 2.0: expected a finite number at least 0 and "
+                                                     "at most 1"),
     (["--tokens", "1e9", "--spares", "-1"], "--spares '-1': expected auto or a number of spare nodes"),
     (["--tokens", "1e9", "--spares", "many"], "--spares 'many': expected auto or a number of spare nodes"),
     (["--tokens", "1e9", "--trials", "0"], "--trials 0: expected between 1 and"),

@@ -21,7 +21,7 @@ def question(gpus: int, cluster: Cluster, config: str = "llama3_8b", tokens: flo
     cfg = load_config(REPO / "configs" / f"{config}.toml", [])
     return Question(cfg, gpus, "h100", tokens, price=cluster.price, storage_gbs=cluster.storage_gbps,
                     mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps, recovery=cluster.recovery(),
-                    spares=cluster.spares, trials=200)
+                    spares=cluster.spares, memory_coverage=cluster.memory_coverage, trials=200)
 
 
 def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) -> None:
@@ -40,6 +40,7 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
     ("net_gbps = 'fast'\n", "net_gbps = 'fast': expected a finite number above 0"),
     ("spares = 1.5\n", "spares = 1.5: expected auto or a number of spare nodes"),
     ("fragmentation = 1.5\n", "fragmentation = 1.5: expected a finite number at least 0 and at most 1"),
+    ("memory_coverage = 1.2\n", "memory_coverage = 1.2: expected a finite number at least 0 and at most 1"),
     ("detect_s = \n", "not valid TOML"),
 ])
 def test_a_bad_cluster_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
@@ -84,3 +85,13 @@ def test_spares_are_kept_only_where_they_pay_for_themselves() -> None:
     fixed = answer(replace(question(8, Cluster(spares=3))))
     assert fixed["spares"] == {"nodes": 3, "auto": False, "options": []}
     assert fixed["cost"]["parts"]["failures.spares"]["share"] > 0.5  # 3 idle nodes beside 1 working one
+
+
+def test_the_memory_tiers_coverage_decides_its_forecast() -> None:
+    """p_m from the cluster's figures: a tier that restores no failure is never worth a save, and one that
+    restores them all gains more than the default's."""
+    none, default, full = (answer(question(1024, Cluster(spares=1, memory_coverage=p), tokens=1e13))["tiers"]
+                           for p in (0.0, Cluster().memory_coverage, 1.0))
+    assert (none["coverage"], full["coverage"]) == (0.0, 1.0) and default["coverage"] == pytest.approx(1 - 35 / 419)
+    assert none["two_tier"]["memory_interval_s"] is None and none["goodput_gain"] == pytest.approx(0.0, abs=1e-9)
+    assert full["goodput_gain"] > default["goodput_gain"] > 0
