@@ -20,6 +20,7 @@ from keel.checkpoint.inspect import state_sha256
 from keel.checkpoint.memory import memory_root
 from keel.report.status import summary, summary_lines
 from keel.rundir.events import read_jsonl
+from keel.rundir.quarantine import node_name
 from tests.conftest import SMALL_RUN, kill_tagged, spawn_keel
 
 pytestmark = pytest.mark.dist
@@ -104,7 +105,7 @@ def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--run-dir", str(run_dir), *SMALL_RUN,
             "train.steps=40", f"data.dir={small_corpus}", "checkpoint.interval=20", "checkpoint.keep_last=10",
             "checkpoint.memory_interval=5", f'drill.inject=["kill:step={step},rank=1", "slow:rank=-1,seconds=0.2"]']
-    memory = memory_root("", run_dir)
+    memory = memory_root("", run_dir, node_name())
     with (tmp_path / "out.log").open("w") as out, (tmp_path / "err.log").open("w") as err:
         proc, tag = spawn_keel(args, tmp_path, text=True, stdout=out, stderr=err)
     watch = None

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import keel
-from keel.checkpoint import owner, verifying
+from keel.checkpoint import owner, spread, verifying
 from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_continuation, setting_changes
 from keel.checkpoint.manifest import (
@@ -65,6 +66,7 @@ from keel.checkpoint.manifest import (
 )
 from keel.checkpoint.memory import MemoryTier
 from keel.checkpoint.resume import checkpoint_root
+from keel.checkpoint.spread import Nodes
 from keel.checkpoint.staging import HostStager, Staging
 from keel.checkpoint.storage import LATEST, Storage, locate, size_text, volume_error
 from keel.config import Config
@@ -138,6 +140,12 @@ class CheckpointManager:
         self.restored_tier = ""  # the tier of the checkpoint `restore` loaded: "storage" or "memory"
         self.layout, self.events, self.on_write = layout, events, on_write
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.nodes = Nodes.here()
+        # A memory tier on several nodes is spread over them (keel.checkpoint.spread): each node's leader keeps
+        # its node's copy, as rank 0 keeps the storage tier's.
+        self.spread = tier is not None and self.nodes.count > 1
+        self.leader = self.nodes.leader if tier is not None else self.rank == 0
+        self.inventories: list = []  # with a memory tier spread over nodes: what each node holds, at a restore
         # The writer thread's collectives run beside the training loop's, so they get a group of their own.
         self.group = dist.new_group(backend="gloo")
         self.stager = HostStager(pin_memory=torch.cuda.is_available())
@@ -150,7 +158,7 @@ class CheckpointManager:
         self.prefetched: verifying.Verification | None = None  # checks started before the load (`prefetch`)
         self.run = str(run_dir.absolute())
         self.claim: owner.Claim | None = None  # rank 0's claim on the staging name of the save in flight
-        if self.rank == 0:
+        if self.leader:
             self._clean_leftovers()
         dist.barrier()
         self.memory_writer = None if memory is None else CheckpointManager(
@@ -218,7 +226,7 @@ class CheckpointManager:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         staging = self.storage.staging_name(step_name(step))
         refused: Failure | None = None
-        if self.rank == 0:
+        if self.leader:
             try:
                 self.claim = owner.claim(self.storage, staging, self.run)
                 self.storage.makedirs(staging)
@@ -244,7 +252,7 @@ class CheckpointManager:
         plans: list = [None] * self.world_size
         dist.all_gather_object(plans, (share, ready, self.storage.free_bytes()), group=self.group)
         need = self.last_bytes or sum(p[0] for p in plans)
-        failure, free = plans[0][1], plans[0][2]
+        failure, free = next((p[1] for p in plans if p[1] is not None), None), plans[0][2]
         if failure is None and free is not None and free < need:  # it cannot fit: write nothing
             failure = (f"{size_text(free)} free", errno.ENOSPC, self.storage.path(staging), free)
         files = {}
@@ -265,15 +273,49 @@ class CheckpointManager:
         copied.fenced.wait()  # the loop's wait at the fence is part of what the save cost it
         reports: list = [None] * self.world_size
         dist.all_gather_object(reports, (failure, files, blocking_s + copied.fence_s), group=self.group)
+        held = self._replicate(staging, reports)
         outcome = SaveOutcome(step, self.storage.path(name), False, blocking_s=max(r[2] for r in reports),
                               train_s=train_s)
-        if self.rank == 0:
-            self._commit(outcome, staging, reports, tokens_seen, started, need)
-        shared = [outcome]
+        manifest = self._commit(outcome, staging, reports, tokens_seen, started, need, held) if self.rank == 0 \
+            else None
+        shared: list[Any] = [outcome, manifest]
         dist.broadcast_object_list(shared, src=0, group=self.group)
-        if shared[0].committed:
-            self.last_bytes = shared[0].bytes
-        return shared[0]
+        outcome, manifest = shared
+        if self.spread and self.leader and self.rank != 0:
+            self._commit_here(staging, manifest, held)
+        if outcome.committed:
+            self.last_bytes = outcome.bytes
+        return outcome
+
+    def _replicate(self, staging: str, reports: list) -> dict[int, list[str]]:
+        """With a tier spread over nodes, a save every rank wrote: its files copied to its buddy's node, and what
+        each node then holds. A rank whose copy failed makes it a failure of the save (`reports` amended)."""
+        if not self.spread or any(r[0] for r in reports):
+            return {}
+        mine = spread.replicate(self.storage, staging, self.nodes, self.group)
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for rank, (_, error) in enumerate(everyone):
+            if error:
+                reports[rank] = ((error, None, self.storage.path(staging), None), *reports[rank][1:])
+        return spread.held_by_node([files for files, _ in everyone], self.nodes)
+
+    def _commit_here(self, staging: str, manifest: dict | None, held: dict[int, list[str]]) -> None:
+        """Another node's leader: its copy of the save rank 0 committed (`manifest`), or removed if it was not."""
+        name = step_name(manifest["step"]) if manifest else ""
+        try:
+            if manifest is None:
+                self.storage.remove(staging)
+                return
+            self.storage.write_durably(f"{staging}/{MANIFEST}", spread.node_manifest(manifest,
+                                                                                  held[self.nodes.node(self.rank)]))
+            self.storage.publish(staging, name)
+            self.verdicts[name] = []
+            self.storage.set_latest(name)
+            self._prune(name)
+        except OSError as e:  # this node's copy is short; the others still hold its files
+            self.events.emit(self.kind, manifest["step"] if manifest else 0, "warning",
+                             path=self.storage.path(name or staging), error=_first_line(e))
 
     def _checksum(self, staging: str, fname: str, size: int, taken: dict[str, tuple[int, str]]) -> str:
         """A checksum taken as the file was written stands while the file has the size it was written with;
@@ -282,12 +324,15 @@ class CheckpointManager:
         return written[1] if written is not None and written[0] == size else self.storage.digest(f"{staging}/{fname}")
 
     def _commit(self, outcome: SaveOutcome, staging: str, reports: list, tokens_seen: int, started: float,
-                need: int) -> None:
+                need: int, held: dict[int, list[str]]) -> dict | None:
+        """Rank 0: commit the save every rank reported on (`held`: with a tier spread over nodes, the files each
+        node holds). Returns its manifest when committed."""
         failures = [f for f, _, _ in reports if f is not None]
         errors = [self._explain(failures, need)] if failures else []
         name = step_name(outcome.step)
         files = {f: entry for _, mine, _ in reports for f, entry in mine.items()}
-        dcp_files, missing = self._dcp_files(staging, files) if not errors else ([], [])
+        here = set(held[0]) if self.spread else None  # the files on this node: the others check their own
+        dcp_files, missing = self._dcp_files(staging, files, here) if not errors else ([], [])
         if missing:  # nothing that DCP could not load is ever committed
             errors = [(f"the save is incomplete, not committed: {'; '.join(missing)}", "")]
         if not errors:
@@ -304,7 +349,8 @@ class CheckpointManager:
                         "write_s": round(time.perf_counter() - started, 3), "bytes": outcome.bytes,
                         "files": dict(sorted(files.items())), "dcp_files": dcp_files}
             try:
-                self.storage.write_durably(f"{staging}/{MANIFEST}", manifest_json(manifest))
+                self.storage.write_durably(f"{staging}/{MANIFEST}", spread.node_manifest(manifest, held[0])
+                                           if self.spread else manifest_json(manifest))
                 self.storage.publish(staging, name)
                 outcome.committed = True
                 self.verdicts[name] = []  # its checksums were just taken from the files written
@@ -319,8 +365,9 @@ class CheckpointManager:
                 self.events.emit(self.kind, outcome.step, "warning", path=outcome.path, error=_first_line(e))
         if outcome.committed:
             self.events.emit(self.kind, outcome.step, "committed", path=outcome.path, bytes=outcome.bytes,
-                             blocking_s=round(outcome.blocking_s, 4), write_s=outcome.write_s, pruned=outcome.pruned)
-            return
+                             blocking_s=round(outcome.blocking_s, 4), write_s=outcome.write_s, pruned=outcome.pruned,
+                             **({"nodes": len(held)} if self.spread else {}))
+            return manifest
         outcome.error, outcome.volume_error = errors[0]
         try:
             if self.claim is not None:  # what another writer holds is not this save's to remove
@@ -335,8 +382,10 @@ class CheckpointManager:
                          volume_error=outcome.volume_error)
         self.events.emit("alert", outcome.step, "checkpoint_failed", severity="error",
                          message=f"checkpoint of step {outcome.step} failed: {outcome.error}; {then}")
+        return None
 
-    def _dcp_files(self, staging: str, files: dict[str, dict]) -> tuple[list[str], list[str]]:
+    def _dcp_files(self, staging: str, files: dict[str, dict], here: set[str] | None = None
+                   ) -> tuple[list[str], list[str]]:
         """The files DCP needs to load this save (its `.metadata` and every data file that `.metadata` points
         into), and what is wrong with them: not listed by the rank that wrote them, shorter than `.metadata`
         says, or no longer in the directory with the size listed (whatever removed them)."""
@@ -357,7 +406,8 @@ class CheckpointManager:
                 missing.append(f"{fname} has {files[fname]['size']} bytes, {DCP_METADATA} needs {end}")
         present = self.storage.files(staging)
         missing += [f"{f} is missing" if f not in present else f"{f} has {present[f]} bytes, {entry['size']} written"
-                    for f, entry in sorted(files.items()) if present.get(f) != entry["size"]]
+                    for f, entry in sorted(files.items()) if present.get(f) != entry["size"] and
+                    (here is None or f in here)]
         return [DCP_METADATA, *sorted(ends)], missing
 
     def _explain(self, failures: list[Failure], need: int) -> tuple[str, str]:
@@ -420,10 +470,10 @@ class CheckpointManager:
         lead back into the bad data, after silent corruption they may hold it). Those that do not
         verify are set aside instead, and the checkpoints up to `step` are left alone, so the newest
         verified one the run went back to stays. The save in flight must have been finished. Every
-        rank calls this; rank 0 removes (unless `remove` is False: another replica group writes the run's
-        checkpoints)."""
+        rank calls this; rank 0 removes (each node's leader, from a tier spread over nodes), unless `remove` is
+        False: another replica group writes the run's checkpoints."""
         retired: list[str] = []
-        if self.rank == 0 and remove:
+        if self.leader and remove:
             for name in checkpoints(self.storage):
                 if checkpoint_step(name) <= step:
                     continue
@@ -434,8 +484,9 @@ class CheckpointManager:
             if retired:
                 self._move_latest(next((n for n in checkpoints(self.storage)[::-1] if not self._verify(n)), None),
                                   now)
-                events.emit(self.kind, now, "retired", names=retired,
-                            reason=f"newer than step {step}, the state the run went back to")
+                if self.rank == 0:
+                    events.emit(self.kind, now, "retired", names=retired,
+                                reason=f"newer than step {step}, the state the run went back to")
         dist.barrier()
         return retired
 
@@ -519,6 +570,9 @@ class CheckpointManager:
         failed: list[tuple[Storage, str, str]] = []
         for storage, name in self._candidates():
             try:
+                pulled = 0
+                if storage is self.memory and self.inventories:  # spread over nodes: each node's copy made whole
+                    pulled = spread.complete(storage, name, self.inventories, self.nodes, self.group)
                 state = self._load(storage, name, parts, optimizers)
             except CheckpointError as e:
                 failed.append((storage, name, str(e)))
@@ -528,7 +582,9 @@ class CheckpointManager:
                 self.verdicts[name] = []
             elif self.rank == 0:  # the storage tier was not read
                 self.events.emit("memory", checkpoint_step(name), "restored", path=storage.path(name),
-                                 newest_in_storage=next(iter(checkpoints(self.storage)[::-1]), None))
+                                 newest_in_storage=next(iter(checkpoints(self.storage)[::-1]), None),
+                                 **({"nodes": self.nodes.count, "from_peers_bytes": pulled} if self.inventories
+                                    else {}))
             for tier, bad, why in failed:
                 say(f"warning: skipping checkpoint {tier.path(bad)}: {why}")
                 if self.rank == 0:
@@ -536,8 +592,8 @@ class CheckpointManager:
                                      "skipped", path=tier.path(bad), reason=why)
                     if tier is self.storage:
                         self._set_aside(bad, why, checkpoint_step(bad))
-                    else:  # a copy in memory is not evidence worth keeping: the storage tier has its own
-                        tier.remove(bad)
+                if tier is not self.storage and self.nodes.leader:  # a copy in memory is not evidence worth
+                    tier.remove(bad)  # keeping (the storage tier has its own): each node removes its own
             if self.rank == 0 and any(tier is self.storage for tier, _, _ in failed):
                 newest = name if storage is self.storage else next(iter(checkpoints(self.storage)[::-1]), None)
                 self._move_latest(newest, checkpoint_step(name))
@@ -558,13 +614,18 @@ class CheckpointManager:
         return [(t, n) for _, t, n in found]
 
     def _candidates(self) -> list[tuple[Storage, str]]:
-        """The checkpoints `auto` tries, in order; with a memory tier every rank tries rank 0's list, since what
-        each sees of its node's memory may differ."""
+        """The checkpoints `auto` tries, in order: rank 0's list of the storage tier's, and with a memory tier
+        the steps the nodes hold whole between them (keel.checkpoint.spread; a node's copy may hold only its
+        own ranks' files and its buddy's), each node's copy made whole before it is loaded."""
         listing = self._listing()
         if self.memory is not None:
             shared = [listing]
             dist.broadcast_object_list(shared, src=0)
             listing = shared[0]
+            self.inventories = spread.inventory(self.memory, self.nodes, self.group)
+            whole = [(checkpoint_step(n), 1, n) for n in spread.restorable(self.inventories)]
+            stored = [(checkpoint_step(n), 0, n) for t, n in listing if t == 0]
+            listing = [(t, n) for _, t, n in sorted([*stored, *whole], reverse=True)]
         return [(self._tier(t), n) for t, n in listing]
 
     def _tier(self, index: int) -> Storage:
@@ -642,7 +703,9 @@ class CheckpointManager:
             return
         if resume == "auto":
             listing = self._listing()
-            if not listing:
+            # On several nodes a memory tier's newest copy may be a peer's: this node's view says nothing of
+            # whether the storage tier will be read at all.
+            if not listing or (listing[0][0] == 0 and self.memory is not None and self.nodes.count > 1):
                 return
             tier, name = listing[0]
             storage = self._tier(tier)

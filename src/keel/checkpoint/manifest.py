@@ -22,6 +22,7 @@ FORMAT = 1
 CHECKSUM = "xxh3_128"
 _STEP = re.compile(r"step-(\d{6,})")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
+HELD = "held"  # in a node's copy of a checkpoint spread over nodes: the files it holds (keel.checkpoint.spread)
 
 
 def step_name(step: int) -> str:
@@ -96,13 +97,13 @@ def is_set_aside(name: str) -> bool:
 
 def check_files(storage: Storage, name: str, manifest: dict, which: Iterable[str] | None = None,
                 checksums: bool = True) -> list[str]:
-    """Problems found in the files of a checkpoint (all of them, or `which`): missing, wrong size,
-    wrong checksum. Empty when they are whole."""
+    """Problems found in the files of a checkpoint (all of them, those a node's copy holds, or `which`):
+    missing, wrong size, wrong checksum. Empty when they are whole."""
     if "unreadable" in manifest:
         return [manifest["unreadable"]]
     present = storage.files(name)
     problems = []
-    for fname in sorted(which if which is not None else manifest["files"]):
+    for fname in sorted(which if which is not None else manifest.get(HELD, manifest["files"])):
         want = manifest["files"][fname]
         if fname not in present:
             problems.append(f"{fname} is missing")

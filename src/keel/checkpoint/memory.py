@@ -5,7 +5,8 @@ failure find them there and restore the newest checkpoint of either tier, one fr
 the checkpoint storage. They are written, checked and committed as storage checkpoints are
 (keel.checkpoint.manager: the same files, checksums and manifest), two kept, so that a failure while one is
 written leaves the one before whole. On one node the node's memory is the only copy: it covers the loss of
-processes, not of the node. Torch-free: the launcher imports it."""
+processes, not of the node. On several, each node's copy also holds its buddy's files (keel.checkpoint.spread),
+and the copies cover the loss of a node. Torch-free: the launcher imports it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from keel.checkpoint.storage import Storage, size_text
 from keel.config import Config
 from keel.config.schema import CheckpointConfig
 from keel.errors import ConfigError
+from keel.rundir.quarantine import node_name
 
 MEMORY_DIR_ENV = "KEEL_MEMORY_DIR"  # set by the launcher for its workers: where this node's memory tier is
 SHARED_MEMORY = Path("/dev/shm")
@@ -29,12 +31,12 @@ KEPT = 2  # the newest, and the one before it while the newest is written
 BYTES_PER_PARAMETER = 12
 
 
-def memory_root(memory_dir: str, run_dir: Path) -> Path:
+def memory_root(memory_dir: str, run_dir: Path, node: str = "") -> Path:
     """This run's memory tier on this node: `checkpoint.memory_dir`, or a directory in /dev/shm named after the
-    run directory (two runs on a node never share one)."""
+    run directory and the node (two runs, or two nodes of a job on one machine, never share one)."""
     if memory_dir:
         return Path(memory_dir)
-    digest = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{run_dir.absolute()}\0{node}".encode()).hexdigest()[:16]
     return SHARED_MEMORY / f"keel-memory-{digest}"
 
 
@@ -63,9 +65,9 @@ def check_fits(cfg: Config, root: Path, nproc: int) -> None:
                           f"or set checkpoint.memory_interval = 0")
 
 
-def check_memory_tier(cfg: Config, restarts: int, nnodes: str) -> None:
-    """Before anything starts: a memory tier is only of use to workers a launcher restarts, on one node (a node
-    lost takes its copies with it), and replica groups heal from a live group instead."""
+def check_memory_tier(cfg: Config, restarts: int) -> None:
+    """Before anything starts: a memory tier is only of use to workers a launcher restarts, and replica groups heal
+    from a live group instead."""
     interval = cfg.checkpoint.memory_interval
     if not interval:
         return
@@ -77,10 +79,6 @@ def check_memory_tier(cfg: Config, restarts: int, nnodes: str) -> None:
         raise ConfigError(f"checkpoint.memory_interval = {interval}: the memory tier serves workers the launcher "
                           f"restarts after a failure, and none are (--max-restarts 0); pass --max-restarts N or set "
                           f"health.max_restarts, or set checkpoint.memory_interval = 0")
-    if nnodes != "1":
-        raise ConfigError(f"checkpoint.memory_interval = {interval} with --nnodes {nnodes}: the memory tier holds "
-                          f"each node's copies on that node only; use it on one node, or set "
-                          f"checkpoint.memory_interval = 0")
 
 
 @contextlib.contextmanager
@@ -91,7 +89,7 @@ def held_in_memory(cfg: Config, run_dir: Path, nproc: int) -> Iterator[Path | No
     if not cfg.checkpoint.memory_interval:
         yield None
         return
-    root = memory_root(cfg.checkpoint.memory_dir, run_dir)
+    root = memory_root(cfg.checkpoint.memory_dir, run_dir, node_name())
     check_fits(cfg, root, nproc)
     root.mkdir(parents=True, exist_ok=True)
     os.environ[MEMORY_DIR_ENV] = str(root)

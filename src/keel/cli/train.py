@@ -267,7 +267,7 @@ def check_train_args(args: argparse.Namespace, cfg: Config, run_dir: Path) -> No
     check_trackers(cfg)
     if not in_torchrun_worker():  # the launcher: a port set in the config and taken, before any worker binds one
         check_exporter_ports(cfg.monitor, args.nproc or 1)
-        check_memory_tier(cfg, restart_budget(args, cfg), args.nnodes)
+        check_memory_tier(cfg, restart_budget(args, cfg))
     if cfg.eval.downstream_tasks:
         for include in cfg.eval.downstream_include:
             check_input(include, "eval.downstream_include", "dir", "pass directories of lm-eval task YAML files")

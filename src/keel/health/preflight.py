@@ -120,16 +120,17 @@ def verdict(checks: list[Check], mode: str, run_dir: Path, rank: int) -> int | N
 
 
 def last_checkpoint_bytes(directory: str, n_params: int) -> int:
-    """The size of the newest checkpoint in `directory`, or the estimate when it holds none."""
-    from keel.checkpoint.manifest import committed, read_manifest
+    """The size of the newest checkpoint in `directory`, or the estimate when it holds none. Its files' sizes, as
+    the directory lists them: no file of it is opened (a restart served by the memory tier reads no storage)."""
+    from keel.checkpoint.manifest import committed
     from keel.checkpoint.storage import Storage
 
     if "://" in directory:  # listing an object store is left to the first save
         return checkpoint_bytes(n_params)
     storage = Storage(directory)
     names = committed(storage)
-    manifest = read_manifest(storage, names[-1]) if names else None
-    return int(manifest.get("bytes", 0)) if manifest and manifest.get("bytes") else checkpoint_bytes(n_params)
+    size = sum(storage.files(names[-1]).values()) if names else 0
+    return size or checkpoint_bytes(n_params)
 
 
 def storage_checks(directory: str, need_bytes: int, probe_bytes: int, need: str = "two checkpoints") -> list[Check]:

@@ -170,9 +170,7 @@ def _tier_lines(t: dict) -> list[str]:
             f"{format_duration(one['lost_per_failure_s'])} → {format_duration(two['lost_per_failure_s'])}, "
             f"{two['restored_from_storage']:.1%} of restores from storage",
             f"  the copy to a buddy node: {copy['bytes_per_device'] / 1e9:.2f} GB per GPU per memory save over the "
-            f"scale-out network, {copy['seconds']:.2g} s in the background ({copy['link_share']:.2%} of the link); "
-            f"keel's memory tier holds one node's copies on that node only today, so across nodes this is the "
-            f"forecast for a buddy copy"]
+            f"scale-out network, {copy['seconds']:.2g} s in the background ({copy['link_share']:.2%} of the link)"]
 
 
 def _experts(work: Workload, layout: Layout, step: StepBreakdown, hw: Accelerator, eff: Efficiency) -> dict | None:

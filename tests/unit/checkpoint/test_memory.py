@@ -81,20 +81,21 @@ def test_the_launcher_holds_the_tier_for_the_job_and_removes_it_after(tmp_path: 
     with held_in_memory(off, tmp_path / "run", nproc=2) as none:
         assert none is None
     assert memory_root("", tmp_path / "a") != memory_root("", tmp_path / "b"), "one tier per run directory"
+    assert memory_root("", tmp_path / "a", "node-0") != memory_root("", tmp_path / "a", "node-1"), \
+        "one tier per node, where several nodes of a job share a machine"
 
 
-@pytest.mark.parametrize(("overrides", "restarts", "nnodes", "expect"), [
-    (["fault_tolerance.replica_groups=2"], 1, "1", "replica groups heal from a live group"),
-    ([], 0, "1", "--max-restarts 0"),
-    ([], 1, "2", "--nnodes 2"),
+@pytest.mark.parametrize(("overrides", "restarts", "expect"), [
+    (["fault_tolerance.replica_groups=2"], 1, "replica groups heal from a live group"),
+    ([], 0, "--max-restarts 0"),
 ])
 def test_a_memory_tier_that_cannot_serve_the_job_is_refused_in_one_line(
-        overrides: list[str], restarts: int, nnodes: str, expect: str) -> None:
+        overrides: list[str], restarts: int, expect: str) -> None:
     cfg = load_config(None, ["checkpoint.memory_interval=5", *overrides])
     with pytest.raises(ConfigError, match=expect) as refused:
-        check_memory_tier(cfg, restarts, nnodes)
+        check_memory_tier(cfg, restarts)
     assert "\n" not in str(refused.value) and "checkpoint.memory_interval = 0" in str(refused.value)
-    check_memory_tier(load_config(None, []), 0, "2")  # off: nothing to refuse
+    check_memory_tier(load_config(None, []), 0)  # off: nothing to refuse
 
 
 def test_a_memory_tier_larger_than_the_free_shared_memory_is_refused_before_it_is_made(tmp_path: Path) -> None:
