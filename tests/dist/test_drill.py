@@ -55,6 +55,23 @@ def test_a_rank_killed_mid_step_restarts_and_ends_bitwise_equal(quick) -> None:
     assert killed["goodput"] < killed["reference_goodput"]
 
 
+def test_a_node_lost_with_the_memory_tier_on_two_nodes_is_restored_from_the_others_memory(quick) -> None:
+    cwd, results = quick
+    lost = results["node_loss_restored_from_memory"]
+    assert lost["detected_by"] == "failure/restart" and lost["compare"].startswith("close"), lost
+    run_dir = cwd / "runs/drill/scenarios/node_loss_restored_from_memory"
+    events = read_jsonl(run_dir / "events.jsonl")
+    # Two nodes (the second joining), then the one left alone: it restores a step both had saved to memory,
+    # its copy holding the lost node's files as well, and reads the state of no storage checkpoint.
+    starts = [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0]
+    assert starts[-2:] == [2, 1], starts
+    (restored,) = [e for e in events if e["kind"] == "memory" and e["action"] == "restored"]
+    both = [e["step"] for e in events if e["kind"] == "memory" and e["action"] == "committed"
+            and e["detail"].get("nodes") == 2]
+    assert restored["step"] in both and restored["detail"]["nodes"] == 1, (restored, both)
+    assert [e["detail"]["tier"] for e in events if e["kind"] == "resume"][-1] == "memory"
+
+
 def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:
     _, results = quick
     nan = results["nan_grads"]
