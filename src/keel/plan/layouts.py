@@ -250,8 +250,8 @@ class Assessed:
     """A given layout, predicted, and where it ranks among the searched ones."""
 
     candidate: Candidate
-    rank: int  # 1 + the fitting searched layouts predicted faster
-    of: int  # fitting searched layouts
+    rank: int | None  # 1 + the fitting searched layouts predicted faster (None: it does not fit, so not ranked)
+    of: int  # the fitting layouts it is ranked among: the searched ones, and itself when it fits and is not one
     versus: str  # against the searched best
 
     def row(self) -> dict:
@@ -270,13 +270,14 @@ def assess(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, can
     given = Candidate(layout, mem, step, f"{step.explain()}; {mem.total / GIB:.1f} GiB" if mem.fits else
                       f"does not fit: {suggest(work, layout, hw)}")
     fitting = [c for c in candidates if c.fits]
-    faster = sum(c.tokens_per_s > given.tokens_per_s * (1 + 1e-9) for c in fitting)
+    faster = sum(c.tokens_per_s > given.tokens_per_s * (1 + 1e-9) for c in fitting if c.layout != layout)
+    searched = any(c.layout == layout for c in fitting)
     if not fitting or fitting[0].layout == layout:
         versus = "it is the best searched layout"
     else:
         best = fitting[0]
         versus = f"{_speed_versus(best, given)} against the best, {best.layout.describe()}"
-    return Assessed(given, faster + 1, len(fitting), versus)
+    return Assessed(given, faster + 1 if given.fits else None, len(fitting) + (given.fits and not searched), versus)
 
 
 def untied_alternative(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency, best: Candidate | None) -> str:

@@ -231,9 +231,11 @@ def lines(a: dict) -> list[str]:
                    f"{c['tokens_per_s_per_gpu']:>14,.0f}{c['mfu']:>7.1%}")
     out += [f"({a['dropped']} layouts do not fit or do not divide the batch)", *a["why"], ""]
     if (g := a["given"]) is not None:
+        ranked = f"ranks {g['rank']} of {g['of']} fitting layouts" if g["rank"] else \
+            f"not ranked among the {g['of']} fitting layouts"
         out += [f"given layout {g['layout']}: {g['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {g['mfu']:.1%}, "
-                f"{g['step_s']:.3g} s/step, {g['memory_gib']:.1f} GiB; ranks {g['rank']} of {g['of']} fitting "
-                f"layouts: {g['versus_best']}; the breakdowns, checkpoints, run and cost below are for it"]
+                f"{g['step_s']:.3g} s/step, {g['memory_gib']:.1f} GiB; {ranked}: {g['versus_best']}; the breakdowns, "
+                f"checkpoints, run and cost below are for it"]
         if not g["fits"]:
             out.append(f"  WARNING: it {g['memory_verdict']}")
         if g["not_modelled"]:

@@ -87,6 +87,20 @@ def test_a_given_layout_keel_cannot_run_is_refused_in_one_line() -> None:
         work = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, 1e12)
     too_big = assess(work, Layout(dp_shard=8, micro_batch=64), hw, DEFAULT, candidates)
     assert not too_big.candidate.fits and too_big.row()["memory_verdict"].startswith("does not fit: needs")
+    # A layout that does not fit is never ranked among those that do, however fast it would be.
+    assert too_big.rank is None and too_big.of == sum(c.fits for c in candidates)
+
+
+def test_a_given_layout_ranks_among_the_fitting_ones_it_is_counted_with() -> None:
+    """A fitting layout the search did not list counts itself in: slowest of all, it ranks last of them, never
+    past the count."""
+    cfg = load_config(CONFIG, [])
+    work, hw = Workload(cfg.model, cfg.train.seq_len, cfg.train.global_batch, 1e12), by_key("h100")
+    fitting = [c for c in search(work, 8, hw) if c.fits]
+    slowest = fitting[-1].layout
+    listed = assess(work, slowest, hw, DEFAULT, fitting)
+    unlisted = assess(work, slowest, hw, DEFAULT, fitting[:-1])
+    assert (listed.rank, listed.of) == (unlisted.rank, unlisted.of) == (len(fitting), len(fitting))
 
 
 def test_uneven_pipelines_plan_with_the_trainer_s_split_and_their_busiest_rank() -> None:
