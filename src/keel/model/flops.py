@@ -50,7 +50,28 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     return active_param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
 
 
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the attention scores and values: 12·L·H·Q·T."""
+    return 12 * cfg.n_layers * cfg.n_heads * head_size(cfg) * seq_len
+
+
+def linear_widths_per_token(cfg: ModelConfig) -> int:
+    """The inputs and outputs a token has at the blocks' linear layers, over every block (each layer's
+    in + out features; in a mixture-of-experts block its router, shared and top_k routed experts'): what a
+    float8 matmul casts."""
+    q, kv = cfg.n_heads * head_size(cfg), cfg.n_kv_heads * head_size(cfg)
+    attention = 2 * (cfg.dim + q) + 2 * (cfg.dim + kv)  # wq and wo, wk and wv
+    moe, total = cfg.moe, 0
+    for layer in range(cfg.n_layers):
+        if moe.experts and layer >= moe.dense_layers:
+            width = moe.expert_dim or ffn_hidden_dim(cfg)
+            total += attention + (cfg.dim + moe.experts) + 3 * (cfg.dim + width) * (moe.top_k + moe.shared_experts)
+        else:
+            total += attention + 3 * (cfg.dim + ffn_hidden_dim(cfg))
+    return total
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of the N active parameters (forward 2N, backward 4N) plus
     12·L·H·Q·T for the attention scores and values, with L layers, H heads of size Q and sequence length T."""
-    return 6 * matmul_param_count(cfg) + 12 * cfg.n_layers * cfg.n_heads * head_size(cfg) * seq_len
+    return 6 * matmul_param_count(cfg) + attention_flops_per_token(cfg, seq_len)

@@ -10,8 +10,11 @@ from keel.config import Config, ModelConfig, load_config
 from keel.errors import KeelError
 from keel.model.flops import (
     active_param_count,
+    attention_flops_per_token,
     block_param_count,
     flops_per_token,
+    linear_widths_per_token,
+    matmul_param_count,
     param_count,
     routed_expert_param_count,
 )
@@ -98,6 +101,7 @@ class Workload:
     # Host copies of the parameters and optimizer state a rank keeps: the checkpoint's staging buffers and
     # the guards' in-memory snapshots (guard.snapshots). They share the device's memory on a CPU only.
     host_copies: int = 1
+    fp8: bool = False  # train.precision = fp8: the blocks' linear layers multiply in float8
 
     @classmethod
     def of(cls, cfg: Config, tokens: float = 0.0, param_dtype: str = "bf16") -> Workload:
@@ -107,7 +111,7 @@ class Workload:
         if snapshots and cfg.fault_tolerance.replica_groups > 1 and g.sdc.fingerprint_interval:
             snapshots += 1  # the last state the groups' fingerprints verified is kept besides the ring
         return cls(cfg.model, cfg.train.seq_len, cfg.train.global_batch, tokens, param_dtype,
-                   cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots)
+                   cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots, cfg.train.precision == "fp8")
 
     @cached_property
     def n_params(self) -> int:
@@ -153,6 +157,24 @@ class Workload:
     def head_flops_per_token(self) -> float:
         """Training FLOPs per token of the output projection (forward 2·V·d, backward 4·V·d)."""
         return 6.0 * self.model.vocab_size * self.model.dim
+
+    @cached_property
+    def float8_flops_per_token(self) -> float:
+        """Training FLOPs per token that run in float8: the blocks' linear layers with fp8 (the output projection
+        and the attention scores stay in bf16, as torchao's conversion of the blocks leaves them); else 0."""
+        if not self.fp8:
+            return 0.0
+        return self.flops_per_token - self.head_flops_per_token - attention_flops_per_token(self.model, self.seq_len)
+
+    @cached_property
+    def linear_widths(self) -> int:
+        """The inputs and outputs a token has at the blocks' linear layers (what a float8 matmul casts)."""
+        return linear_widths_per_token(self.model)
+
+    @cached_property
+    def block_matmul_params(self) -> int:
+        """The blocks' parameters a token multiplies with (what a float8 matmul casts of the weights)."""
+        return matmul_param_count(self.model) - self.model.vocab_size * self.model.dim
 
     def block_flops_per_token(self) -> float:
         return (self.flops_per_token - self.head_flops_per_token) / self.model.n_layers

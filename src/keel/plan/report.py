@@ -99,7 +99,8 @@ def answer(q: Question) -> dict:
                      "fragmentation": q.fragmentation, "seed": q.seed, "trials": q.trials},
         "spares": {"nodes": spares, "auto": q.spares is None, "options": options},
         "model": {"parameters": work.n_params, "active_parameters": work.n_active,
-                  "flops_per_token": work.flops_per_token, "seq_len": work.seq_len,
+                  "flops_per_token": work.flops_per_token, "float8_flops_per_token": work.float8_flops_per_token,
+                  "seq_len": work.seq_len,
                   "global_batch": work.global_batch, "steps": work.steps()},
         "experts": _experts(work, best.layout, best.step, hw, eff),
         "efficiency": asdict(eff),
@@ -219,6 +220,8 @@ def lines(a: dict) -> list[str]:
     """The readable answer."""
     q, m, ck, run, cost = a["question"], a["model"], a["checkpoint"], a["run"], a["cost"]
     active = f" ({m['active_parameters'] / 1e9:.2f}B active)" if m["active_parameters"] != m["parameters"] else ""
+    if m["float8_flops_per_token"]:
+        active += f", {m['float8_flops_per_token'] / m['flops_per_token']:.0%} of its FLOPs in float8"
     width = max([40, *(len(c["layout"]) + 2 for c in a["layouts"])])  # the layout column
     out = [f"{q['config']}: {m['parameters'] / 1e9:.2f}B parameters{active}, {m['flops_per_token'] / 1e9:.0f} "
            f"GFLOP/token at sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
@@ -230,17 +233,7 @@ def lines(a: dict) -> list[str]:
         out.append(f"{c['layout']:<{width}}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"
                    f"{c['tokens_per_s_per_gpu']:>14,.0f}{c['mfu']:>7.1%}")
     out += [f"({a['dropped']} layouts do not fit or do not divide the batch)", *a["why"], ""]
-    if (g := a["given"]) is not None:
-        ranked = f"ranks {g['rank']} of {g['of']} fitting layouts" if g["rank"] else \
-            f"not ranked among the {g['of']} fitting layouts"
-        out += [f"given layout {g['layout']}: {g['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {g['mfu']:.1%}, "
-                f"{g['step_s']:.3g} s/step, {g['memory_gib']:.1f} GiB; {ranked}: {g['versus_best']}; the breakdowns, "
-                f"checkpoints, run and cost below are for it"]
-        if not g["fits"]:
-            out.append(f"  WARNING: it {g['memory_verdict']}")
-        if g["not_modelled"]:
-            out.append(f"  not modelled by the planner: {', '.join(g['not_modelled'])}")
-        out.append("")
+    out += _given_lines(a["given"])
     mem, planned = a["memory"], "given layout" if a["given"] else "best layout"
     out.append(f"memory per GPU, {planned} (GiB): " + ", ".join(
         f"{k} {mem[k]:.1f}" for k in PARTS)
@@ -277,6 +270,22 @@ def lines(a: dict) -> list[str]:
     if a["tuning"]:
         out += ["", *tuning_lines(a["tuning"])]
     return out
+
+
+def _given_lines(g: dict | None) -> list[str]:
+    """The given layout: its prediction and rank, and what the planner says of it."""
+    if g is None:
+        return []
+    ranked = f"ranks {g['rank']} of {g['of']} fitting layouts" if g["rank"] else \
+        f"not ranked among the {g['of']} fitting layouts"
+    out = [f"given layout {g['layout']}: {g['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {g['mfu']:.1%}, "
+           f"{g['step_s']:.3g} s/step, {g['memory_gib']:.1f} GiB; {ranked}: {g['versus_best']}; the breakdowns, "
+           f"checkpoints, run and cost below are for it"]
+    if not g["fits"]:
+        out.append(f"  WARNING: it {g['memory_verdict']}")
+    if g["not_modelled"]:
+        out.append(f"  not modelled by the planner: {', '.join(g['not_modelled'])}")
+    return [*out, ""]
 
 
 def _experts_line(x: dict | None, planned: str) -> list[str]:

@@ -73,6 +73,14 @@ HOP_INTRA = 3.4e-6  # s per ring step over NVLink (tuning.cc hwLat NVLINK, ring,
 HOP_INTER = 9.6e-6  # s per ring step over the network (tuning.cc hwLat NET, ring, Simple)
 RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # forwards recomputed; keel's selective: 1 block in 2
 GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, torchtitan's too)
+# Float8 matmuls (torchao, scaled per row) cast both operands first: a bf16 tensor read for its scales, read again
+# and written as float8, 5 bytes an element, by kernels bound by memory bandwidth. Per token and linear layer the
+# forward casts the input, the backward the output's gradient twice (scaled by rows and by columns) and the input
+# again: about twice its inputs and outputs, and the input once more per recomputed forward; each weight twice
+# per micro-batch (once more when recomputed).
+CAST_BYTES = 5
+# Element-wise kernels reach about 80% of the memory bandwidth (an assumption, as the link factor's 0.8).
+MEMORY_EFFICIENCY = 0.8
 
 
 # Compute efficiency grows with the model's width: larger matmuls keep the tensor cores busier and the
@@ -194,6 +202,30 @@ def peak_flops(work: Workload, hw: Accelerator) -> float:
         raise KeelError(f"{hw.name} has no known {work.param_dtype} peak FLOP/s: measure it (keel train reports "
                         f"it) or calibrate from a run")
     return peak
+
+
+def float8_peak(hw: Accelerator) -> float:
+    peak = hw.peak_flops.get("fp8")
+    if not peak:
+        raise KeelError(f"train.precision = fp8 on {hw.name}, which has no float8 matmuls: plan it with bf16, or on "
+                        f"an accelerator that has them (h100, h200, b200, mi300x, ...)")
+    return peak
+
+
+def _compute(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, recompute: float) -> float:
+    """One device's forward and backward (and recomputed forwards) of a step: the matmuls at the peak of their
+    dtype, times the compute efficiency; with fp8, the casts of the blocks' linear layers at memory bandwidth."""
+    tokens = work.global_batch * work.seq_len / layout.gpus()
+    fp8 = work.float8_flops_per_token
+    flops_time = (work.flops_per_token - fp8) / peak_flops(work, hw) + (fp8 / float8_peak(hw) if fp8 else 0.0)
+    compute = tokens * flops_time * (1 + recompute / 3) / (eff.compute * size_factor(work.model.dim,
+                                                                                      eff.size_exponent))
+    if fp8:
+        # A TP rank holds a slice of each weight, and of one side of each layer (the other side whole).
+        weights = work.block_matmul_params / (layout.pp * layout.tp) * work.micro_batches(layout) * (2 + recompute)
+        activations = tokens * work.linear_widths / layout.pp * (1 + 1 / layout.tp) / 2 * (2 + recompute / 2)
+        compute += CAST_BYTES * (weights + activations) / (hw.memory_bw * MEMORY_EFFICIENCY)
+    return compute * pipeline_imbalance(work, layout)
 
 
 def _data_parallel_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, layers: int,
@@ -329,8 +361,7 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
     peak = peak_flops(work, hw)
     tokens_per_device = work.global_batch * work.seq_len / gpus
     # The pipeline runs at its busiest rank's pace: its compute is the step's.
-    compute = tokens_per_device * work.flops_per_token * (1 + recompute / 3) \
-        / (peak * eff.compute * size_factor(m.dim, eff.size_exponent)) * pipeline_imbalance(work, layout)
+    compute = _compute(work, layout, hw, eff, recompute)
 
     act_dtype = act_bytes(work)
     layers = max(rank_blocks(work, layout))  # on the busiest pipeline rank, all its chunks

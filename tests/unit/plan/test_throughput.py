@@ -17,6 +17,7 @@ from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload
 from keel.plan.layouts import explain, search
+from keel.plan.report import Question, answer, lines
 from keel.plan.throughput import (
     BASE_LATENCY,
     DEFAULT,
@@ -148,8 +149,8 @@ def test_a_device_without_a_peak_is_refused() -> None:
 # Published runs, all predicted with DEFAULT. torchtitan ran on Grand Teton H100s with 96 GB HBM2e at a
 # 500 W limit, whose peak its benchmark puts "between SXM and NVL" (989.5 and 835.5 TFLOP/s): their midpoint
 # is used for time, their MFU stays quoted against 989.5 (benchmarks/llama3_h100_202412_torchtitan.md).
-TITAN_H100 = replace(H100, peak_flops={"bf16": (989.5e12 + 835.5e12) / 2}, memory_bytes=96 * 2**30,
-                     memory_bw=2.4e12)
+TITAN_H100 = replace(H100, peak_flops={"bf16": (989.5e12 + 835.5e12) / 2, "fp8": (1979e12 + 1670.5e12) / 2},
+                     memory_bytes=96 * 2**30, memory_bw=2.4e12)
 # PaLM 540B (Chowdhery et al. 2022, arXiv 2204.02311): 118 layers, d_model 18,432, 48 heads of 256, one KV
 # head, SwiGLU d_ff 73,728, 256k vocabulary shared with the output. keel's head size is dim / heads (384),
 # so the FFN is trimmed to 69,632 to keep N = 540.9 B. §4: 2 pods of 3,072 TPU v4, 12-way model parallel ×
@@ -187,6 +188,9 @@ PUBLISHED = [
     # name, workload, layout, hardware, published value, quantity
     ("torchtitan Llama 3.1 8B, 8 H100, FSDP", ("llama3_8b", 8192, 16),
      Layout(dp_shard=8, micro_batch=2, ac="selective"), TITAN_H100, 5762, "tokens/s"),
+    # The same with torch.compile and Float8 linear layers (the model has no term for compile): 8,532.
+    ("torchtitan Llama 3.1 8B, 8 H100, FSDP, Float8", ("llama3_8b", 8192, 16, True),
+     Layout(dp_shard=8, micro_batch=2, ac="selective"), TITAN_H100, 8532, "tokens/s"),
     ("torchtitan Llama 3.1 8B, 128 H100, FSDP", ("llama3_8b", 8192, 256),
      Layout(dp_shard=128, micro_batch=2, ac="selective"), TITAN_H100, 5605, "tokens/s"),
     # asyncTP_llama3_h100_2025-06: bf16, compile, full AC, local batch 16 per data-parallel rank, vanilla TP.
@@ -211,8 +215,8 @@ PUBLISHED = [
 
 
 def predict(shape: tuple, layout: Layout, hw, quantity: str, eff: Efficiency | None = None) -> float:
-    cfg, seq, batch = shape
-    work = Workload(model(cfg) if isinstance(cfg, str) else cfg, seq, batch)
+    cfg, seq, batch, *fp8 = shape
+    work = Workload(model(cfg) if isinstance(cfg, str) else cfg, seq, batch, fp8=bool(fp8 and fp8[0]))
     step = step_time(work, layout, hw, eff or efficiency_for(hw))
     return {"tokens/s": step.tokens_per_s_per_device, "mfu": step.mfu, "hfu": step.hfu}[quantity]
 
@@ -351,3 +355,24 @@ def test_a_single_device_has_one_layout_per_micro_batch_and_checkpointing() -> N
     assert {c.layout.gpus() for c in found} == {1}
     assert len(found) == 3 * 3  # micro-batches 1, 2, 4 × three checkpointing modes
     assert found[0].layout.ac == "none" and math.isclose(found[0].step.exposed_comm, 0.0)
+
+
+def test_float8_runs_the_blocks_linear_layers_at_the_float8_peak_and_pays_their_casts() -> None:
+    """The blocks' linear layers at the float8 peak, the output projection and attention at bf16's; the casts
+    of every operand at memory bandwidth keep the gain under the peaks' 2x."""
+    bf16, fp8 = (Workload(model("llama3_8b"), 8192, 16, fp8=f) for f in (False, True))
+    share = fp8.float8_flops_per_token / fp8.flops_per_token
+    assert bf16.float8_flops_per_token == 0 and 0.6 < share < 0.8  # the 128k-vocabulary head and attention stay
+    layout = Layout(dp_shard=8, micro_batch=2, ac="selective")
+    ratio = step_time(bf16, layout, H100).total / step_time(fp8, layout, H100).total
+    assert 1.2 < ratio < 1 / (1 - share / 2), ratio
+    with pytest.raises(KeelError, match=r"train.precision = fp8 on NVIDIA A100.*no float8 matmuls") as caught:
+        step_time(fp8, layout, A100)
+    assert "\n" not in str(caught.value)
+    # A config's precision reaches the plan, and the plan says so.
+    cfg = load_config(REPO / "configs" / "llama3_8b.toml", ["train.precision=fp8"])
+    planned = answer(Question(cfg, 8, "h100", 1e11, layout="dp_shard=8,micro_batch=2,ac=selective", spares=0,
+                              trials=20))
+    assert Workload.of(cfg).fp8 and planned["given"]["tokens_per_s_per_gpu"] == pytest.approx(
+        step_time(Workload.of(cfg), layout, H100, efficiency_for(H100)).tokens_per_s_per_device)
+    assert "72% of its FLOPs in float8" in lines(planned)[0]
