@@ -72,6 +72,19 @@ def test_a_node_lost_with_the_memory_tier_on_two_nodes_is_restored_from_the_othe
     assert [e["detail"]["tier"] for e in events if e["kind"] == "resume"][-1] == "memory"
 
 
+def test_a_rank_killed_while_its_memory_copy_is_written_leaves_the_step_before_whole(quick) -> None:
+    cwd, results = quick
+    killed = results["kill_during_memory_save"]
+    events = read_jsonl(cwd / "runs/drill/scenarios/kill_during_memory_save/events.jsonl")
+    (fired,) = [e for e in events if e["kind"] == "drill" and e["action"] == "inject"]
+    # The step being copied is never published; the one before it is restored on both nodes, from memory.
+    (restored,) = [e for e in events if e["kind"] == "memory" and e["action"] == "restored"]
+    assert restored["step"] == fired["step"] - 2 and restored["detail"]["nodes"] == 2, (fired, restored)
+    assert not [e for e in events if e["kind"] == "memory" and e["action"] == "committed"
+                and e["step"] == fired["step"] and e["time"] < restored["time"]]
+    assert killed["loss_max_abs_diff"] is not None and killed["steps_lost"] <= 3, killed
+
+
 def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:
     _, results = quick
     nan = results["nan_grads"]

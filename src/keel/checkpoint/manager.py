@@ -162,7 +162,7 @@ class CheckpointManager:
             self._clean_leftovers()
         dist.barrier()
         self.memory_writer = None if memory is None else CheckpointManager(
-            cfg, run_dir, layout, events, tokenizer=tokenizer, identity=identity, tier=memory)
+            cfg, run_dir, layout, events, on_write=on_write, tokenizer=tokenizer, identity=identity, tier=memory)
 
     # ------------------------------------------------------------------ saving
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from keel.checkpoint.manifest import step_name
+from keel.checkpoint.memory import MEMORY_DIR_ENV
 from keel.config import CallbackSpec
 from keel.core.callbacks import Build, Callback, Step
 from keel.core.replica import PARTICIPANTS, ROOT_ENV, replica_group
@@ -86,14 +87,19 @@ class SigkillAfterCheckpoint(Injector):
 
 class SigkillDuringCheckpointWrite(Injector):
     """SIGKILL this process, if it is `rank`, in the middle of the background write of `step`'s
-    checkpoint: its files are on disk, the commit has not happened. At most `times` times in the run
-    (0: every time the write happens), so that with `times` set a restarted run gets past it."""
+    checkpoint (`tier` storage) or memory copy (`tier` memory): its files are written, the copy to its buddy
+    node and the commit have not happened. At most `times` times in the run (0: every time the write
+    happens), so that with `times` set a restarted run gets past it."""
 
-    def __init__(self, step: int, rank: int = 1, times: int = 0) -> None:
-        self.step, self.rank, self.times = step, rank, times
+    def __init__(self, step: int, rank: int = 1, times: int = 0, tier: str = "storage") -> None:
+        if tier not in ("storage", "memory"):
+            raise ValueError(f"tier {tier!r}: expected storage or memory")
+        self.step, self.rank, self.times, self.tier = step, rank, times, tier
 
     def on_checkpoint_write(self, step: int, staging_path: str) -> None:
-        if (step == self.step and dist.get_rank() == self.rank
+        memory = os.environ.get(MEMORY_DIR_ENV)
+        tier = "memory" if memory and Path(staging_path).is_relative_to(memory) else "storage"
+        if (step == self.step and tier == self.tier and dist.get_rank() == self.rank
                 and (not self.times or self.delivered() < self.times)):
             self.fire(step)
             os.kill(os.getpid(), signal.SIGKILL)

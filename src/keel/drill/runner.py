@@ -243,7 +243,8 @@ class Drill:
             first, lost = jobs[0], jobs[-1]
             while first.proc.poll() is None and time.time() - first.started < self.timeout:
                 step = _status(run_dir).get("step", 0)
-                if not sent and step >= scenario.lose_node_at and _world(run_dir) == self.nproc:
+                if scenario.lose_node_at and not sent and step >= scenario.lose_node_at and \
+                        _world(run_dir) == self.nproc:
                     kill_tagged(lost.tag)
                     sent = {"time": time.time(), "step": step, "node": f"node-{scenario.nodes - 1}"}
                 time.sleep(0.05)

@@ -361,6 +361,14 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
         Scenario("node_loss", "a node killed outright is dropped from the elastic job; the other resumes from the "
                  "last checkpoint with the same global batches in the same order", fault_step=mid, nodes=2,
                  lose_node_at=mid, max_restarts=1, compare=CLOSE, detect=("failure", "")),
+        Scenario("kill_during_memory_save", "with the state held in memory every 2 steps on two nodes, a rank "
+                 "SIGKILLed while its memory copy is written, before it reaches its buddy node: that step is never "
+                 "published, the restarted job restores the step before it from memory, reading no storage, and goes "
+                 "on with the same global batches in the same order", nodes=2, fault_step=mid + mid % 2,
+                 max_restarts=1, compare=CLOSE,
+                 inject=(f"sigkill_during_checkpoint_write:step={mid + mid % 2},rank=1,times=1,tier=memory",),
+                 tuning=("checkpoint.memory_interval=2",), detect=("failure", ""),
+                 recovered_by=("memory", "restored")),
         Scenario("node_loss_restored_from_memory", "with the state also held in memory every 2 steps, each node's "
                  "copy holding its buddy's files too, a node killed outright is dropped from the elastic job; the "
                  "other restores the newest step from its own memory, the lost node's files included, reading no "
@@ -381,7 +389,8 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
 # The quick suite: one scenario of each way recovery works (restart, rerun, rollback, skip, replay, a replica
 # group healing from a live one), on a model and batch small enough that each run takes seconds.
 QUICK = ["kill_mid_step", "kill_during_save", "hang", "nan_grads", "bitflip_grads", "bitflip_params_sharded",
-         "preemption", "corrupt_checkpoint", "node_loss_restored_from_memory", "group_loss"]
+         "preemption", "corrupt_checkpoint", "kill_during_memory_save", "node_loss_restored_from_memory",
+         "group_loss"]
 QUICK_SHAPE = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
                "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "eval.interval=0",
                "monitor.interval=5", "health.preflight_probe_mib=4")
