@@ -82,7 +82,8 @@ def test_a_rank_killed_while_its_memory_copy_is_written_leaves_the_step_before_w
     assert restored["step"] == fired["step"] - 2 and restored["detail"]["nodes"] == 2, (fired, restored)
     assert not [e for e in events if e["kind"] == "memory" and e["action"] == "committed"
                 and e["step"] == fired["step"] and e["time"] < restored["time"]]
-    assert killed["loss_max_abs_diff"] is not None and killed["steps_lost"] <= 3, killed
+    # Lost: the steps since the step before (2), and those made while the killed copy was written (1 or 2).
+    assert killed["loss_max_abs_diff"] is not None and killed["steps_lost"] <= 4, killed
 
 
 def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:

@@ -145,9 +145,13 @@ def test_each_stopped_or_hung_rank_is_named_within_the_learned_timeout_and_the_r
         if fault != "asleep":
             assert detail["process_states"][str(rank)] == ("stopped" if fault == "stopped" else "running"), detail
             assert rank not in detail["waiting_ranks"] and detail["waiting_ranks"], detail
-            # The workers are ended at once (a stopped one takes no SIGTERM), to be started again.
+            # The workers are ended at once (a stopped one takes no SIGTERM), to be started again: by the
+            # launcher's SIGKILL, or, on a loaded machine, by a waiter's own exit (1) when its collective's timeout
+            # ends it first; never by the faulty rank ending itself.
             ended = next(e for e in events(run_dir, "failure") if e["time"] >= hang["time"])
-            assert ended["detail"]["exit_codes"] == [-9] and ended["time"] - hang["time"] < 5, ended
+            codes = ended["detail"]["exit_codes"]
+            assert codes in ([-9], [1], [-9, 1]) and ended["time"] - hang["time"] < 5, ended
+            assert codes != [1] or rank not in ended["detail"]["ranks"], ended
         if fault == "busy":  # a rank spinning in C still writes its stacks when asked (faulthandler, in C)
             stacks = (run_dir / "logs" / f"stacks-rank-{rank}.txt").read_text()
             asked = stacks.split("stacks asked by the launcher")
