@@ -122,12 +122,17 @@ def inventory(storage: Storage, nodes: Nodes, group: dist.ProcessGroup | None = 
     return everyone
 
 
+def _manifest(name: str, inventories: list[dict[str, tuple[dict, list[str]]]]) -> dict:
+    """The manifest of copy `name`, from the first node that holds one."""
+    return next(held[name][0] for held in inventories if name in held)
+
+
 def restorable(inventories: list[dict[str, tuple[dict, list[str]]]]) -> list[str]:
     """The copies whose files the nodes hold between them, oldest first."""
     names = sorted({name for held in inventories for name in held})
     whole = []
     for name in names:
-        manifest = next(held[name][0] for held in inventories if name in held)
+        manifest = _manifest(name, inventories)
         there = {f for held in inventories if name in held for f in held[name][1]}
         if set(manifest["files"]) <= there:
             whole.append(name)
@@ -139,7 +144,7 @@ def transfers(name: str, inventories: list[dict[str, tuple[dict, list[str]]]], n
     """(source leader, destination leader, file): what each node's leader pulls so that its copy of `name` holds
     every file, each from the first node that holds it. The same list on every rank."""
     leaders = range(0, nodes.world, nodes.local)
-    manifest = next(held[name][0] for held in inventories if name in held)
+    manifest = _manifest(name, inventories)
     holders: dict[str, int] = {}
     for leader in leaders:
         for fname in inventories[leader].get(name, ({}, []))[1]:
@@ -155,7 +160,7 @@ def complete(storage: Storage, name: str, inventories: list[dict[str, tuple[dict
              group: dist.ProcessGroup | None = None) -> int:
     """Make this node's copy of `name` whole, pulling what it lacks from the nodes that hold it; then its
     manifest lists every file. Every rank calls this; returns the bytes the nodes pulled from each other."""
-    manifest = next(held[name][0] for held in inventories if name in held)
+    manifest = _manifest(name, inventories)
     received = 0
     if nodes.leader:
         storage.makedirs(name)

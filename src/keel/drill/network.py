@@ -39,7 +39,7 @@ def launch_nodes(scenario: Scenario, run_dir: Path, node_args: NodeArgs, per_nod
                              run_dir / f"drill-node-{n}.log") for n in range(scenario.nodes)]
         left = per_node * (scenario.nodes - 1)
         sent = _fault(cluster, victim, scenario, jobs, timeout, run_dir,
-                      lambda: _world(run_dir) == left)
+                      lambda: newest_world(run_dir) == left)
         return _ended(jobs, victim, sent, timeout)
 
 
@@ -60,7 +60,7 @@ def launch_groups(scenario: Scenario, run_dir: Path, group_args: Callable[[int, 
 
         def mended() -> bool:
             if not alone:
-                alone.extend(e["step"] for e in _events(survivor)
+                alone.extend(e["step"] for e in read_jsonl(survivor / "events.jsonl")
                              if e["kind"] == "quorum" and e["detail"].get("participants") == scenario.groups - 1)
             return bool(alone) and int(read_status(survivor).get("step", 0)) >= alone[-1] + GROUP_STEPS_ALONE
 
@@ -84,7 +84,7 @@ def _fault(cluster: Cluster, victim: int, scenario: Scenario, jobs: list[Launch]
             cluster.link_up(victim)
             undone = True
         elif sent and scenario.network == SLOW_LINK and any(
-                e["kind"] == "straggler" for e in _events(watched)):
+                e["kind"] == "straggler" for e in read_jsonl(watched / "events.jsonl")):
             cluster.unthrottle(victim)
             undone = True
         time.sleep(0.1)
@@ -111,11 +111,7 @@ def _ended(jobs: list[Launch], victim: int, sent: dict[str, Any], timeout: float
             "started": jobs[0].started}
 
 
-def _events(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
-
-
-def _world(run_dir: Path) -> int:
+def newest_world(run_dir: Path) -> int:
     """The world size of the run's newest start."""
-    starts = [e for e in _events(run_dir) if e["kind"] == "start"]
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "start"]
     return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0

@@ -244,7 +244,7 @@ class Drill:
             while first.proc.poll() is None and time.time() - first.started < self.timeout:
                 step = _status(run_dir).get("step", 0)
                 if scenario.lose_node_at and not sent and step >= scenario.lose_node_at and \
-                        _world(run_dir) == self.nproc:
+                        network.newest_world(run_dir) == self.nproc:
                     kill_tagged(lost.tag)
                     sent = {"time": time.time(), "step": step, "node": f"node-{scenario.nodes - 1}"}
                 time.sleep(0.05)
@@ -475,7 +475,7 @@ def judge_replicas(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int,
     recomputed = int(ledger.get("recomputed_steps", 0))
     if recomputed and scenario.survivor:
         broken.append(f"the surviving group made {recomputed} committed steps again")
-    step_s = [r["time/step_s"] for r in _read(survivor / "metrics.jsonl") if "time/step_s" in r]
+    step_s = [r["time/step_s"] for r in read_jsonl(survivor / "metrics.jsonl") if "time/step_s" in r]
     return {
         "scenario": scenario.name, "promise": scenario.promise, "promise_kept": not broken, "broken": broken,
         "compare": f"{scenario.compare} (atol {REPLICA_ATOL:g})", **outcome, "groups": scenario.groups,
@@ -504,8 +504,8 @@ def replica_outcome(run_dir: Path, ref_dir: Path, steps: int) -> dict[str, Any]:
     mine, ref = load_full_state(final), load_full_state(ref_final)
     params = sorted(k for k in ref if k.startswith("model."))
     param_diff = max(((mine[k] - ref[k]).abs().max().item() if k in mine else float("inf")) for k in params)
-    losses = _losses(_read(run_dir / "groups" / "0" / "metrics.jsonl"))
-    ref_losses = _losses(_read(ref_dir / "groups" / "0" / "metrics.jsonl"))
+    losses = _losses(read_jsonl(run_dir / "groups" / "0" / "metrics.jsonl"))
+    ref_losses = _losses(read_jsonl(ref_dir / "groups" / "0" / "metrics.jsonl"))
     loss_diff = max((abs(losses[s] - ref_losses[s]) if s in losses else float("inf") for s in ref_losses),
                     default=None)
     tokens = _json(run_dir / "groups" / "0" / "summary.json").get("tokens_seen")
@@ -524,9 +524,9 @@ def replica_outcome(run_dir: Path, ref_dir: Path, steps: int) -> dict[str, Any]:
 
 def replica_events(run_dir: Path) -> list[dict]:
     """The launcher's events and every group's, each marked with its group (None: the launcher's), by time."""
-    events = [{**e, "group": None} for e in _read(run_dir / "events.jsonl")]
+    events = [{**e, "group": None} for e in read_jsonl(run_dir / "events.jsonl")]
     for path in sorted((run_dir / "groups").glob("*/events.jsonl")):
-        events += [{**e, "group": int(path.parent.name)} for e in _read(path)]
+        events += [{**e, "group": int(path.parent.name)} for e in read_jsonl(path)]
     return sorted(events, key=lambda e: e["time"])
 
 
@@ -541,14 +541,10 @@ def _replica_fault_point(first: dict[str, Any], events: list[dict]) -> tuple[flo
 
 def lighthouse_pid(run_dir: Path) -> int:
     """The process of the lighthouse `keel train --replica-groups` started (or last started again)."""
-    ours = [e for e in _read(run_dir / "events.jsonl") if e["kind"] == "lighthouse" and e["detail"].get("pid")]
+    ours = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "lighthouse" and e["detail"].get("pid")]
     if not ours:
         raise DrillError(f"{run_dir / 'events.jsonl'} names no lighthouse process")
     return int(ours[-1]["detail"]["pid"])
-
-
-def _read(path: Path) -> list[dict]:
-    return read_jsonl(path) if path.exists() else []
 
 
 def _outcome_broken(scenario: Scenario, run_dir: Path, ref_dir: Path, steps: int, final_exists: bool,
@@ -658,12 +654,6 @@ def _final(run_dir: Path, steps: int) -> Path:
 
 def _status(run_dir: Path) -> dict:
     return _json(run_dir / "status.json")
-
-
-def _world(run_dir: Path) -> int:
-    """The world size of the run's newest start."""
-    starts = [e for e in _read(run_dir / "events.jsonl") if e["kind"] == "start"]
-    return int(starts[-1]["detail"].get("world_size", 0)) if starts else 0
 
 
 def _write_json(path: Path, record: dict) -> Path:
