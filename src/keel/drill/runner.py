@@ -56,6 +56,9 @@ LOOK_ONLY = (("guard", "sdc", "replay_interval"), ("guard", "sdc", "fingerprint_
 
 
 
+JOINED_STEPS = 4  # steps every node of a job makes together before one is lost
+
+
 class DrillError(RuntimeError):
     """The clean reference itself failed: nothing can be judged against it."""
 
@@ -241,10 +244,14 @@ class Drill:
                 if n == 0:
                     time.sleep(2.0)  # the first node's agent hosts the rendezvous store
             first, lost = jobs[0], jobs[-1]
+            joined = None  # the step at which every node was in the job (the last may join late)
             while first.proc.poll() is None and time.time() - first.started < self.timeout:
                 step = _status(run_dir).get("step", 0)
-                if scenario.lose_node_at and not sent and step >= scenario.lose_node_at and \
-                        network.newest_world(run_dir) == self.nproc:
+                if joined is None and network.newest_world(run_dir) == self.nproc:
+                    joined = step
+                # A few steps on every node first: what the job then holds (a memory copy on each) is theirs.
+                if scenario.lose_node_at and not sent and joined is not None and \
+                        step >= max(scenario.lose_node_at, joined + JOINED_STEPS):
                     kill_tagged(lost.tag)
                     sent = {"time": time.time(), "step": step, "node": f"node-{scenario.nodes - 1}"}
                 time.sleep(0.05)
