@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from keel.core import generations
 from keel.errors import ConfigError
 
 
@@ -29,12 +30,17 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> Dist:
-    """Join the job torchrun started, or form a one-process group when run directly."""
+def init_distributed(device: torch.device, generation: int = 0) -> Dist:
+    """Join the job torchrun started, or form a one-process group when run directly. A `generation` after the
+    first is the group re-formed with a replaced rank (keel.core.generations)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if generation:
+        dist.init_process_group(backend, store=generations.group_store(generation), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                device_id=device if device.type == "cuda" else None)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

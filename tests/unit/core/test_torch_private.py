@@ -3,7 +3,10 @@ module of keel names a private torch API."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -24,10 +27,12 @@ from keel.core.torch_private import (
     norms,
     pin_by_registering,
     process_groups,
+    respawn_worker,
     sdp_choice,
     set_group_timeout,
     set_local_tensor,
     unflatten_mesh,
+    worker_processes,
 )
 from keel.parallel.mesh import destroy_distributed, init_distributed
 from tests.conftest import REPO
@@ -119,3 +124,33 @@ def test_sdp_choice_names_the_kernel_torch_runs_under_the_kernels_enabled() -> N
     assert sdp_choice(q, k, k, None, causal=True, gqa=True) == SDPBackend.FLASH_ATTENTION.value  # the CPU's flash
     with sdpa_kernel([SDPBackend.MATH]):
         assert sdp_choice(q, k, k, None, causal=True, gqa=True) == SDPBackend.MATH.value
+
+
+def _worker(go: str) -> str:
+    """Local rank 1 dies by SIGKILL unless it is the process started again; then each waits for `go`."""
+    if os.environ["LOCAL_RANK"] == "1" and "AGAIN" not in os.environ:
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    return os.environ.get("AGAIN", "first")
+
+
+def test_a_killed_worker_of_torchruns_context_is_started_again_alone_in_its_place(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    go = tmp_path / "go"
+    context = start_processes("respawn", _worker, args={0: (str(go),), 1: (str(go),)},
+                              envs={0: {"LOCAL_RANK": "0"}, 1: {"LOCAL_RANK": "1"}},
+                              logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), start_method="fork")
+    try:
+        first, killed = worker_processes(context)
+        killed.join(30)
+        assert killed.exitcode == -signal.SIGKILL
+        pid = respawn_worker(context, 1, {"AGAIN": "again"})
+        go.touch()
+        result = context.wait(60)
+        assert result is not None and not result.is_failed(), result
+        assert result.return_values == {0: "first", 1: "again"}
+        assert pid != killed.pid and [p.pid for p in worker_processes(context)] == [first.pid, pid]
+    finally:
+        context.close()
