@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed.elastic.multiprocessing.api as elastic_processes
 import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
 import torch.distributed.launcher.api as launcher_api
+from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -37,7 +38,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 from torch.distributed.run import config_from_args, get_args_parser
 
 import keel
+from keel.core import generations
 from keel.core.net import carrier_changes, job_interfaces, links_down
+from keel.core.torch_private import respawn_worker, worker_processes
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
 from keel.health.reach import ReachWatch, until_answered
@@ -111,6 +114,9 @@ class KeelAgent(LocalElasticAgent):
     _carriers: int  # the job's links' carrier changes when this command began
     _stalled: int  # restarts in a row that got no further than the one before
     _last_step: int  # the furthest step the run reached
+    _generations: TCPStore | None  # with in-process restarts: the store survivors and replacements meet at
+    _round: int  # starts of every worker by this agent
+    _generation: int  # the process group's generation in this round (keel.core.generations)
 
     def run(self, *args, **kwargs) -> RunResult:
         try:
@@ -131,6 +137,8 @@ class KeelAgent(LocalElasticAgent):
         # The workers run in the launcher's environment as it is when they start (the heartbeat directory that
         # `prepare` made is in it), not as it was when the command began.
         launcher_env = worker_group.spec.args[0]
+        self._round, self._generation = self._round + 1, 0  # every worker new: generation 0 of a new round
+        os.environ[generations.ROUND_ENV] = str(self._round)
         launcher_env.clear()
         launcher_env.update(os.environ)
         return super()._start_workers(worker_group)
@@ -140,7 +148,7 @@ class KeelAgent(LocalElasticAgent):
         # torchrun's own end of the workers (SIGTERM, which a stopped one never takes) would wait for it.
         self.heartbeats.end_hang({w.global_rank: w.id for w in worker_group.workers if w.id is not None},
                                  restarting=self._remaining_restarts > 0, exits=self._exit_codes(worker_group))
-        self._end_survivors_of_a_killed_worker()
+        self._end_survivors_of_a_killed_worker(worker_group)
         result = super()._monitor_workers(worker_group)
         now = time.monotonic()
         # Only an elastic job can go on without a node; a one-node job ends with the workers' 76.
@@ -189,30 +197,62 @@ class KeelAgent(LocalElasticAgent):
 
     def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
         """The workers' exit codes by global rank, None while one runs."""
-        context = getattr(self._pcontext, "_pc", None)  # torch.multiprocessing's, once the workers started
-        procs = context.processes if context is not None else []
+        procs = worker_processes(self._pcontext)
         return {w.global_rank: procs[w.local_rank].exitcode for w in worker_group.workers if w.local_rank < len(procs)}
 
-    def _end_survivors_of_a_killed_worker(self) -> None:
+    def _end_survivors_of_a_killed_worker(self, worker_group: WorkerGroup) -> None:
         """A worker killed by a signal (SIGKILL, the OOM killer, a segfault) leaves its peers unable to finish
         any collective, save or pause. torchrun would ask them to stop with SIGTERM and wait for them, and a keel
         worker takes SIGTERM as a pause, which it can only give up once its next collective fails: the restart
-        they are headed for waited that long. They are killed at once instead."""
-        context = getattr(self._pcontext, "_pc", None)  # torch.multiprocessing's, once the workers started
-        procs = context.processes if context is not None else []
-        if not any(proc.exitcode is not None and proc.exitcode < 0 for proc in procs):
+        they are headed for waited that long. They are killed at once instead, unless it is restarted alone."""
+        procs = worker_processes(self._pcontext)
+        killed = [i for i, proc in enumerate(procs) if proc.exitcode is not None and proc.exitcode < 0]
+        if not killed or self._restart_alone(worker_group, killed, procs):
             return
         for proc in procs:
             if proc.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
 
+    def _restart_alone(self, worker_group: WorkerGroup, killed: list[int], procs: list) -> bool:
+        """With in-process restarts on, killed workers whose peers all run are started again alone, as the next
+        generation of the process group, which the survivors rejoin (keel.core.generations); each uses one
+        restart. Whether it did: otherwise every worker is restarted."""
+        survivors = [proc for i, proc in enumerate(procs) if i not in killed]
+        if self._generations is None or self._remaining_restarts == 0 or not survivors or \
+                any(proc.exitcode is not None for proc in survivors):
+            return False
+        detected = time.time()
+        self._remaining_restarts -= 1
+        self._generation += 1
+        replaced = [w for w in worker_group.workers if w.local_rank in killed]
+        ranks = sorted(w.global_rank for w in replaced)
+        codes = sorted({procs[w.local_rank].exitcode for w in replaced})
+        generations.announce(self._generations, self._generation, ranks)
+        for w in replaced:
+            w.id = respawn_worker(self._pcontext, w.local_rank, {generations.GENERATION_ENV: str(self._generation)})
+        print(f"keel: rank(s) {', '.join(map(str, ranks))} killed by signal {', '.join(str(-c) for c in codes)}: "
+              f"restarted alone (health.in_process_restart), the other workers keep their processes; "
+              f"{self._remaining_restarts} restart(s) left", file=sys.stderr, flush=True)
+        step = int(read_status(self.run_dir).get("step", 0))
+        events = EventLog(self.run_dir / "events.jsonl", rank=-1)
+        events.emit("failure", step, "in_process", node=node_name(), exit_codes=codes, ranks=ranks,
+                    generation=self._generation, restarts_left=self._remaining_restarts, detected=detected)
+        events.close()
+        return True
+
     def _give_up(self, code: int, why: str, announce: bool = True) -> None:
         self.outcome = (code, why, announce)
         self._remaining_restarts = 0  # the agent's loop then stops the workers and returns the failure
 
-    def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int, flap_limit: int = 0) -> None:
+    def prepare(self, run_dir: Path, elastic: bool, no_progress_limit: int, flap_limit: int = 0,
+                in_process: bool = False) -> None:
         self.run_dir, self.elastic, self.no_progress_limit = run_dir, elastic, no_progress_limit
+        self._round = self._generation = 0
+        self._generations = None
+        if in_process:  # the store where survivors and replacements meet (keel.core.generations)
+            self._generations = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+            os.environ[generations.STORE_ENV] = f"127.0.0.1:{self._generations.port}"
         self.flap_limit, self._carriers = flap_limit, carrier_changes()
         self.outcome = None
         self.heartbeats = HeartbeatWatch(run_dir)
@@ -291,7 +331,7 @@ class _WorkerTracebackOnly(logging.Filter):
 
 def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry: WorkerEntry,
            rendezvous: Rendezvous | None = None, *, shutdown_grace_s: int = 120, no_progress_restarts: int = 2,
-           cut_off_limit: int = 3, flap_limit: int = 0, say=print) -> int:
+           cut_off_limit: int = 3, flap_limit: int = 0, in_process_restart: bool = False, say=print) -> int:
     """Run this node's workers under torchrun's elastic agent. Returns the job's exit code: 0 finished,
     2 bad input, 3 stopped (do not requeue), 73 the checkpoint volume refused a save, 75 paused (rerun
     resumes), 76 this node or a rank was
@@ -316,7 +356,7 @@ def launch(nproc: int, max_restarts: int, argv: list[str], run_dir: Path, entry:
 
     def make_agent(*a, **kw) -> KeelAgent:
         agent = KeelAgent(*a, **kw)
-        agent.prepare(run_dir, elastic, no_progress_restarts, flap_limit)
+        agent.prepare(run_dir, elastic, no_progress_restarts, flap_limit, in_process_restart and not elastic)
         agents.append(agent)
         return agent
 

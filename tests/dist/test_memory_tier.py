@@ -1,7 +1,8 @@
-"""The memory tier in real runs: a rank SIGKILLed at a random step, its workers restarted by the launcher,
-restore the newest checkpoint held in the node's shared memory without opening a file of the checkpoint storage
-(an inotify watch on it, ordered against the memory tier's next save), and end bitwise equal to the run that
-never failed."""
+"""The memory tier in real runs: a rank SIGKILLed at a random step is restarted alone by the launcher
+(`health.in_process_restart`), the other rank keeping its process; both restore the newest checkpoint held in the
+node's shared memory without opening a file of the checkpoint storage (an inotify watch on it, ordered against
+the memory tier's next save), and end bitwise equal to the run that never failed. (The restart of every worker
+from the memory tier is the drill's: kill_restored_from_memory, kill_during_memory_save.)"""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _wait_for(path: Path, found, timeout: float = 120.0) -> tuple[int, dict]:
     raise AssertionError(f"no such record in {path} after {timeout} s")
 
 
-def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_and_ends_bitwise(
+def test_a_rank_killed_at_a_random_step_is_restarted_alone_restores_from_memory_reading_no_storage_and_ends_bitwise(
         small_corpus: Path, reference_run: Path, tmp_path: Path) -> None:
     # Storage saves at 20 and 40, memory every 5 steps. The kill comes after the save of step 20 has settled, not
     # in the step after a memory save (whose write may not be committed yet), and early enough for a memory save
@@ -104,7 +105,8 @@ def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_
     run_dir = tmp_path / "killed"
     args = ["train", "--nproc", "2", "--max-restarts", "1", "--run-dir", str(run_dir), *SMALL_RUN,
             "train.steps=40", f"data.dir={small_corpus}", "checkpoint.interval=20", "checkpoint.keep_last=10",
-            "checkpoint.memory_interval=5", f'drill.inject=["kill:step={step},rank=1", "slow:rank=-1,seconds=0.2"]']
+            "checkpoint.memory_interval=5", "health.in_process_restart=true",
+            f'drill.inject=["kill:step={step},rank=1", "slow:rank=-1,seconds=0.2"]']
     memory = memory_root("", run_dir, node_name())
     with (tmp_path / "out.log").open("w") as out, (tmp_path / "err.log").open("w") as err:
         proc, tag = spawn_keel(args, tmp_path, text=True, stdout=out, stderr=err)
@@ -132,9 +134,15 @@ def test_a_rank_killed_at_a_random_step_restores_from_memory_reading_no_storage_
     goodput = json.loads((run_dir / "goodput.json").read_text())
     assert [(r["step"], r["tier"]) for r in goodput["restores"]] == [(newest, "memory")]
     assert set(goodput["restore_s_by_tier"]) == {"memory"}
-    assert f"last restore: step {newest} from the memory tier" in "\n".join(summary_lines(summary(run_dir)))
+    status = "\n".join(summary_lines(summary(run_dir)))
+    assert f"last restore: step {newest} from the memory tier" in status
+    assert "in-process: rank(s) 1 restarted alone, the others kept their processes" in status
     assert state_sha256(run_dir / "checkpoints" / "step-000040") == \
         state_sha256(reference_run / "checkpoints" / "step-000040"), f"killed in step {step}"
     assert not memory.exists(), "the launcher removes the memory tier when the job ends"
     restarts = [r for r in events if r["kind"] == "failure"]
-    assert [r["action"] for r in restarts] == ["restart"], json.dumps(restarts)
+    assert [(r["action"], r["detail"]["ranks"]) for r in restarts] == [("in_process", [1])], json.dumps(restarts)
+    pids = {rank: [r["detail"]["pid"] for r in events if r["kind"] == "start" and r["rank"] == rank] for rank in (0, 1)}
+    assert len(pids[0]) == 2 and len(set(pids[0])) == 1, f"rank 0 kept its process: {pids}"
+    assert len(set(pids[1])) == 2, f"rank 1 was replaced: {pids}"
+    assert "rejoins the job (generation 1)" in (tmp_path / "err.log").read_text()

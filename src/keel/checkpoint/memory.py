@@ -18,9 +18,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from keel.checkpoint.manifest import committed
 from keel.checkpoint.storage import Storage, size_text
 from keel.config import Config
 from keel.config.schema import CheckpointConfig
+from keel.core import generations
 from keel.errors import ConfigError
 from keel.rundir.quarantine import node_name
 
@@ -119,3 +121,13 @@ def memory_tier(cfg: Config) -> MemoryTier | None:
     policy = dataclasses.replace(cfg.checkpoint, keep_last=KEPT, keep_every=0, async_save=True,
                                  on_storage_error="continue")
     return MemoryTier(Storage(root), policy)
+
+
+def resume_on_restart(cfg: Config, storage: Storage, resume: str) -> str:
+    """What a restarted worker resumes: one the agent restarted, or one started or kept to rejoin a replaced peer
+    (keel.core.generations), continues from this run's own latest checkpoint of either tier, where there is one,
+    whatever the command first said (a fresh start, a checkpoint to start from)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or generations.joined() > 0
+    if restarted and (committed(storage) or (memory := memory_tier(cfg)) is not None and committed(memory.storage)):
+        return "auto"
+    return resume

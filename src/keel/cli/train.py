@@ -117,8 +117,7 @@ def report_to_trackers(cfg: Config, run_dir: Path, logged_from: Path) -> None:
 def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: int, elastic: bool, launches: bool,
                    in_groups: bool) -> int:
     from keel.checkpoint.identity import run_identity
-    from keel.checkpoint.manifest import committed
-    from keel.checkpoint.memory import memory_tier
+    from keel.checkpoint.memory import resume_on_restart
     from keel.checkpoint.resume import check_resume, check_resume_identity, checkpoint_root
     from keel.health.signals import stop_requested_early
     from keel.rundir.lock import RunLock, held_by_launcher
@@ -137,10 +136,7 @@ def _checked_start(args: argparse.Namespace, cfg: Config, worker: bool, nproc: i
     accepted = accepted_changes(cfg, args.accept_change)
     corpus = ensure_corpus(cfg, verbose=not worker or os.environ.get("RANK") == "0")
     storage = checkpoint_root(cfg, run_dir)
-    resume = args.resume
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (committed(storage) or (memory := memory_tier(cfg)) is not None and committed(memory.storage)):
-        resume = "auto"  # restarted by the elastic agent: continue from this run's own latest checkpoint
+    resume = resume_on_restart(cfg, storage, args.resume)
     lock = RunLock(run_dir, node_name() if elastic else "")
     if not worker and not held_by_launcher(run_dir):
         lock.check_free()  # a run in use is said to be so, not judged by the checkpoints its job is writing
@@ -180,7 +176,22 @@ def _launch_node(args: argparse.Namespace, cfg: Config, run_dir: Path, nproc: in
         return launch(nproc, max_restarts, args.argv, run_dir, forked_worker, nodes,
                       shutdown_grace_s=cfg.health.shutdown_grace_s,
                       no_progress_restarts=cfg.health.no_progress_restarts, cut_off_limit=cfg.health.cut_off_limit,
-                      flap_limit=cfg.health.flap_limit)
+                      flap_limit=cfg.health.flap_limit, in_process_restart=in_process_restarts(cfg, args.nnodes))
+
+
+def in_process_restarts(cfg: Config, nnodes: str) -> bool:
+    """Whether this job restarts a killed worker alone (health.in_process_restart), and where it was asked for
+    but cannot, the line that says why."""
+    from keel.parallel.mesh import pick_device
+
+    if not cfg.health.in_process_restart:
+        return False
+    why = ("this job spans nodes" if nnodes != "1" else "its workers run on CUDA, where a collective whose peer died "
+           "hangs until its timeout instead of failing" if pick_device(cfg.train.device).type != "cpu" else "")
+    if why:
+        print(f"keel: health.in_process_restart applies to one-node CPU jobs, and {why}: a killed worker restarts "
+              f"every worker", flush=True)
+    return not why
 
 
 def check_init_from(cfg: Config) -> None:

@@ -522,6 +522,11 @@ class HealthConfig:
                                 ge=1)
     flap_limit: int = option(3, "elastic jobs: a node whose job links flap (carrier lost, then back) this many "
                              "times in one command lists itself in quarantine.json and leaves (0: never)", ge=0)
+    in_process_restart: bool = option(False, "one-node CPU jobs: a worker killed by a signal (SIGKILL, the OOM "
+                                      "killer, a crash) is restarted alone, using one of the restarts; the others "
+                                      "keep their processes, re-form the process group with it and restore the "
+                                      "newest checkpoint (the memory tier's where there is one) in place. Jobs of "
+                                      "several nodes or on CUDA restart every worker, and say so")
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
                                    "SIGKILL", ge=1, le=YEAR_S)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "

@@ -103,14 +103,17 @@ def summarize(run: Run, events: int = 5) -> dict:
             "train_loss": last_value(run.metrics, "train/loss"), "val_loss": last_value(run.metrics, "val/loss"),
             "tokens_seen": tokens["value"] if tokens else run.summary.get("tokens_seen"),
             "goodput_ratio": ratio, "wall_s": wall_seconds(run, info["since"]), "alerts": alerts,
-            "last_restore": last_restore(resumes[-1]) if resumes else None}
+            "last_restore": last_restore(resumes[-1], run.events) if resumes else None}
 
 
-def last_restore(event: dict) -> dict:
-    """Which tier and step the latest start restored, and how long the load took."""
+def last_restore(event: dict, events: list[dict]) -> dict:
+    """Which tier and step the latest start restored, how long the load took, and the ranks restarted alone when
+    the failure before it was one the launcher handled in-process (health.in_process_restart)."""
     detail = event["detail"]
+    failures = [e for e in events if e.get("kind") == "failure" and e.get("time", 0) <= event.get("time", 0)]
+    alone = failures[-1]["detail"].get("ranks") if failures and failures[-1].get("action") == "in_process" else None
     return {"step": event.get("step"), "tier": detail.get("tier") or "storage", "checkpoint": detail.get("checkpoint"),
-            "load_s": detail.get("load_s"), "time": event.get("time")}
+            "load_s": detail.get("load_s"), "time": event.get("time"), "restarted_alone": alone}
 
 
 def group_dirs(run_dir: Path) -> list[Path]:
@@ -217,6 +220,9 @@ def summary_lines(info: dict) -> list[str]:
         took = f" in {restore['load_s']:.2f} s" if finite(restore.get("load_s")) else ""
         lines.append(f"  last restore: step {restore['step']} from the {restore['tier']} tier{took} at "
                      f"{_clock(restore.get('time'))} ({restore['checkpoint']})")
+        if alone := restore.get("restarted_alone"):
+            lines.append(f"    in-process: rank(s) {', '.join(map(str, alone))} restarted alone, the others kept their "
+                         f"processes")
     lines.append(f"  loss: train {_loss(info['train_loss'])} · validation {_loss(info['val_loss'])}")
     ratio, wall = info["goodput_ratio"], info["wall_s"]
     lines.append(f"  goodput {f'{ratio:.1%}' if ratio is not None else '-'}"

@@ -21,6 +21,7 @@ from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.memory import memory_tier
 from keel.checkpoint.resume import checkpoint_root
 from keel.config import Config
+from keel.core import generations
 from keel.core.callbacks import Callback, Hooks
 from keel.core.state import TrainState
 from keel.data.loader import GlobalOrderLoader, SequenceIndex, validation_batches
@@ -47,9 +48,10 @@ from keel.train.step import Stepper, evaluate
 def attempt_started() -> float:
     """When this start of the run began, for the goodput ledger: the launcher's start for its first worker
     group, this process's own for a group the agent restarted or for a plain torchrun job (when each
-    first imported keel: the kernel's process start times are rounded to the second)."""
+    first imported keel: the kernel's process start times are rounded to the second), and for a generation
+    that replaced a killed worker (keel.core.generations) its start (a survivor's: when it began to rejoin)."""
     launched = os.environ.get("KEEL_LAUNCHED_AT")
-    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not generations.joined():
         return float(launched)
     return keel.STARTED
 

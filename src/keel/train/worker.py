@@ -4,14 +4,17 @@ the monitor around the Trainer, and the status left behind on every exit path.""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 import keel
+from keel.checkpoint.memory import resume_on_restart
 from keel.checkpoint.resume import checkpoint_root
 from keel.config import CallbackSpec, Config
+from keel.core import generations
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, KeelError
 from keel.health.signals import StopRequests
 from keel.health.watchdog import Watchdog, is_collective_timeout
@@ -37,8 +40,34 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    generation = generations.joined()
+    while True:
+        try:
+            return _generation(cfg, run_dir, device, generation, resume, accepted, callbacks)
+        except PeerReplaced as e:  # this process survived a peer's death: it meets the replacement
+            generation = e.generation
+            # From here on the process is of that generation, started when it began to rejoin (its goodput
+            # attempt), and resumes the run's own latest checkpoint as a restarted worker does.
+            os.environ[generations.GENERATION_ENV], keel.STARTED = str(generation), e.caught
+            resume = resume_on_restart(cfg, checkpoint_root(cfg, run_dir), resume)
+            print(f"keel: rank {e.rank}: {e.why}; rank(s) {', '.join(map(str, e.ranks))} replaced, this process "
+                  f"rejoins the job (generation {generation}) and restores in place", file=sys.stderr, flush=True)
+
+
+class PeerReplaced(Exception):
+    """A peer of this worker died and its launcher started a replacement for it alone (keel.core.generations):
+    this worker, its process group left, joins the next generation."""
+
+    def __init__(self, rank: int, generation: int, ranks: list[int], why: str) -> None:
+        super().__init__(f"rank(s) {ranks} replaced: generation {generation}")
+        self.rank, self.generation, self.ranks, self.why, self.caught = rank, generation, ranks, why, time.time()
+
+
+def _generation(cfg: Config, run_dir: Path, device: torch.device, generation: int, resume: str,
+                accepted: tuple[str, ...], callbacks: list[CallbackSpec] | None) -> int:
+    """One generation of the job's process group in this process: joined, trained in, left."""
     entered = time.time()
-    ctx = init_distributed(device)
+    ctx = init_distributed(device, generation)
     times = {"process_started": keel.STARTED, "entered": entered, "group_ready": time.time()}
     crashed = True
     lock = None
@@ -55,6 +84,10 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
         crashed = False  # bad input: every rank meets it at the same point
         raise
     except BaseException as e:
+        if isinstance(e, Exception) and generations.enabled() and \
+                (ranks := generations.announced(generation + 1)) is not None and ctx.rank not in ranks:
+            raise PeerReplaced(ctx.rank, generation + 1, ranks, str(e).splitlines()[0] if str(e) else
+                               type(e).__name__) from e
         if ctx.rank == 0 and run_dir.is_dir():
             last = read_status(run_dir)
             write_status(run_dir, "failed", last.get("step", 0), checkpoint=last.get("checkpoint"),
