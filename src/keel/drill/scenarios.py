@@ -292,6 +292,12 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  "equal", inject=(f"kill:step={mid},rank={r}",), fault_step=mid, max_restarts=1,
                  tuning=("checkpoint.memory_interval=2",), detect=("failure", ""),
                  recovered_by=("memory", "restored")),
+        Scenario("kill_restarted_in_process", "with the state also held in memory every 2 steps and in-process "
+                 "restarts on, a rank SIGKILLed mid-step is restarted alone while the others keep their processes; "
+                 "all restore the newest copy in memory and the run ends bitwise equal",
+                 inject=(f"kill:step={mid},rank={r}",), fault_step=mid, max_restarts=1,
+                 tuning=("checkpoint.memory_interval=2", "health.in_process_restart=true"),
+                 detect=("failure", "in_process"), recovered_by=("memory", "restored")),
         Scenario("kill_during_save", "a SIGKILL during a background checkpoint write loses no committed state; "
                  "the rerun resumes from the previous checkpoint and ends bitwise equal",
                  inject=(f"sigkill_during_checkpoint_write:step={save},rank={r}",), fault_step=save, rerun=True,
