@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 MONITOR_INTERVAL = 5
 PHASES = ("detection", "restart", "start", "rendezvous", "setup", "load", "first_step")
 LOST = ("lost_steps", "back_s", "lost_work_s", "storage_bytes")  # what a failure loses, and what its restore read
-SIDES = ("keel", "keel_memory", "baseline")
+SIDES = ("keel", "keel_memory", "keel_in_process", "baseline")
 
 
 def spans(marks: list[float]) -> dict[str, float]:
@@ -81,12 +81,12 @@ def run_and_kill(cmd: list[str], env: dict[str, str], step_of: Callable[[], int]
 # ---------------------------------------------------------------- keel
 
 
-def keel_once(args: argparse.Namespace, work: Path, memory_interval: int = 0) -> dict:
+def keel_once(args: argparse.Namespace, work: Path, memory_interval: int = 0, in_process: bool = False) -> dict:
     run_dir = work / "keel"
     cmd = [sys.executable, "-m", "keel", "train", "--config", args.config, "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir), f"train.steps={args.steps}", f"checkpoint.interval={args.ckpt_every}",
            f"monitor.interval={MONITOR_INTERVAL}", "eval.interval=0", f"checkpoint.memory_interval={memory_interval}",
-           *args.overrides]
+           f"health.in_process_restart={str(in_process).lower()}", *args.overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
 
     def events() -> list[dict]:
@@ -103,6 +103,7 @@ def keel_once(args: argparse.Namespace, work: Path, memory_interval: int = 0) ->
         return next(e["detail"]["pid"] for e in events() if e["kind"] == "start" and e["rank"] == 1)
 
     killed, _ = run_and_kill(cmd, env, step, rank1_pid, args.kill_after)
+    rank0 = {e["detail"]["pid"] for e in events() if e["kind"] == "start" and e["rank"] == 0}
     later = [e for e in events() if e["time"] > killed]
     detected = next(e["detail"]["detected"] for e in later if e["kind"] == "failure")
     starts = [e for e in later if e["kind"] == "start"]
@@ -118,7 +119,7 @@ def keel_once(args: argparse.Namespace, work: Path, memory_interval: int = 0) ->
     tier = resume["detail"].get("tier", "storage")
     read = directory_bytes(Path(resume["detail"]["checkpoint"])) if tier == "storage" else 0
     return {**spans(marks), **lost(args.kill_after - resume["step"], back - killed, step_s), "storage_bytes": read,
-            "tier": tier}
+            "tier": tier, "survivor_kept": len(rank0) == 1}
 
 
 def lost(steps: int, back_s: float, step_s: float) -> dict:
@@ -274,7 +275,8 @@ def main() -> None:
         worker(args)
         return
     once = {"keel": lambda work: keel_once(args, work), "baseline": lambda work: baseline_once(args, work),
-            "keel_memory": lambda work: keel_once(args, work, args.memory_interval)}
+            "keel_memory": lambda work: keel_once(args, work, args.memory_interval),
+            "keel_in_process": lambda work: keel_once(args, work, args.memory_interval, in_process=True)}
     runs: dict[str, list[dict]] = {who: [] for who in SIDES}
     loads: dict[str, list[float]] = {who: [] for who in SIDES}  # 1-minute load average as each run started
     for repeat in range(args.repeats):
@@ -292,29 +294,38 @@ def main() -> None:
     # Each repeat's keel total over the plain restart's of the same repeat.
     pairs = [total(k) / total(b) for k, b in zip(runs["keel"], runs["baseline"], strict=True)]
     back = [m["back_s"] / s["back_s"] for m, s in zip(runs["keel_memory"], runs["keel"], strict=True)]
-    print("\n| phase | keel, s | keel with the memory tier, s | torchrun + minimal DCP loop, s |\n|---|---|---|---|")
+    # The in-process restart's total over keel's restart of every worker (both from the memory tier), and over
+    # the plain restart, each of the same repeat.
+    in_process = {against: per_repeat([total(a) / total(b) for a, b in zip(runs["keel_in_process"], runs[against],
+                                                                            strict=True)])
+                  for against in ("keel_memory", "baseline")}
+    print("\n| phase | keel, s | keel with the memory tier, s | the same, in-process restart, s | torchrun + minimal "
+          "DCP loop, s |\n|---|---|---|---|---|")
     for p in (*PHASES, "total", *LOST):
         print(f"| {p.replace('_', ' ')} | " + " | ".join(f"{median[who][p]:.6g}" for who in SIDES) + " |")
     print(f"\nratio keel / baseline (total, median of {args.repeats}): "
           f"{median['keel']['total'] / median['baseline']['total']:.2f}; per repeat {statistics.median(pairs):.2f} "
           f"({min(pairs):.2f}–{max(pairs):.2f}); back where it was, memory tier / storage only: "
-          f"{statistics.median(back):.2f} ({min(back):.2f}–{max(back):.2f}); load "
+          f"{statistics.median(back):.2f} ({min(back):.2f}–{max(back):.2f}); in-process / restart of every worker "
+          f"{in_process['keel_memory']['median']:.2f}, / plain restart {in_process['baseline']['median']:.2f}; load "
           f"{min(min(v) for v in loads.values()):.1f}–{max(max(v) for v in loads.values()):.1f}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "recovery", "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "ckpt_every": args.ckpt_every, "kill_after": args.kill_after, "memory_interval": args.memory_interval,
         "repeats": args.repeats, "median": median, "ratio_total": median["keel"]["total"] / median["baseline"]["total"],
-        "ratio_total_per_repeat": {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
-                                   "each": pairs},
-        "ratio_back_memory_per_repeat": {"median": statistics.median(back), "min": min(back), "max": max(back),
-                                         "each": back},
+        "ratio_total_per_repeat": per_repeat(pairs), "ratio_back_memory_per_repeat": per_repeat(back),
+        "ratio_in_process_per_repeat": in_process,
         "runs": runs, "load": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=1) + "\n")
 
 
 def total(run: dict) -> float:
     return sum(run[p] for p in PHASES)
+
+
+def per_repeat(ratios: list[float]) -> dict:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "each": ratios}
 
 
 if __name__ == "__main__":

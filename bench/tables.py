@@ -167,9 +167,9 @@ RECOVERY_PHASES = {
 def recovery() -> str:
     results = _results("recovery")
     median = results["median"]
-    sides = [who for who in ("keel", "keel_memory", "baseline") if who in median]
+    sides = [who for who in ("keel", "keel_memory", "keel_in_process", "baseline") if who in median]
     header = {"keel": "keel, s", "keel_memory": f"keel, memory tier every {results.get('memory_interval')} steps, s",
-              "baseline": "torchrun + minimal DCP loop, s"}
+              "keel_in_process": "the same, in-process restart, s", "baseline": "torchrun + minimal DCP loop, s"}
     labels = {**RECOVERY_PHASES, "lost_steps": f"steps done again (killed after step {results['kill_after']}, "
               f"storage every {results['ckpt_every']})", "back_s": "kill → the killed step done again, s",
               "lost_work_s": "work lost: steps done again × step time × 2 processes, s",
@@ -183,7 +183,11 @@ def recovery() -> str:
                      f"**{pairs['median']:.2f}** ({pairs['min']:.2f}–{pairs['max']:.2f})", *[""] * (len(sides) - 1)])
     if back := results.get("ratio_back_memory_per_repeat"):
         rows.append(["kill → back where it was, memory tier / storage only, same repeat", "",
-                     f"**{back['median']:.2f}** ({back['min']:.2f}–{back['max']:.2f})", ""])
+                     f"**{back['median']:.2f}** ({back['min']:.2f}–{back['max']:.2f})", *[""] * (len(sides) - 2)])
+    for against, what in (("keel_memory", "keel's restart of every worker"), ("baseline", "the plain restart")):
+        if ratio := results.get("ratio_in_process_per_repeat", {}).get(against):
+            rows.append([f"total, in-process restart / {what}, same repeat", "", "",
+                         f"**{ratio['median']:.2f}** ({ratio['min']:.2f}–{ratio['max']:.2f})", ""])
     return _table(["phase", *(header[who] for who in sides)], rows)
 
 
