@@ -31,7 +31,15 @@ from keel.plan.failures import (
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
 from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
 from keel.plan.memory import GIB, PARTS, check_run, suggest
-from keel.plan.throughput import Efficiency, StepBreakdown, calibrate, efficiency_for, ep_exchange, ep_link
+from keel.plan.throughput import (
+    Efficiency,
+    StepBreakdown,
+    calibrate,
+    efficiency_for,
+    ep_exchange,
+    ep_link,
+    measured_run,
+)
 from keel.plan.tuning import from_sweep, tuning_lines
 from keel.rundir.progress import format_duration
 
@@ -72,7 +80,10 @@ def answer(q: Question) -> dict:
     if q.gpus < 1 or q.tokens <= 0:
         raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
     eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else efficiency_for(hw)
-    work = Workload.of(q.cfg, q.tokens)
+    if q.calibrate_from and not hw.peak_flops:  # a CPU has no published peak: the run measured its own
+        hw = measured_run(q.calibrate_from, hw).hw
+    # keel computes in fp32 on a CPU unless told otherwise (train.precision = auto); every GPU plan is in bf16
+    work = Workload.of(q.cfg, q.tokens, q.cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
     tuning = from_sweep(q.sweep, q.cfg, work.n_params, work.steps()) if q.sweep else None  # a bad one fails first
     given, unmodelled = (parse_layout(q.layout, q.gpus), []) if q.layout else config_layout(q.cfg, q.gpus)
     candidates = search(work, q.gpus, hw, eff)

@@ -264,6 +264,19 @@ def test_calibration_reproduces_the_measured_run() -> None:
     assert eff.compute == pytest.approx(run.mfu * run.step_s / (run.step_s - run.comm_s), rel=0.02)
 
 
+def test_a_cpu_is_planned_from_a_calibration_run_in_its_own_precision() -> None:
+    # A CPU has no vendor peak: with --calibrate the plan takes the run's measured peak and all-reduce bandwidth,
+    # and plans in fp32 as keel computes on a CPU (train.precision = auto). The run's own layout is then predicted
+    # at the step time it measured (in bf16 its FSDP traffic would have been halved).
+    cfg = load_config(RUN / "config.toml", [])
+    with pytest.raises(KeelError, match="no known fp32 peak"):
+        answer(Question(cfg, 2, "cpu", 1e7, trials=20))
+    plan = answer(Question(cfg, 2, "cpu", 1e7, layout="dp_shard=2,micro_batch=16", calibrate_from=RUN, trials=20))
+    run = measured_run(RUN)
+    assert plan["given"]["step_s"] == pytest.approx(run.step_s, rel=0.10)
+    assert plan["layouts"] and plan["question"]["hardware"] == "CPU host"
+
+
 def test_calibration_follows_a_slower_run(tmp_path: Path) -> None:
     """The same run made twice as slow (step time doubled, throughput and MFU halved): the fitted
     factors change and still reproduce it."""
