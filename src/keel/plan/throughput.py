@@ -440,19 +440,24 @@ def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
     trained = run_layout(run_dir)
     windows = [r for r in _records(run_dir / "metrics.jsonl") if r.get("time/step_s") and r.get("throughput/mfu")]
     windows = windows[1:] if len(windows) > 1 else windows
-    profiled = [r for r in windows if r.get("time/comm_share") is not None]
-    if not profiled:
+    watched = [r for r in windows if r.get("time/comm_share") is not None]
+    if not watched:
         raise KeelError(f"{run_dir}/metrics.jsonl has no profiled steps (time/comm_share): run with "
                         f"monitor.profile_interval at most monitor.interval")
-    step_s = statistics.fmean(r["time/step_s"] for r in windows)
-    comm_share = statistics.fmean(r["time/comm_share"] for r in profiled)
-    mfu = statistics.fmean(r["throughput/mfu"] for r in windows)
+    # The profiler's tracing slows the step it watches (several times over on a CPU): the step's time and speed
+    # come from the logged windows without a profiled step where there are some.
+    every, profiled = trained.cfg.monitor.interval, trained.cfg.monitor.profile_interval
+    timed = [r for r in windows if not any(s % profiled == 0 for s in range(r["step"] - every + 1, r["step"] + 1))
+             ] or windows
+    step_s = statistics.fmean(r["time/step_s"] for r in timed)
+    comm_share = statistics.fmean(r["time/comm_share"] for r in watched)
+    mfu = statistics.fmean(r["throughput/mfu"] for r in timed)
     peak = statistics.fmean(r["throughput/tflops_per_device"] * 1e12 / r["throughput/mfu"] for r in windows)
     checks = [c for r in _records(run_dir / "events.jsonl", "preflight") for c in r["detail"].get("checks", [])]
     busbw = [c["values"]["busbw_gbs"] * 1e9 for c in checks if "busbw_gbs" in c.get("values", {})]
     hw = _run_hardware(trained.device, peak, statistics.fmean(busbw) if busbw else 0.0, hw)
     return MeasuredRun(trained.work, trained.layout, hw, step_s, comm_share * step_s, mfu,
-                       statistics.fmean(r["throughput/tokens_per_s"] for r in windows))
+                       statistics.fmean(r["throughput/tokens_per_s"] for r in timed))
 
 
 def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -389,3 +390,15 @@ def test_float8_runs_the_blocks_linear_layers_at_the_float8_peak_and_pays_their_
     assert Workload.of(cfg).fp8 and planned["given"]["tokens_per_s_per_gpu"] == pytest.approx(
         step_time(Workload.of(cfg), layout, H100, efficiency_for(H100)).tokens_per_s_per_device)
     assert "72% of its FLOPs in float8" in lines(planned)[0]
+
+
+def test_the_calibration_times_the_step_outside_the_windows_the_profiler_slowed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(RUN, run_dir)
+    config = (run_dir / "config.toml").read_text().replace("profile_interval = 5", "profile_interval = 20")
+    (run_dir / "config.toml").write_text(config)
+    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in windows if r.get("time/step_s") and r.get("throughput/mfu")][1:]
+    clean = [r["time/step_s"] for r in windows if r["step"] % 20]  # windows of 10 steps: 20, 40 were profiled
+    assert 0 < len(clean) < len(windows)
+    assert measured_run(run_dir).step_s == pytest.approx(statistics.fmean(clean))
