@@ -1,7 +1,9 @@
 """The cluster's own figures for `keel plan`: its network, how fast it notices and recovers from a failure,
 how often its accelerators fail, its spare nodes, its storage, its price and its memory allocator's
 fragmentation; from flags, a TOML file
-(`--cluster FILE`, the same names), or the defaults below, each with its source (docs/planning.md).
+(`--cluster FILE`, the same names), or the defaults below, each with its source (docs/planning.md). A file
+that `keel plan --measure` wrote also holds what it measured: the efficiency factors fitted on this machine,
+and for an accelerator without published figures (a CPU) its peak and link bandwidth.
 
 A flag wins over the file, the file over the default. Every figure is checked (finite, in range) before
 anything is planned: one line naming it and what would do.
@@ -18,6 +20,7 @@ from typing import Any
 from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
 from keel.plan.failures import DEFAULT_DEVICE_MTBF_H, DEFAULT_MEMORY_COVERAGE, Recovery
+from keel.plan.throughput import Efficiency
 
 YEAR_H = 365 * 24.0
 MAX_SPARES = 100_000
@@ -36,9 +39,27 @@ class Cluster:
     price: float = DEFAULT_PRICE_PER_HOUR  # per accelerator-hour
     fragmentation: float = 0.05  # memory the allocator reserves beyond its allocated peak, a share of it
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
+    # Measured (`keel plan --measure`), None where not: the efficiency factors (keel.plan.throughput.Efficiency),
+    # and an accelerator's dense peak and link bandwidth within a node where its catalog entry has none (a CPU).
+    compute_efficiency: float | None = None
+    overlap: float | None = None
+    link_efficiency: float | None = None
+    peak_tflops: float | None = None
+    intra_gbps: float | None = None
 
     def recovery(self) -> Recovery:
         return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600)
+
+    def efficiency(self) -> Efficiency | None:
+        """The efficiency factors the file holds (all three, or none: the planner's defaults then)."""
+        compute, overlap, link = self.compute_efficiency, self.overlap, self.link_efficiency
+        if compute is not None and overlap is not None and link is not None:
+            return Efficiency(compute=compute, overlap=overlap, link=link, source="measured (the cluster file)",
+                              size_exponent=0.0)
+        if compute is None and overlap is None and link is None:
+            return None
+        raise KeelError("--cluster: compute_efficiency, overlap and link_efficiency go together (as `keel plan "
+                        "--measure` writes them); give all three or none")
 
 
 # name → (lowest, whether the lowest itself is allowed, highest, what it is)
@@ -52,8 +73,14 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "price": (0.0, True, 1e6, "price per accelerator-hour"),
     "fragmentation": (0.0, True, 1.0, "share of the peak the memory allocator reserves beyond it"),
     "memory_coverage": (0.0, True, 1.0, "share of the failures the memory tier restores"),
+    "compute_efficiency": (0.0, False, 2.0, "share of the peak the forward and backward reach"),
+    "overlap": (0.0, True, 1.0, "share of the FSDP and data-parallel traffic hidden under compute"),
+    "link_efficiency": (0.0, False, 2.0, "share of the link bandwidth collectives reach"),
+    "peak_tflops": (0.0, False, 1e6, "dense peak TFLOP/s of one accelerator"),
+    "intra_gbps": (0.0, False, 10_000.0, "GB/s per accelerator within a node"),
 }
-FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"]}
+MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "intra_gbps")  # no flags
+FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"] if name not in MEASURED}
 FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"
 
 
@@ -97,3 +124,19 @@ def cluster_from(path: Path | None, flags: dict[str, Any]) -> Cluster:
         if value is not None:
             values[name] = checked(name, value, FLAGS[name])
     return Cluster(**values)
+
+
+def write_cluster(path: Path, cluster: Cluster, sources: dict[str, str]) -> Path:
+    """`cluster` as a file `--cluster` reads: every figure it has, each with where it came from as a comment."""
+    lines = []
+    for f in fields(Cluster):
+        value = getattr(cluster, f.name)
+        if value is None:
+            continue
+        note = f"  # {sources[f.name]}" if f.name in sources else ""
+        lines.append(f"{f.name} = {value!r}{note}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path

@@ -62,28 +62,43 @@ class Question:
     spares: int | None = None  # hot spare nodes; None: as many as pay for themselves
     layout: str = ""  # `--layout tp=8,pp=16,...`: predict this layout (else the config's [parallel], if set)
     calibrate_from: Path | None = None
+    efficiency: Efficiency | None = None  # measured factors (a cluster file of `--measure`); --calibrate wins
+    peak_tflops: float | None = None  # the accelerator's measured dense peak, where its catalog entry has none
+    intra_gbps: float | None = None  # and its measured link bandwidth within a node
     sweep: Path | None = None  # a keel sweep's directory: the learning rate, warmup and loss it predicts
     trials: int = 2000
     seed: int = 0
 
 
 def hardware(q: Question) -> Accelerator:
-    """The accelerator of the question, with the cluster's own network when given and its allocator's
-    fragmentation."""
+    """The accelerator of the question, with the cluster's own network when given, its allocator's
+    fragmentation, and what `--measure` measured of it."""
     hw = replace(by_key(q.hardware), fragmentation=q.fragmentation)
+    if q.peak_tflops is not None:  # what keel measured on a CPU, in the precision it computes in there
+        if hw.peak_flops:
+            raise KeelError(f"--cluster peak_tflops = {q.peak_tflops:g}: {hw.name} has a published peak; the figure "
+                            f"is for an accelerator without one (a CPU, as `keel plan --measure` writes it)")
+        hw = replace(hw, peak_flops={"bf16": q.peak_tflops * 1e12, "fp32": q.peak_tflops * 1e12})
+    if q.intra_gbps is not None:
+        hw = replace(hw, intra_bw=q.intra_gbps * 1e9)
     return hw if q.net_gbps is None else replace(hw, inter_bw=q.net_gbps * 1e9)
+
+
+def basis(q: Question) -> tuple[Accelerator, Efficiency, Workload]:
+    """What every prediction of `q` rests on: the accelerator, the efficiency factors and the workload."""
+    hw = hardware(q)
+    if q.gpus < 1 or q.tokens <= 0:
+        raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
+    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else q.efficiency or efficiency_for(hw)
+    if q.calibrate_from and not hw.peak_flops:  # a CPU has no published peak: the run measured its own
+        hw = measured_run(q.calibrate_from, hw).hw
+    # keel computes in fp32 on a CPU unless told otherwise (train.precision = auto); every GPU plan is in bf16
+    return hw, eff, Workload.of(q.cfg, q.tokens, q.cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
 
 
 def answer(q: Question) -> dict:
     """Everything `keel plan` says, as one JSON-friendly dict."""
-    hw = hardware(q)
-    if q.gpus < 1 or q.tokens <= 0:
-        raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
-    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else efficiency_for(hw)
-    if q.calibrate_from and not hw.peak_flops:  # a CPU has no published peak: the run measured its own
-        hw = measured_run(q.calibrate_from, hw).hw
-    # keel computes in fp32 on a CPU unless told otherwise (train.precision = auto); every GPU plan is in bf16
-    work = Workload.of(q.cfg, q.tokens, q.cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
+    hw, eff, work = basis(q)
     tuning = from_sweep(q.sweep, q.cfg, work.n_params, work.steps()) if q.sweep else None  # a bad one fails first
     given, unmodelled = (parse_layout(q.layout, q.gpus), []) if q.layout else config_layout(q.cfg, q.gpus)
     candidates = search(work, q.gpus, hw, eff)

@@ -10,11 +10,13 @@ import pytest
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.plan.cluster import Cluster, cluster_from
+from keel.plan.cluster import Cluster, cluster_from, write_cluster
 from keel.plan.failures import Recovery
 from keel.plan.report import Question, answer
+from keel.plan.throughput import measured_run
 
 REPO = Path(__file__).resolve().parents[3]
+RUN = Path(__file__).parent / "calibration_run"  # a real 2-process CPU run (test_throughput.py)
 
 
 def question(gpus: int, cluster: Cluster, config: str = "llama3_8b", tokens: float = 1e11) -> Question:
@@ -95,3 +97,32 @@ def test_the_memory_tiers_coverage_decides_its_forecast() -> None:
     assert (none["coverage"], full["coverage"]) == (0.0, 1.0) and default["coverage"] == pytest.approx(1 - 35 / 419)
     assert none["two_tier"]["memory_interval_s"] is None and none["goodput_gain"] == pytest.approx(0.0, abs=1e-9)
     assert full["goodput_gain"] > default["goodput_gain"] > 0
+
+
+def test_a_measured_cluster_file_gives_the_next_plan_its_factors_peak_and_links(tmp_path: Path) -> None:
+    cfg = load_config(RUN / "config.toml", [])
+    calibrated = answer(Question(cfg, 2, "cpu", 1e7, calibrate_from=RUN, trials=20))
+    eff, run = calibrated["efficiency"], measured_run(RUN)
+    measured = Cluster(compute_efficiency=eff["compute"], overlap=eff["overlap"], link_efficiency=eff["link"],
+                       peak_tflops=run.hw.peak_flops["fp32"] / 1e12, intra_gbps=run.hw.intra_bw / 1e9,
+                       net_gbps=run.hw.inter_bw / 1e9)
+    path = write_cluster(tmp_path / "cluster.toml", measured, {"overlap": "fitted"})
+    assert "overlap = " in path.read_text() and "# fitted" in path.read_text()
+    cluster = cluster_from(path, {})
+    assert cluster == measured
+    plan = answer(Question(cfg, 2, "cpu", 1e7, net_gbps=cluster.net_gbps, efficiency=cluster.efficiency(),
+                           peak_tflops=cluster.peak_tflops, intra_gbps=cluster.intra_gbps, trials=20))
+    assert [r["step_s"] for r in plan["layouts"]] == pytest.approx([r["step_s"] for r in calibrated["layouts"]])
+
+
+def test_measured_figures_are_checked_and_the_factors_come_together(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("compute_efficiency = 0.4\n")
+    with pytest.raises(KeelError, match="give all three or none"):
+        cluster_from(path, {}).efficiency()
+    path.write_text("overlap = 1.5\n")
+    with pytest.raises(KeelError, match="overlap = 1.5: expected a finite number at least 0 and at most 1"):
+        cluster_from(path, {})
+    cfg = load_config(REPO / "configs" / "llama3_8b.toml", [])
+    with pytest.raises(KeelError, match="H100 .* has a published peak"):
+        answer(Question(cfg, 8, "h100", 1e11, peak_tflops=500.0, trials=20))
