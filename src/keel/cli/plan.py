@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from keel.cli.config import add_config_args, config_from_args
-from keel.cli.pathargs import PathArg, reads, writes_file
+from keel.cli.config import add_config_args, config_from_args, config_path
+from keel.cli.pathargs import PathArg, reads, writes_dir, writes_file
 from keel.errors import KeelError
+
+if TYPE_CHECKING:
+    from keel.plan.cluster import Cluster
+    from keel.plan.report import Question
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +52,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "[parallel] gives one too")
     pl.add_argument("--calibrate", action=PathArg, check=reads("dir", "pass the run directory of a measured run"),
                     metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
+    pl.add_argument("--measure", type=int, default=0, metavar="K", help="run the calibration layout and the plan's K "
+                    "fastest layouts on this machine (--gpus processes) for a few steps each, compare them with the "
+                    "predictions and write the fitted figures into MEASURE_DIR/cluster.toml")
+    pl.add_argument("--measure-steps", type=int, default=16, help="steps of each measured run (default 16)")
+    pl.add_argument("--measure-dir", action=PathArg, check=writes_dir, default=None, metavar="DIR",
+                    help="where --measure keeps its runs and cluster file (default keel-plan-measure); empty or new")
     pl.add_argument("--sweep", action=PathArg, check=reads("dir", "pass the directory of a keel sweep"),
                     metavar="DIR", help="a keel sweep's directory: the learning rate and "
                     "warmup it transfers to this model, and the loss its power law extrapolates to")
@@ -58,6 +71,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 MAX_TOKENS = 1e16  # ten thousand trillion: beyond any planned run, and a Monte Carlo of it takes minutes
 MAX_TRIALS = 1_000_000
+MAX_MEASURED = 20  # layouts --measure runs: each trains for a while on this machine
+MIN_MEASURE_STEPS = 6  # keel.plan.measure.MIN_STEPS: three logged windows, the first of them the warm-up
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -73,10 +88,16 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise bad("--trials", args.trials, f"between 1 and {MAX_TRIALS:,} Monte Carlo trials")
     if args.seed < 0:
         raise bad("--seed", args.seed, "0 or a positive integer")
+    if not 0 <= args.measure <= MAX_MEASURED:
+        raise bad("--measure", args.measure, f"a number of layouts to run, from 1 to {MAX_MEASURED}")
+    if args.measure and args.measure_steps < MIN_MEASURE_STEPS:
+        raise bad("--measure-steps", args.measure_steps, f"at least {MIN_MEASURE_STEPS} (the first logged window "
+                  f"is the warm-up)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from keel.plan.cluster import cluster_from
+    from keel.plan.measure import measure_lines
     from keel.plan.report import Question, answer, lines, to_json, write_html
 
     check_numbers(args)
@@ -87,10 +108,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
                  fragmentation=cluster.fragmentation, memory_coverage=cluster.memory_coverage,
                  recovery=cluster.recovery(), spares=cluster.spares, layout=args.layout,
-                 calibrate_from=args.calibrate, sweep=args.sweep, trials=args.trials, seed=args.seed)
-    a = answer(q)
-    print(to_json(a) if args.json else "\n".join(lines(a)))
+                 calibrate_from=args.calibrate, efficiency=cluster.efficiency(), peak_tflops=cluster.peak_tflops,
+                 intra_gbps=cluster.intra_gbps, sweep=args.sweep, trials=args.trials, seed=args.seed)
+    measured = _measured(args, q, cluster) if args.measure else None
+    # After --measure the plan is the one its calibration run gives, as --calibrate would.
+    a = answer(q if measured is None else replace(q, calibrate_from=Path(measured["calibration"]["run_dir"])))
+    if measured is not None:
+        a["measured"] = measured
+    print(to_json(a) if args.json else "\n".join(lines(a) + (measure_lines(measured) if measured else [])))
     if args.html:  # checked as it was read (keel.cli.pathargs): its directory is made if missing
         args.html.parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {write_html(q, a, args.html)}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _measured(args: argparse.Namespace, q: Question, cluster: Cluster) -> dict:
+    """`--measure K`: the calibration run and the K fastest layouts trained here (keel.plan.measure)."""
+    from keel.plan.measure import Invocation, measure
+
+    out = args.measure_dir or Path("keel-plan-measure")
+    if out.exists() and any(out.iterdir()):
+        raise KeelError(f"--measure-dir {out}: not empty; --measure keeps its runs there, so name a new or empty "
+                        f"directory")
+    config = config_path(args)
+    how = Invocation(str(config) if config else None, list(args.overrides), args.gpus, args.measure_steps)
+    return measure(q, how, args.measure, out, cluster, lambda line: print(line, file=sys.stderr, flush=True))
