@@ -579,7 +579,8 @@ def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int 
         _one_tier(r, s)
     else:
         _two_tiers(r, two)
-    down = r.wall - run.work_s - r.blocked - r.lost
+    # What is left of the wall time; a trial without failures leaves a rounding error of either sign, not time
+    down = np.maximum(r.wall - run.work_s - r.blocked - r.lost, 0.0)
     return SimResult(policy, s, run.work_s, r.wall, r.count, r.blocked, r.lost, down, time.perf_counter() - started,
                      r.from_storage, two)
 

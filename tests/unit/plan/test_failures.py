@@ -445,3 +445,13 @@ def test_a_two_tier_base_is_compared_with_storage_only_and_costed_like_its_simul
     predicted = expected_cost(run, base)
     assert predicted.money == pytest.approx(simulated.money, rel=0.01)
     assert predicted.checkpoint_h == pytest.approx(simulated.checkpoint_h, rel=0.02)
+
+
+def test_a_run_without_failures_is_down_for_no_time_and_costs_its_work() -> None:
+    # A week on one device that fails once in 114 years: most trials meet no failure, and the wall time less the
+    # work, saves and lost work must leave no time down rather than a rounding error below zero.
+    run = small_run(mtbf_h=1e6, work_days=7.3)
+    result = simulate(run, trials=50)
+    assert (result.down_s >= 0).all() and (result.interruptions == 0).any()
+    spent = cost_of(result, run)
+    assert spent.down_h == 0.0 and spent.productive_h == pytest.approx(run.work_s / 3600)
