@@ -43,3 +43,5 @@ def test_measure_trains_the_plans_fastest_layouts_here_and_writes_the_cluster_fi
     # Its runs are kept: a second --measure into the same directory is refused before anything trains.
     refused = run_keel([*question, "--measure", "1", "--measure-dir", str(out)], cwd=tmp_path, timeout=60)
     assert refused.returncode == 2 and "not empty" in refused.stderr
+    twice = run_keel([*question, "--measure", "1", "--calibrate", str(out / "calibration")], cwd=tmp_path, timeout=60)
+    assert twice.returncode == 2 and "drop one of them" in twice.stderr

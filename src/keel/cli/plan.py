@@ -72,7 +72,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 MAX_TOKENS = 1e16  # ten thousand trillion: beyond any planned run, and a Monte Carlo of it takes minutes
 MAX_TRIALS = 1_000_000
 MAX_MEASURED = 20  # layouts --measure runs: each trains for a while on this machine
-MIN_MEASURE_STEPS = 6  # keel.plan.measure.MIN_STEPS: three logged windows, the first of them the warm-up
+# Three logged windows of keel.plan.measure.WINDOW steps: the first the warm-up, the next profiled, the third not.
+MIN_MEASURE_STEPS = 6
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -90,6 +91,9 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise bad("--seed", args.seed, "0 or a positive integer")
     if not 0 <= args.measure <= MAX_MEASURED:
         raise bad("--measure", args.measure, f"a number of layouts to run, from 1 to {MAX_MEASURED}")
+    if args.measure and args.calibrate:
+        raise KeelError(f"--measure {args.measure} --calibrate {args.calibrate}: --measure calibrates on a run of its "
+                        f"own; drop one of them")
     if args.measure and args.measure_steps < MIN_MEASURE_STEPS:
         raise bad("--measure-steps", args.measure_steps, f"at least {MIN_MEASURE_STEPS} (the first logged window "
                   f"is the warm-up)")

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import keel.launch
+import keel.plan.measure
 import keel.sweep.run
 import keel.train.worker
 from keel import cli
@@ -103,6 +104,7 @@ def slots(w: World) -> list[Slot]:
         s("--calibrate", (*plan, "--calibrate", "{}"), "in_dir"),
         s("--sweep", (*plan, "--sweep", "{}"), "in_dir"),
         s("--html", (*plan, "--html", "{}"), "out_file"),
+        s("--measure-dir", (*plan, "--measure", "1", "--measure-dir", "{}"), "out_dir"),
         s("target", ("eval", "{}", "--tasks", "arc_easy"), "in_dir", "TARGET"),
         s("--include", ("eval", run, "--tasks", "arc_easy", "--include", "{}"), "in_dir"),
         s("--tokenizer", ("eval", run, "--tasks", "arc_easy", "--tokenizer", "{}"), "in_any"),
@@ -235,8 +237,10 @@ def started(*args: object, **kwargs: object) -> None:
 
 
 def keep_work_from_starting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Training and a sweep's points fail at once: a bad path let through shows as a failure, not a run."""
-    for module, name in ((keel.train.worker, "train"), (keel.launch, "launch"), (keel.sweep.run, "run_points")):
+    """Training, a sweep's points and a plan's measured runs fail at once: a bad path let through shows as a
+    failure, not a run."""
+    for module, name in ((keel.train.worker, "train"), (keel.launch, "launch"), (keel.sweep.run, "run_points"),
+                         (keel.plan.measure, "measure")):
         monkeypatch.setattr(module, name, started)
 
 
