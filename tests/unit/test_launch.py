@@ -21,9 +21,13 @@ def _sleeper(code: int | None = None) -> BaseProcess:
 
 
 def _agent_over(procs: list[BaseProcess]) -> KeelAgent:
-    agent = KeelAgent.__new__(KeelAgent)  # only its process context is used
+    agent = KeelAgent.__new__(KeelAgent)  # only its process context is used: no in-process restarts
     agent._pcontext = SimpleNamespace(_pc=SimpleNamespace(processes=procs))
+    agent._generations = None
     return agent
+
+
+NO_WORKERS = SimpleNamespace(workers=[])
 
 
 def test_the_others_are_killed_at_once_when_a_worker_is_killed_by_a_signal() -> None:
@@ -31,7 +35,7 @@ def test_the_others_are_killed_at_once_when_a_worker_is_killed_by_a_signal() -> 
     try:
         procs[1].kill()
         procs[1].join(10)
-        _agent_over(procs)._end_survivors_of_a_killed_worker()
+        _agent_over(procs)._end_survivors_of_a_killed_worker(NO_WORKERS)
         for p in procs:
             p.join(10)
         assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 3
@@ -46,7 +50,7 @@ def test_workers_that_exit_with_a_code_leave_the_others_to_their_own_end() -> No
     procs = [_sleeper(), _sleeper(75)]
     try:
         procs[1].join(10)
-        _agent_over(procs)._end_survivors_of_a_killed_worker()
+        _agent_over(procs)._end_survivors_of_a_killed_worker(NO_WORKERS)
         assert procs[1].exitcode == 75 and procs[0].exitcode is None
     finally:
         for p in procs:
