@@ -186,8 +186,10 @@ def in_process_restarts(cfg: Config, nnodes: str) -> bool:
 
     if not cfg.health.in_process_restart:
         return False
-    why = ("this job spans nodes" if nnodes != "1" else "its workers run on CUDA, where a collective whose peer died "
-           "hangs until its timeout instead of failing" if pick_device(cfg.train.device).type != "cpu" else "")
+    why = ("this job spans nodes" if nnodes != "1" else
+           "its replica groups heal a group from a live one instead" if cfg.fault_tolerance.replica_groups > 1 else
+           "its workers run on CUDA, where a collective whose peer died hangs until its timeout instead of failing"
+           if pick_device(cfg.train.device).type != "cpu" else "")
     if why:
         print(f"keel: health.in_process_restart applies to one-node CPU jobs, and {why}: a killed worker restarts "
               f"every worker", flush=True)

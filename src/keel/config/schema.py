@@ -526,7 +526,8 @@ class HealthConfig:
                                       "killer, a crash) is restarted alone, using one of the restarts; the others "
                                       "keep their processes, re-form the process group with it and restore the "
                                       "newest checkpoint (the memory tier's where there is one) in place. Jobs of "
-                                      "several nodes or on CUDA restart every worker, and say so")
+                                      "several nodes, of replica groups or on CUDA restart every worker, and say "
+                                      "so")
     shutdown_grace_s: int = option(120, "seconds the launcher gives the workers to checkpoint after SIGTERM, before "
                                    "SIGKILL", ge=1, le=YEAR_S)
     preflight: str = option("warn", "checks before the first step and after every restart: warn (report and go "

@@ -34,3 +34,20 @@ def test_a_quarantined_node_does_not_rejoin(tmp_path: Path) -> None:
                       cwd=tmp_path, timeout=60, env={"KEEL_NODE": "n1"})
     assert result.returncode == 2 and "node n1 is listed in" in result.stderr, result.stderr
     assert "--release" in result.stderr
+
+
+@pytest.mark.parametrize(("overrides", "nnodes", "why"), [
+    ([], "1", ""),
+    ([], "1:2", "this job spans nodes"),
+    (["fault_tolerance.replica_groups=2"], "1", "its replica groups heal a group from a live one instead"),
+])
+def test_in_process_restarts_are_made_where_they_can_be_and_said_where_not(
+        overrides: list[str], nnodes: str, why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from keel.cli.train import in_process_restarts
+    from keel.config import load_config
+
+    cfg = load_config(None, ["health.in_process_restart=true", "train.device=cpu", *overrides])
+    assert in_process_restarts(cfg, nnodes) == (not why)
+    said = capsys.readouterr().out
+    assert (why in said and "a killed worker restarts every worker" in said) if why else said == ""
+    assert not in_process_restarts(load_config(None, []), "1"), "off by default"
