@@ -40,7 +40,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 import keel
 from keel.core import generations
 from keel.core.net import carrier_changes, job_interfaces, links_down
-from keel.core.torch_private import respawn_worker, worker_processes
+from keel.core.torch_elastic import respawn_worker, worker_processes
 from keel.errors import EXIT_BAD_INPUT, EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, EXIT_STORAGE
 from keel.health.heartbeat import HeartbeatWatch
 from keel.health.reach import ReachWatch, until_answered

@@ -20,8 +20,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 
 __all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "fsspec_checkpoint_io",
-           "in_backward", "norms", "pin_by_registering", "process_groups", "respawn_worker", "sdp_choice",
-           "set_group_timeout", "set_local_tensor", "worker_processes"]
+           "in_backward", "norms", "pin_by_registering", "process_groups", "sdp_choice",
+           "set_group_timeout", "set_local_tensor"]
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -61,37 +61,6 @@ def set_group_timeout(seconds: float, group: Any) -> None:
 def abort_process_group() -> None:
     """Abort the default group's pending collectives, so that a hung rank's exit is not held up by them."""
     dist.distributed_c10d._abort_process_group()
-
-
-def worker_processes(pcontext: Any) -> list[Any]:
-    """torchrun's worker processes (multiprocessing's, by local rank) once its agent has started them; the
-    agent's process context keeps them under a private name."""
-    context = getattr(pcontext, "_pc", None)
-    return list(context.processes) if context is not None else []
-
-
-def respawn_worker(pcontext: Any, local_rank: int, env: dict[str, str]) -> int:
-    """Start local rank `local_rank` of torchrun's worker processes again, alone, in the place of its ended
-    process and with `env` added to its environment; the agent's poll then watches the new one. torchrun's
-    agent only ever restarts all its workers together, and its process context is private. Returns the pid."""
-    import importlib
-    import multiprocessing
-
-    from torch.distributed.elastic.multiprocessing import api as elastic_api
-
-    spawn = importlib.import_module("torch.multiprocessing.spawn")  # the module; the package exports its function
-
-    context = pcontext._pc
-    pcontext.envs[local_rank] = {**pcontext.envs[local_rank], **env}
-    args = (pcontext.entrypoint, pcontext.args, pcontext.envs, pcontext.stdouts, pcontext.stderrs,
-            pcontext._ret_vals, pcontext._worker_finished_event, pcontext._numa_options)
-    process = multiprocessing.get_context(pcontext.start_method).Process(
-        target=spawn._wrap, args=(elastic_api._wrap, local_rank, args, context.error_files[local_rank]))
-    process.start()
-    context.sentinels.pop(context.processes[local_rank].sentinel, None)
-    context.sentinels[process.sentinel] = local_rank
-    context.processes[local_rank] = process
-    return int(process.pid)
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
