@@ -234,11 +234,8 @@ class KeelAgent(LocalElasticAgent):
         print(f"keel: rank(s) {', '.join(map(str, ranks))} killed by signal {', '.join(str(-c) for c in codes)}: "
               f"restarted alone (health.in_process_restart), the other workers keep their processes; "
               f"{self._remaining_restarts} restart(s) left", file=sys.stderr, flush=True)
-        step = int(read_status(self.run_dir).get("step", 0))
-        events = EventLog(self.run_dir / "events.jsonl", rank=-1)
-        events.emit("failure", step, "in_process", node=node_name(), exit_codes=codes, ranks=ranks,
-                    generation=self._generation, restarts_left=self._remaining_restarts, detected=detected)
-        events.close()
+        _record(self.run_dir, "failure", "in_process", node=node_name(), exit_codes=codes, ranks=ranks,
+                generation=self._generation, restarts_left=self._remaining_restarts, detected=detected)
         return True
 
     def _give_up(self, code: int, why: str, announce: bool = True) -> None:
