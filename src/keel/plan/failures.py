@@ -29,6 +29,13 @@ finite pool, each failed node back after a repair time; without a free spare, th
 restore from disk or from peers' host memory; the work since the last committed save is lost. A failure during
 a recovery overlaps with it. All trials advance together, one failure per numpy step.
 
+How a failure shows sets how long it takes to find (FailureMix, Recovery): a crash is noticed within
+detect_s, a hang only when a collective times out (hang_detect_s), a silent corruption when a check finds it
+(silent_detect_s: keel's guard latency in the planner); a share of failures waits for a person's triage
+(triage_s). R above holds the mean of these. Loss-spike rollbacks are not failures: each redoes rollback_s of
+compute, FailureMix.rollbacks_per_day of them a day; the models add that share of the compute to the lost work.
+keel.plan.failure_rates holds the published rates and shares, and the runs that check them.
+
 Two tiers. A memory checkpoint (keel.checkpoint.memory) is a copy of each device's shard in its node's host memory,
 replicated to a buddy node in the background over the scale-out network; a storage checkpoint is the usual one.
 The memory tier covers a share p_m of the failures (FailureModel.memory_coverage): a process or GPU failure
@@ -65,6 +72,28 @@ DEFAULT_DEVICE_MTBF_H = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS  #
 
 
 @dataclass(frozen=True)
+class FailureMix:
+    """How the interruptions show, each as a share of them, and the loss-spike rollbacks beside them. All 0 here
+    (every failure a crash, found at once); keel.plan.failure_rates holds the published figures the planner
+    uses. Each share is charged its own detection time (Recovery): a hang waits for a collective's timeout, a
+    silent corruption for the check that finds it, and a failure a person must triage for that person."""
+
+    hang: float = 0.0  # found only when a collective times out
+    silent: float = 0.0  # silent data corruption: found by a check, its latency the detection time
+    manual: float = 0.0  # needs a person to diagnose it before the restart (on top of its detection)
+    rollbacks_per_day: float = 0.0  # loss spikes rolled back per day of compute: not failures, work redone
+
+    def __post_init__(self) -> None:
+        for name in ("hang", "silent", "manual"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise KeelError(f"failure mix: {name} {getattr(self, name)} must be a share in [0, 1]")
+        if self.hang + self.silent > 1:
+            raise KeelError(f"failure mix: hang {self.hang} + silent {self.silent} exceed every failure (1)")
+        if not 0 <= self.rollbacks_per_day < math.inf:
+            raise KeelError(f"failure mix: rollbacks_per_day {self.rollbacks_per_day} must be >= 0 and finite")
+
+
+@dataclass(frozen=True)
 class FailureModel:
     device_mtbf_h: float = DEFAULT_DEVICE_MTBF_H  # hours of one device per job interruption it causes
     node_mtbf_h: float = math.inf  # extra failures per node (host, NIC, power), when not already counted above
@@ -79,6 +108,7 @@ class FailureModel:
     # buddy too when it shares the switch, so all 35 count as uncovered. That is conservative where buddies sit
     # behind different switches; a buddy's own failure during a node's recovery is rarer still and left out.
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE
+    mix: FailureMix = field(default_factory=lambda: FailureMix())
 
     def __post_init__(self) -> None:
         if self.dist not in ("exponential", "weibull"):
@@ -124,6 +154,17 @@ class Recovery:
     detect_s: float = 120.0  # heartbeat/watchdog notices the failure (PyTorch's NCCL default timeout is 600 s)
     restart_s: float = 300.0  # reschedule, start every rank, NCCL init, warm-up (assumption: minutes at scale)
     repair_s: float = 4 * 3600.0  # a failed node back in service: drain, diagnose, swap a part, burn-in (assumption)
+    hang_detect_s: float = 600.0  # a hang found by the collective's timeout (PyTorch's NCCL default: 10 min)
+    silent_detect_s: float = 3600.0  # a silent corruption found (the planner puts keel's guard latency here)
+    triage_s: float = 0.0  # a person's diagnosis of a failure automation cannot handle
+    rollback_s: float = 0.0  # compute redone per loss-spike rollback
+
+    def detection_s(self, mix: FailureMix) -> float:
+        """The mean time from a failure to its restart's start: detection by how it shows, and the share
+        a person triages. The simulator charges every failure this mean."""
+        crash = 1.0 - mix.hang - mix.silent
+        return (crash * self.detect_s + mix.hang * self.hang_detect_s + mix.silent * self.silent_detect_s
+                + mix.manual * self.triage_s)
 
 
 @dataclass(frozen=True)
@@ -303,7 +344,7 @@ def _recovery_s(run: Run, policy: Policy, restore_s: float) -> float:
     assumed when there are any; the simulator models the pool running dry)."""
     rec = run.recovery
     wait = 0.0 if policy.spare_nodes > 0 else run.failures.hardware_fraction * rec.repair_s
-    return rec.detect_s + rec.restart_s + restore_s + wait
+    return rec.detection_s(run.failures.mix) + rec.restart_s + restore_s + wait
 
 
 def down_time(run: Run, policy: Policy) -> float:
@@ -314,6 +355,11 @@ def down_time(run: Run, policy: Policy) -> float:
     p = two.coverage
     return p * _recovery_s(run, policy, two.memory.restore_s) + (1 - p) * _recovery_s(run, policy,
                                                                                       two.storage.restore_s)
+
+
+def rollback_share(run: Run) -> float:
+    """Compute redone in loss-spike rollbacks per second of compute (FailureMix.rollbacks_per_day)."""
+    return run.failures.mix.rollbacks_per_day * run.recovery.rollback_s / 86400
 
 
 def first_order_waste(delta_s: float, tau_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -340,7 +386,7 @@ def effective_ratio(run: Run, policy: Policy) -> float:
         waste = two_tier_waste((m.blocking, m.tau, _recovery_s(run, policy, m.restore_s) + m.lag),
                                (s.blocking, s.tau, _recovery_s(run, policy, s.restore_s) + s.lag),
                                two.coverage, run.mtbf_s)
-    return max(0.0, 1.0 - waste)
+    return max(0.0, 1.0 - waste - rollback_share(run))
 
 
 @dataclass(frozen=True, eq=False)
@@ -404,11 +450,11 @@ def expected_goodput(run: Run, policy: Policy) -> float:
     Valid at any waste level (the first-order form is not); a free spare is assumed when there are any. Two
     tiers: `_two_tier_goodput`."""
     if (two := tiers(run, policy)) is not None:
-        return _two_tier_goodput(run, policy, two)
+        return _two_tier_goodput(run, policy, two) / (1 + rollback_share(run))
     s = schedule(run, policy)
     m = run.mtbf_s
     commits = math.exp(-min(s.lag / m, 500)) / math.expm1(min(s.period / m, 500))
-    return s.tau * commits / (m * math.exp(min(down_time(run, policy) / m, 500)))
+    return s.tau * commits / (m * math.exp(min(down_time(run, policy) / m, 500))) / (1 + rollback_share(run))
 
 
 def _daly_wall(length_s: float, mtbf_s: float, down_s: float, lag_s: float) -> float:
@@ -485,7 +531,7 @@ def _one_tier(r: _Replay, s: Schedule) -> None:
     """Saves every τ of compute from the last restore; a failure loses the compute since the last committed one."""
     rec, work = r.run.recovery, r.run.work_s
     committed = np.zeros(r.trials)
-    fixed_down = rec.detect_s + rec.restart_s + s.restore_s
+    fixed_down = rec.detection_s(r.run.failures.mix) + rec.restart_s + s.restore_s
     for _ in range(r.max_failures):
         fail_at, hardware, up = r.draw()
         remaining = work - committed
@@ -532,7 +578,8 @@ def _two_tiers(r: _Replay, two: Tiers) -> None:
     the newest committed save of either tier; one it does not, from the newest storage save, and the memory
     copies beyond it are gone."""
     m, s, rec, work = two.memory, two.storage, r.run.recovery, r.run.work_s
-    down_m, down_s = (rec.detect_s + rec.restart_s + restore for restore in (m.restore_s, s.restore_s))
+    detect = rec.detection_s(r.run.failures.mix)
+    down_m, down_s = (detect + rec.restart_s + restore for restore in (m.restore_s, s.restore_s))
     pos = np.zeros(r.trials)  # where the current up time started
     stored = np.zeros(r.trials)  # the newest committed storage save
     for _ in range(r.max_failures):
@@ -574,11 +621,14 @@ def simulate(run: Run, policy: Policy | None = None, seed: int = 0, trials: int 
                         f"{down_time(run, policy) / 3600:.2f} h down per failure and a {s.tau:.0f} s interval")
     if max_failures is None:  # three times the expected count: far in the tail, bounded when progress is slow
         max_failures = 1000 + int(3 * run.work_s / (run.mtbf_s * rate))
-    r = _Replay(run, policy, seed, trials, max_failures)
+    # Loss-spike rollbacks redo compute: the replay computes that much more, and it counts as lost work
+    redone = run.work_s * rollback_share(run)
+    r = _Replay(replace(run, work_s=run.work_s + redone), policy, seed, trials, max_failures)
     if two is None:
         _one_tier(r, s)
     else:
         _two_tiers(r, two)
+    r.lost += redone
     # What is left of the wall time; a trial without failures leaves a rounding error of either sign, not time
     down = np.maximum(r.wall - run.work_s - r.blocked - r.lost, 0.0)
     return SimResult(policy, s, run.work_s, r.wall, r.count, r.blocked, r.lost, down, time.perf_counter() - started,

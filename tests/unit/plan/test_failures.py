@@ -20,6 +20,7 @@ from keel.plan.failures import (
     LLAMA3_DAYS,
     LLAMA3_GPUS,
     LLAMA3_INTERRUPTIONS,
+    FailureMix,
     FailureModel,
     Policy,
     Recovery,
@@ -455,3 +456,35 @@ def test_a_run_without_failures_is_down_for_no_time_and_costs_its_work() -> None
     assert (result.down_s >= 0).all() and (result.interruptions == 0).any()
     spent = cost_of(result, run)
     assert spent.down_h == 0.0 and spent.productive_h == pytest.approx(run.work_s / 3600)
+
+
+def test_each_way_a_failure_shows_is_charged_its_own_detection() -> None:
+    rec = Recovery(detect_s=100.0, hang_detect_s=600.0, silent_detect_s=3000.0, triage_s=7200.0)
+    assert rec.detection_s(FailureMix()) == 100.0
+    mix = FailureMix(hang=0.1, silent=0.02, manual=0.05)
+    assert rec.detection_s(mix) == pytest.approx(0.88 * 100 + 0.1 * 600 + 0.02 * 3000 + 0.05 * 7200)
+    run = Run(work_s=86400 * 30, devices=1024, ckpt_bytes=1e12, failures=FailureModel(mix=mix), recovery=rec)
+    plain = replace(run, failures=FailureModel())
+    extra = rec.detection_s(mix) - rec.detection_s(FailureMix())
+    assert down_time(run, Policy()) == pytest.approx(down_time(plain, Policy()) + extra)
+    assert simulate(run, seed=3, trials=300).down_s.mean() > simulate(plain, seed=3, trials=300).down_s.mean()
+
+
+def test_rollbacks_redo_their_share_of_the_compute_in_every_model() -> None:
+    rec = Recovery(rollback_s=1800.0)
+    run = Run(work_s=86400 * 20, devices=8, ckpt_bytes=1e9, recovery=rec,
+              failures=FailureModel(device_mtbf_h=1e12, mix=FailureMix(rollbacks_per_day=2.0)))
+    share = 2 * 1800 / 86400
+    calm = replace(run, failures=FailureModel(device_mtbf_h=1e12))
+    result = simulate(run, seed=0, trials=50)
+    assert result.lost_s.mean() == pytest.approx(run.work_s * share, rel=1e-6)
+    assert expected_goodput(run, Policy()) == pytest.approx(expected_goodput(calm, Policy()) / (1 + share))
+    assert effective_ratio(run, Policy()) == pytest.approx(effective_ratio(calm, Policy()) - share)
+
+
+@pytest.mark.parametrize("mix", [dict(hang=1.5), dict(silent=-0.1), dict(hang=0.7, silent=0.5),
+                                 dict(rollbacks_per_day=math.inf), dict(manual=math.nan)])
+def test_a_bad_mix_is_refused_in_one_line(mix: dict) -> None:
+    with pytest.raises(KeelError) as e:
+        FailureMix(**mix)
+    assert "\n" not in str(e.value) and "failure mix" in str(e.value)
