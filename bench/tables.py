@@ -328,6 +328,12 @@ def transfer() -> str:
     return markdown(_results("transfer"))
 
 
+def failure_validation() -> str:
+    from bench.failure_validation import markdown
+
+    return markdown(_results("failure_validation"))
+
+
 def config_reference() -> str:
     from keel.cli import main
 
@@ -346,7 +352,7 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     STABILITY: {"stability": stability},
     PRECISION: {"float8": float8},
     TUNING: {"transfer": transfer},
-    PLANNING: {"memory_model": memory_model},
+    PLANNING: {"memory_model": memory_model, "failure_validation": failure_validation},
 }
 
 

@@ -30,7 +30,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--storage-gbps", type=float, default=None, help="aggregate checkpoint write bandwidth in "
                     "GB/s (default 2000, Llama 3's storage)")
     pl.add_argument("--mtbf-hours", type=float, default=None, help="mean hours between failures of one "
-                    "accelerator (default: derived from the Llama 3 report)")
+                    "accelerator (default: its generation's published runs, docs/planning.md)")
     pl.add_argument("--net-gbps", type=float, default=None, help="inter-node bandwidth per accelerator, GB/s one "
                     "way (default: the accelerator catalog's, e.g. 50 for 400 Gb/s per H100)")
     pl.add_argument("--detect-s", type=float, default=None, help="seconds until a failure is noticed (default 120)")
@@ -45,8 +45,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "allocated peak, as a share of it (default 0.05; a CUDA run's max reserved / max allocated - 1)")
     pl.add_argument("--cluster", action=PathArg, check=reads("file", "pass a TOML file of the cluster's figures"),
                     metavar="FILE", help="a TOML file of the cluster's figures (net_gbps, detect_s, restart_s, "
-                    "repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation, memory_coverage); flags win "
-                    "over it")
+                    "repair_h, spares, mtbf_hours, storage_gbps, price, fragmentation, memory_coverage, and how "
+                    "failures show: hang_share, hang_detect_s, silent_share, silent_detect_s, manual_share, triage_h, "
+                    "rollbacks_per_day); flags win over it")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
                     "dp_replicate, cp, ep, micro_batch, ac, zero) and rank it among the searched ones; a config's "
                     "[parallel] gives one too")
@@ -111,7 +112,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens, price=cluster.price,
                  storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
                  fragmentation=cluster.fragmentation, memory_coverage=cluster.memory_coverage,
-                 recovery=cluster.recovery(), spares=cluster.spares, layout=args.layout,
+                 recovery=cluster.recovery(), mix=cluster.mix(), silent_detect_s=cluster.silent_detect_s,
+                 spares=cluster.spares, layout=args.layout,
                  calibrate_from=args.calibrate, efficiency=cluster.efficiency(), peak_tflops=cluster.peak_tflops,
                  intra_gbps=cluster.intra_gbps, sweep=args.sweep, trials=args.trials, seed=args.seed)
     measured = _measured(args, q, cluster) if args.measure else None

@@ -19,7 +19,8 @@ from typing import Any
 
 from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
-from keel.plan.failures import DEFAULT_DEVICE_MTBF_H, DEFAULT_MEMORY_COVERAGE, Recovery
+from keel.plan.failure_rates import PUBLISHED_MIX, TRIAGE_H
+from keel.plan.failures import DEFAULT_MEMORY_COVERAGE, FailureMix, Recovery
 from keel.plan.throughput import Efficiency
 
 YEAR_H = 365 * 24.0
@@ -34,11 +35,20 @@ class Cluster:
     restart_s: float = Recovery.restart_s  # reschedule, start every rank, communicator init, warm-up
     repair_h: float = Recovery.repair_s / 3600  # a failed node back: drain, diagnose, swap, burn-in
     spares: int | None = None  # hot spare nodes (None: auto, as many as pay for themselves)
-    mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # hours of one accelerator per job interruption
+    # hours of one accelerator per job interruption (None: its generation's published runs, failure_rates)
+    mtbf_hours: float | None = None
     storage_gbps: float = 2000.0  # aggregate checkpoint write bandwidth (Llama 3's 2 TB/s)
     price: float = DEFAULT_PRICE_PER_HOUR  # per accelerator-hour
     fragmentation: float = 0.05  # memory the allocator reserves beyond its allocated peak, a share of it
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
+    # How failures show and what finding them costs (keel.plan.failure_rates: the published figures)
+    hang_share: float = PUBLISHED_MIX.hang  # found only at a collective's timeout
+    hang_detect_s: float = Recovery.hang_detect_s
+    silent_share: float = PUBLISHED_MIX.silent  # silent data corruption
+    silent_detect_s: float | None = None  # None: keel's own guard latency at the planned step time
+    manual_share: float = PUBLISHED_MIX.manual  # a person diagnoses it
+    triage_h: float = TRIAGE_H
+    rollbacks_per_day: float = 0.0  # loss spikes rolled back, per day of compute
     # Measured (`keel plan --measure`), None where not: the efficiency factors (keel.plan.throughput.Efficiency),
     # and an accelerator's dense peak and link bandwidth within a node where its catalog entry has none (a CPU).
     compute_efficiency: float | None = None
@@ -48,7 +58,12 @@ class Cluster:
     intra_gbps: float | None = None
 
     def recovery(self) -> Recovery:
-        return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600)
+        return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600,
+                        hang_detect_s=self.hang_detect_s, triage_s=self.triage_h * 3600)
+
+    def mix(self) -> FailureMix:
+        return FailureMix(hang=self.hang_share, silent=self.silent_share, manual=self.manual_share,
+                          rollbacks_per_day=self.rollbacks_per_day)
 
     def efficiency(self) -> Efficiency | None:
         """The efficiency factors the file holds (all three, or none: the planner's defaults then)."""
@@ -73,6 +88,13 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "price": (0.0, True, 1e6, "price per accelerator-hour"),
     "fragmentation": (0.0, True, 1.0, "share of the peak the memory allocator reserves beyond it"),
     "memory_coverage": (0.0, True, 1.0, "share of the failures the memory tier restores"),
+    "hang_share": (0.0, True, 1.0, "share of the failures that show as hangs"),
+    "hang_detect_s": (0.0, True, YEAR_H * 3600, "seconds until a hang times out"),
+    "silent_share": (0.0, True, 1.0, "share of the failures that are silent data corruption"),
+    "silent_detect_s": (0.0, True, YEAR_H * 3600, "seconds until a silent corruption is found"),
+    "manual_share": (0.0, True, 1.0, "share of the failures a person diagnoses"),
+    "triage_h": (0.0, True, YEAR_H, "hours of a person's diagnosis"),
+    "rollbacks_per_day": (0.0, True, 1e4, "loss-spike rollbacks per day of compute"),
     "compute_efficiency": (0.0, False, 2.0, "share of the peak the forward and backward reach"),
     "overlap": (0.0, True, 1.0, "share of the FSDP and data-parallel traffic hidden under compute"),
     "link_efficiency": (0.0, False, 2.0, "share of the link bandwidth collectives reach"),
@@ -80,7 +102,10 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "intra_gbps": (0.0, False, 10_000.0, "GB/s per accelerator within a node"),
 }
 MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "intra_gbps")  # no flags
-FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"] if name not in MEASURED}
+# How failures show: the cluster file's figures only (a team's own operations, rarely changed per question)
+OPERATIONS = ("hang_share", "hang_detect_s", "silent_share", "silent_detect_s", "manual_share", "triage_h",
+              "rollbacks_per_day")
+FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"] if name not in MEASURED + OPERATIONS}
 FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"
 
 
@@ -123,7 +148,11 @@ def cluster_from(path: Path | None, flags: dict[str, Any]) -> Cluster:
     for name, value in flags.items():
         if value is not None:
             values[name] = checked(name, value, FLAGS[name])
-    return Cluster(**values)
+    cluster = Cluster(**values)
+    if cluster.hang_share + cluster.silent_share > 1:
+        raise KeelError(f"--cluster {path}: hang_share {cluster.hang_share:g} + silent_share "
+                        f"{cluster.silent_share:g} exceed every failure; together they must be at most 1")
+    return cluster
 
 
 def write_cluster(path: Path, cluster: Cluster, sources: dict[str, str]) -> Path:

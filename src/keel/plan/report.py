@@ -12,9 +12,10 @@ from keel.config import Config
 from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR, best_spares, cost_of, money_percentiles
+from keel.plan.failure_rates import PUBLISHED_MIX, TRIAGE_H, device_mtbf_hours, failures_source, guard_latencies
 from keel.plan.failures import (
-    DEFAULT_DEVICE_MTBF_H,
     DEFAULT_MEMORY_COVERAGE,
+    FailureMix,
     FailureModel,
     Policy,
     Recovery,
@@ -54,11 +55,13 @@ class Question:
     tokens: float
     price: float = DEFAULT_PRICE_PER_HOUR
     storage_gbs: float = 2000.0  # aggregate checkpoint write bandwidth, GB/s (Llama 3's 2 TB/s)
-    mtbf_hours: float = DEFAULT_DEVICE_MTBF_H  # per accelerator
+    mtbf_hours: float | None = None  # per accelerator (None: its generation's published runs)
     net_gbps: float | None = None  # inter-node GB/s per accelerator (None: the catalog's)
     fragmentation: float = 0.05  # what the allocator reserves beyond the allocated peak, a share of it
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
-    recovery: Recovery = Recovery()
+    recovery: Recovery = Recovery(triage_s=TRIAGE_H * 3600)
+    mix: FailureMix = PUBLISHED_MIX  # how failures show (keel.plan.failure_rates)
+    silent_detect_s: float | None = None  # None: keel's guard latency at the planned step
     spares: int | None = None  # hot spare nodes; None: as many as pay for themselves
     layout: str = ""  # `--layout tp=8,pp=16,...`: predict this layout (else the config's [parallel], if set)
     calibrate_from: Path | None = None
@@ -109,7 +112,8 @@ def answer(q: Question) -> dict:
         raise KeelError(f"no layout of {q.cfg.name} fits {q.gpus} × {hw.name}: "
                         f"{suggest(work, nearest.layout, hw)}")
     best = assessed.candidate if assessed is not None else fitting[0]  # the layout the run is planned on
-    run = planned_run(q, hw, work.steps() * best.step.total, checkpoint_bytes(work.n_params, q.gpus))
+    run = planned_run(q, hw, work.steps() * best.step.total, checkpoint_bytes(work.n_params, q.gpus),
+                      best.step.total)
     spares, options = (q.spares, []) if q.spares is not None else \
         best_spares(run, Policy(), q.price, q.seed, q.trials)
     policies = compare_policies(run, seed=q.seed, trials=q.trials, base=Policy(
@@ -119,9 +123,14 @@ def answer(q: Question) -> dict:
     spent = cost_of(chosen, run, q.price)
     return {
         "question": {"config": q.cfg.name, "gpus": q.gpus, "hardware": hw.name, "tokens": q.tokens,
-                     "price_per_hour": q.price, "storage_gb_s": q.storage_gbs, "device_mtbf_hours": q.mtbf_hours,
+                     "price_per_hour": q.price, "storage_gb_s": q.storage_gbs,
+                     "device_mtbf_hours": run.failures.device_mtbf_h,
+                     "mtbf_source": "given" if q.mtbf_hours is not None else failures_source(hw.key),
                      "net_gb_s": hw.inter_bw / 1e9, "detect_s": q.recovery.detect_s,
                      "restart_s": q.recovery.restart_s, "repair_h": q.recovery.repair_s / 3600,
+                     "failure_mix": asdict(q.mix), "hang_detect_s": run.recovery.hang_detect_s,
+                     "silent_detect_s": run.recovery.silent_detect_s, "triage_h": run.recovery.triage_s / 3600,
+                     "rollback_s": run.recovery.rollback_s,
                      "fragmentation": q.fragmentation, "seed": q.seed, "trials": q.trials},
         "spares": {"nodes": spares, "auto": q.spares is None, "options": options},
         "model": {"parameters": work.n_params, "active_parameters": work.n_active,
@@ -151,13 +160,35 @@ def answer(q: Question) -> dict:
     }
 
 
-def planned_run(q: Question, hw: Accelerator, work_s: float, ckpt_bytes: float) -> Run:
-    """The run the failure model replays: the memory tier's copies and restores cross the cluster's scale-out
-    network, at its bandwidth per accelerator."""
+def _recovery_lines(q: dict, spares: dict) -> list[str]:
+    """How failures are found and recovered from, and the spare nodes kept for them."""
+    chosen = f"{spares['nodes']} hot spare node(s)" + (" (auto: " + ", ".join(
+        f"{o['spares']} → {dollars(o['money'])}" for o in spares["options"]) + " mean cost)"
+        if spares["auto"] else "")
+    mix = q["failure_mix"]
+    out = [f"recovery: detect {format_duration(q['detect_s'])} ({mix['hang']:.1%} hangs at "
+           f"{format_duration(q['hang_detect_s'])}, {mix['silent']:.1%} silent corruption at "
+           f"{format_duration(q['silent_detect_s'])}, {mix['manual']:.1%} triaged by hand in "
+           f"{q['triage_h']:.1f} h), restart {format_duration(q['restart_s'])}, repair {q['repair_h']:g} h; "
+           f"{chosen}; network {q['net_gb_s']:g} GB/s per GPU across nodes"]
+    if mix["rollbacks_per_day"]:
+        out.append(f"loss-spike rollbacks: {mix['rollbacks_per_day']:g} a day, each redoing "
+                   f"{format_duration(q['rollback_s'])} of compute")
+    return out
+
+
+def planned_run(q: Question, hw: Accelerator, work_s: float, ckpt_bytes: float, step_s: float) -> Run:
+    """The run the failure model replays: the accelerator's failure rate unless given, keel's own guards'
+    latencies for silent corruption and loss spikes at the planned step time, and the memory tier's copies and
+    restores over the cluster's scale-out network, at its bandwidth per accelerator."""
+    silent_s, rollback_s = guard_latencies(q.cfg, step_s)
+    recovery = replace(q.recovery, rollback_s=rollback_s,
+                       silent_detect_s=silent_s if q.silent_detect_s is None else q.silent_detect_s)
+    mtbf_h = device_mtbf_hours(hw.key) if q.mtbf_hours is None else q.mtbf_hours
     return Run(work_s, q.gpus, ckpt_bytes,
-               FailureModel(device_mtbf_h=q.mtbf_hours, devices_per_node=hw.devices_per_node,
-                            memory_coverage=q.memory_coverage),
-               Storage(write_bw=q.storage_gbs * 1e9, peer_bw=hw.inter_bw), q.recovery)
+               FailureModel(device_mtbf_h=mtbf_h, devices_per_node=hw.devices_per_node,
+                            memory_coverage=q.memory_coverage, mix=q.mix),
+               Storage(write_bw=q.storage_gbs * 1e9, peer_bw=hw.inter_bw), recovery)
 
 
 def _tiers(run: Run, storage_only: SimResult, two: SimResult, step_s: float) -> dict:
@@ -270,13 +301,9 @@ def lines(a: dict) -> list[str]:
     out += ["", f"checkpoint {ck['bytes'] / 1e12:.2f} TB ({ck['bytes'] / q['gpus'] / 1e9:.2f} GB per GPU): an async "
             f"save blocks {ck['async_blocking_s']:.1f} s and writes in {ck['write_s']:.1f} s at "
             f"{q['storage_gb_s']:,.0f} GB/s; job MTBF {ck['job_mtbf_h']:.1f} h (per GPU "
-            f"{q['device_mtbf_hours']:,.0f} h); Young/Daly interval {format_duration(ck['interval_s'])}"]
-    spares = a["spares"]
-    chosen = f"{spares['nodes']} hot spare node(s)" + (" (auto: " + ", ".join(
-        f"{o['spares']} → {dollars(o['money'])}" for o in spares["options"]) + " mean cost)"
-        if spares["auto"] else "")
-    out.append(f"recovery: detect {format_duration(q['detect_s'])}, restart {format_duration(q['restart_s'])}, "
-               f"repair {q['repair_h']:g} h; {chosen}; network {q['net_gb_s']:g} GB/s per GPU across nodes")
+            f"{q['device_mtbf_hours']:,.0f} h: {q['mtbf_source']}); Young/Daly interval "
+            f"{format_duration(ck['interval_s'])}"]
+    out += _recovery_lines(q, a["spares"])
     w, g, n = run["wall_days"], run["goodput"], run["interruptions"]
     out += [f"run ({q['trials']:,} Monte Carlo trials, seed {q['seed']}): {run['work_days']:.1f} days of compute; "
             f"wall time P10/P50/P90 {w['p10']:.1f} / {w['p50']:.1f} / {w['p90']:.1f} days; goodput "
@@ -354,7 +381,7 @@ def write_html(q: Question, a: dict, path: Path) -> Path:
     hw = hardware(q)
     work = Workload.of(q.cfg, q.tokens)
     best = search(work, q.gpus, hw, Efficiency(**a["efficiency"]))[0]
-    run = planned_run(q, hw, work.steps() * best.step.total, a["checkpoint"]["bytes"])
+    run = planned_run(q, hw, work.steps() * best.step.total, a["checkpoint"]["bytes"], best.step.total)
     optimum = a["checkpoint"]["interval_s"]
     intervals = [optimum * 2 ** (k / 4) for k in range(-12, 13)]
     goodputs = [100 * expected_goodput(run, Policy(interval_s=t)) for t in intervals]

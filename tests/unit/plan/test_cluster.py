@@ -11,7 +11,8 @@ import pytest
 from keel.config import load_config
 from keel.errors import KeelError
 from keel.plan.cluster import Cluster, cluster_from, write_cluster
-from keel.plan.failures import Recovery
+from keel.plan.failure_rates import TRIAGE_H
+from keel.plan.failures import FailureMix, Recovery
 from keel.plan.report import Question, answer
 from keel.plan.throughput import measured_run
 
@@ -23,7 +24,8 @@ def question(gpus: int, cluster: Cluster, config: str = "llama3_8b", tokens: flo
     cfg = load_config(REPO / "configs" / f"{config}.toml", [])
     return Question(cfg, gpus, "h100", tokens, price=cluster.price, storage_gbs=cluster.storage_gbps,
                     mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps, recovery=cluster.recovery(),
-                    spares=cluster.spares, memory_coverage=cluster.memory_coverage, trials=200)
+                    mix=cluster.mix(), silent_detect_s=cluster.silent_detect_s, spares=cluster.spares,
+                    memory_coverage=cluster.memory_coverage, trials=200)
 
 
 def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) -> None:
@@ -32,7 +34,8 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
     cluster = cluster_from(path, {"restart_s": 60.0, "spares": "auto", "detect_s": None})
     assert cluster == Cluster(net_gbps=25.0, detect_s=600.0, restart_s=60.0, repair_h=48.0, spares=None,
                               mtbf_hours=14000.0)
-    assert cluster.recovery() == Recovery(detect_s=600.0, restart_s=60.0, repair_s=48 * 3600.0)
+    assert cluster.recovery() == Recovery(detect_s=600.0, restart_s=60.0, repair_s=48 * 3600.0,
+                                          triage_s=TRIAGE_H * 3600)
     assert cluster_from(None, {}) == Cluster()  # the documented defaults
 
 
@@ -44,6 +47,8 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
     ("fragmentation = 1.5\n", "fragmentation = 1.5: expected a finite number at least 0 and at most 1"),
     ("memory_coverage = 1.2\n", "memory_coverage = 1.2: expected a finite number at least 0 and at most 1"),
     ("detect_s = \n", "not valid TOML"),
+    ("hang_share = 2\n", "hang_share = 2: expected a finite number at least 0 and at most 1"),
+    ("triage_h = -3\n", "triage_h = -3: expected a finite number at least 0"),
 ])
 def test_a_bad_cluster_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.toml"
@@ -62,6 +67,24 @@ def test_recovery_times_and_the_network_reach_the_prediction() -> None:
     thin = answer(question(1024, Cluster(spares=1, net_gbps=3.125), tokens=1e13))  # 25 Gb/s per GPU instead of 400
     assert thin["question"]["net_gb_s"] == 3.125 and base["question"]["net_gb_s"] == 50
     assert thin["layouts"][0]["tokens_per_s_per_gpu"] < base["layouts"][0]["tokens_per_s_per_gpu"]
+
+
+def test_how_failures_show_comes_from_the_file_and_reaches_the_forecast(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("hang_share = 0.3\nhang_detect_s = 1800\nsilent_detect_s = 60\nmanual_share = 0.2\n"
+                    "triage_h = 8\nrollbacks_per_day = 1\n")
+    cluster = cluster_from(path, {})
+    assert cluster.mix() == FailureMix(hang=0.3, silent=cluster.silent_share, manual=0.2, rollbacks_per_day=1.0)
+    assert cluster.recovery().hang_detect_s == 1800 and cluster.recovery().triage_s == 8 * 3600
+    slow = answer(question(1024, cluster, tokens=1e13))
+    base = answer(question(1024, Cluster(), tokens=1e13))
+    assert slow["question"]["silent_detect_s"] == 60 and slow["question"]["failure_mix"]["manual"] == 0.2
+    assert base["question"]["silent_detect_s"] != 60  # keel's guard latency at the planned step
+    assert slow["question"]["rollback_s"] > 0
+    assert slow["run"]["expected_goodput"] < base["run"]["expected_goodput"] - 0.01
+    path.write_text("hang_share = 0.7\nsilent_share = 0.6\n")
+    with pytest.raises(KeelError, match=f"--cluster {path}: hang_share 0.7 \\+ silent_share 0.6 exceed every"):
+        cluster_from(path, {})
 
 
 def test_the_allocators_fragmentation_decides_what_fits() -> None:
