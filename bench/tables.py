@@ -247,6 +247,12 @@ def memory_model() -> str:
                    "glibc default MiB", "fragmentation"], rows)
 
 
+def plan_validation() -> str:
+    from bench.plan_validation import markdown
+
+    return markdown(_results("plan_validation"))
+
+
 def dedup() -> str:
     r = _results("dedup")
     return _table(["", "documents/s", "recall, pairs with J ≥ 0.9", "precision, pairs with J ≤ 0.5 not joined"],
@@ -352,7 +358,8 @@ GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
     STABILITY: {"stability": stability},
     PRECISION: {"float8": float8},
     TUNING: {"transfer": transfer},
-    PLANNING: {"memory_model": memory_model, "failure_validation": failure_validation},
+    PLANNING: {"memory_model": memory_model, "plan_validation": plan_validation,
+               "failure_validation": failure_validation},
 }
 
 
