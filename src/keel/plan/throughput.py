@@ -4,7 +4,10 @@ collective, the pipeline bubble, and how much of the data-parallel traffic hides
 Compute: FLOPs per token (6N + 12·L·H·Q·T, PaLM appendix B; `Workload.flops_per_token`) times the tokens
 a device processes per step, plus the recomputed forward of activation checkpointing (full: one more
 forward, 4 passes instead of 3, Narayanan et al. 2021 eq. 3; selective in keel: every second block, half
-a forward), at `Efficiency.compute` of the dense peak.
+a forward), at `Efficiency.compute` of the dense peak. The 12·L·H·Q·T of attention counts every query
+against every key, as MFU's convention does; a causal flash kernel skips the tiles above the diagonal and
+computes half of them (FlashAttention-2, Dao 2023, §3.1), so the step is timed with half (`CAUSAL_SHARE`).
+MFU and HFU keep the convention's count.
 
 Collectives, ring algorithm (Patarasuk & Yuan 2009; NCCL's ring): an all-gather or reduce-scatter of a
 buffer of S bytes over n ranks moves (n−1)/n·S through each rank's link, an all-reduce 2(n−1)/n·S.
@@ -64,6 +67,7 @@ from pathlib import Path
 from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
+from keel.model.flops import attention_flops_per_token
 from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, rank_moe_blocks, run_layout
 from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
@@ -81,20 +85,23 @@ GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, 
 CAST_BYTES = 5
 # Element-wise kernels reach about 80% of the memory bandwidth (an assumption, as the link factor's 0.8).
 MEMORY_EFFICIENCY = 0.8
+# The share of the attention FLOPs a causal flash kernel computes: the score tiles below the diagonal.
+CAUSAL_SHARE = 0.5
 
 
 # Compute efficiency grows with the model's width: larger matmuls keep the tensor cores busier and the
 # element-wise kernels weigh less. torchtitan's Llama 3.1 8B, 70B and 405B, on the same H100s and software,
-# imply 0.43, 0.47 and 0.51 of the peak at widths 4,096, 8,192 and 16,384 (docs/planning.md): about
-# (dim / 8,192)^0.15. Below 256 the factor stops falling (such models are not planned on accelerators).
-SIZE_REFERENCE, SIZE_EXPONENT = 8192, 0.15
+# imply 0.38, 0.43 and 0.49 of the peak at widths 4,096, 8,192 and 16,384 (docs/planning.md, the attention
+# timed as a causal kernel computes it): about (dim / 8,192)^0.18. Below 256 the factor stops falling (such
+# models are not planned on accelerators).
+SIZE_REFERENCE, SIZE_EXPONENT = 8192, 0.18
 # Compute efficiency at width 8,192 by accelerator generation, each fitted (geometric midpoint of the extremes,
 # after the width factor) to the published runs of that generation in the validation table.
 GENERATIONS: dict[tuple[str, ...], tuple[float, str]] = {
     ("h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl"): (
-        0.481, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
-    ("a100", "a100-40"): (0.595, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
-    ("tpu-v4",): (0.585, "TPU v4: PaLM 540B"),
+        0.453, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
+    ("a100", "a100-40"): (0.576, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
+    ("tpu-v4",): (0.565, "TPU v4: PaLM 540B"),
 }
 
 
@@ -110,7 +117,7 @@ class Efficiency:
     - compute: the share of the dense peak the whole forward/backward reaches at width 8,192 (times
       `size_factor` at other widths); matmuls alone reach ~80% on H100 ([ME]'s MAMF table), attention,
       norms and element-wise kernels dilute it. By generation where published runs give it (GENERATIONS:
-      0.48 Hopper, 0.60 Ampere, 0.59 TPU v4); 0.54, the midpoint of every run's, on other hardware.
+      0.45 Hopper, 0.58 Ampere, 0.57 TPU v4); 0.52, the midpoint of every run's, on other hardware.
     - overlap 0.9: FSDP2 prefetch and backward reduce-scatter hide nearly all data-parallel traffic that
       fits under compute: torchtitan's Llama 3.1 8B lost 2.7% per GPU going from FSDP over NVLink (8
       GPUs) to FSDP over InfiniBand (128 GPUs), where its traffic is ~70% of the compute time.
@@ -118,7 +125,7 @@ class Efficiency:
       A100 all-reduce ~80%: ml-engineering network chapter).
     `calibrate` fits them to a measured run instead."""
 
-    compute: float = 0.54
+    compute: float = 0.52
     overlap: float = 0.9
     link: float = 0.8
     source: str = "defaults"
@@ -217,7 +224,8 @@ def _compute(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, r
     dtype, times the compute efficiency; with fp8, the casts of the blocks' linear layers at memory bandwidth."""
     tokens = work.global_batch * work.seq_len / layout.gpus()
     fp8 = work.float8_flops_per_token
-    flops_time = (work.flops_per_token - fp8) / peak_flops(work, hw) + (fp8 / float8_peak(hw) if fp8 else 0.0)
+    computed = work.flops_per_token - (1 - CAUSAL_SHARE) * attention_flops_per_token(work.model, work.seq_len)
+    flops_time = (computed - fp8) / peak_flops(work, hw) + (fp8 / float8_peak(hw) if fp8 else 0.0)
     compute = tokens * flops_time * (1 + recompute / 3) / (eff.compute * size_factor(work.model.dim,
                                                                                       eff.size_exponent))
     if fp8:
@@ -463,9 +471,10 @@ def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
 def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
     """Efficiency factors that reproduce a measured run. The profiler measures the wall time collectives
     were in flight (comm_s, pipeline waits included); the rest of the step is compute. So:
-    compute = the run's hardware FLOPs / (peak × (step − comm)), i.e. its achieved MFU over the
-    compute-bound part; the exposed data-parallel traffic is what comm_s leaves after the predicted
-    bubble, TP and pipeline transfers, and overlap = 1 − exposed / predicted. When comm_s exceeds all
+    compute = the FLOPs its kernels computed (recompute included, half the causal attention's) / (peak ×
+    (step − comm)), i.e. its achieved MFU over the compute-bound part; the exposed data-parallel traffic is
+    what comm_s leaves after the predicted bubble, TP and pipeline transfers, and overlap = 1 − exposed /
+    predicted. When comm_s exceeds all
     the predicted traffic even with nothing hidden, the link is slower than assumed: overlap = 0 and
     the link factor shrinks until the prediction matches."""
     run = measured_run(run_dir, hw)
