@@ -21,6 +21,7 @@ import torch
 
 from keel.checkpoint.inspect import load_full_state, state_sha256
 from keel.checkpoint.manifest import MANIFEST, step_of
+from keel.checkpoint.memory import memory_root
 from keel.checkpoint.storage import LATEST
 from keel.config import load_config
 from keel.core.net import free_port
@@ -232,7 +233,8 @@ class Drill:
 
     def launch_nodes(self, run_dir: Path, overrides: list[str], scenario: Scenario) -> dict[str, Any]:
         """An elastic job of `scenario.nodes` launchers on this machine (node-0 hosts the rendezvous); at step
-        `lose_node_at` the last node's launcher and workers are SIGKILLed together, as a machine that dies."""
+        `lose_node_at` the last `lose_nodes` nodes' launchers and workers are SIGKILLed together, as machines that
+        die, and their memory tiers go with them."""
         run_dir.mkdir(parents=True, exist_ok=True)
         more = ("--nnodes", f"1:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{free_port()}")
         args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
@@ -243,7 +245,7 @@ class Drill:
                 jobs.append(Launch(args, self.workdir, run_dir / f"drill-node-{n}.log", env={"KEEL_NODE": f"node-{n}"}))
                 if n == 0:
                     time.sleep(2.0)  # the first node's agent hosts the rendezvous store
-            first, lost = jobs[0], jobs[-1]
+            first, lost = jobs[0], jobs[-scenario.lose_nodes:]
             joined = None  # the step at which every node was in the job (the last may join late)
             while first.proc.poll() is None and time.time() - first.started < self.timeout:
                 step = _status(run_dir).get("step", 0)
@@ -252,8 +254,11 @@ class Drill:
                 # A few steps on every node first: what the job then holds (a memory copy on each) is theirs.
                 if scenario.lose_node_at and not sent and joined is not None and \
                         step >= max(scenario.lose_node_at, joined + JOINED_STEPS):
-                    kill_tagged(lost.tag)
-                    sent = {"time": time.time(), "step": step, "node": f"node-{scenario.nodes - 1}"}
+                    names = [f"node-{n}" for n in range(scenario.nodes - len(lost), scenario.nodes)]
+                    for job, name in zip(lost, names, strict=True):
+                        kill_tagged(job.tag)
+                        shutil.rmtree(memory_root("", run_dir, name), ignore_errors=True)
+                    sent = {"time": time.time(), "step": step, "node": ", ".join(names)}
                 time.sleep(0.05)
             code = first.wait(self.timeout)
             leftovers = [pid for job in jobs for pid in job.leftovers()]
@@ -601,7 +606,7 @@ def _detection(scenario: Scenario, events: list[dict], fault_time: float | None,
     detected = (_find(events, scenario.detect, after=fault_time) if fault_time is not None else
                 _find(events, scenario.detect, from_step=fault_step - 1)) if scenario.detect[0] else None
     if scenario.detect[0] and detected is None:
-        missed.append(f"no {'/'.join(filter(None, scenario.detect))} event: the fault went undetected")
+        missed.append(f"no {'/'.join(str(x) for x in scenario.detect[:2] if x)} event: the fault went undetected")
     if detected is None:
         return None, None, missed
     if scenario.recovered_by is None:

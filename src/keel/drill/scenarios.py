@@ -76,6 +76,7 @@ class Scenario:
     volume: bool = False  # checkpoints on a small volume of their own (a tmpfs the drill mounts; needs root)
     nodes: int = 1  # launchers of an elastic job (--nnodes 1:N), each with nproc // N processes
     lose_node_at: int = 0  # with nodes > 1: the step at which the last node is killed outright
+    lose_nodes: int = 1  # how many nodes (the last ones) are killed then; all of them end the job
     groups: int = 1  # replica groups (`--replica-groups`, one process each); the reference has as many
     survivor: bool = True  # with groups: group 0 is never hit, keeps its process and makes no step again
     # Processes of each launch (of each replica group with `groups`) when its layout needs a number of its own;
@@ -381,6 +382,13 @@ def catalog(plan: Plan = Plan()) -> dict[str, Scenario]:
                  "storage, and goes on with the same global batches in the same order", fault_step=mid, nodes=2,
                  lose_node_at=mid, max_restarts=1, compare=CLOSE, tuning=("checkpoint.memory_interval=2",),
                  detect=("failure", ""), recovered_by=("memory", "restored")),
+        Scenario("node_and_buddy_lost", "with the state also held in memory every 2 steps, a node and its buddy "
+                 "(both nodes of the job) killed outright, their memory with them: the job started again finds no "
+                 "copy in memory, resumes from the newest storage checkpoint and goes on with the same global "
+                 "batches in the same order", nodes=2, fault_step=mid, lose_node_at=mid, lose_nodes=2, max_restarts=1,
+                 rerun=True, first_exit=-9, compare=CLOSE,
+                 tuning=("checkpoint.memory_interval=2",), detect=("resume", "", {"tier": "storage"}),
+                 recovered_by=("step", "first")),
         Scenario("slow_collective", "a rank whose collectives are delayed is reported and the math is untouched",
                  inject=(f"slow_collective:rank={r},seconds=0.05,from_step={plan.interval}",),
                  fault_step=plan.interval, tuning=FAST_THROUGHPUT, detect=("alert", "throughput_drop"),
