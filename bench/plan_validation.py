@@ -42,8 +42,6 @@ RUNS = REPO / "bench" / "published_runs.toml"
 RESULTS = REPO / "bench" / "results" / "plan_validation.json"
 QUANTITIES = {"tokens_per_s": "tokens/s/device", "mfu": "MFU", "hfu": "HFU", "model_tflops": "model TFLOP/s/device",
               "hardware_tflops": "hardware TFLOP/s/device"}
-GENERATIONS = {"h100": "Hopper", "h200": "Hopper", "a100": "Ampere", "a100-40": "Ampere", "b200": "Blackwell",
-               "gb200": "Blackwell", "tpu-v4": "TPU v4"}
 # Compared with the search's candidates: the degrees always, these two only where the source gives them.
 OPTIONAL = ("micro_batch", "ac")
 HW_FIELDS = {"bf16_tflops": None, "fp8_tflops": None, "memory_gib": "memory_bytes", "memory_bw": "memory_bw",
@@ -162,7 +160,7 @@ def unsearched(run: Run) -> str:
 def evaluate(run: Run, with_rank: bool = True) -> dict:
     predicted = predict(run)
     row = {"name": run.name, "source": run.source, "where": run.where, "hardware": run.hw.key,
-           "generation": GENERATIONS.get(run.hw.key, run.hw.key), "devices": run.devices,
+           "generation": run.hw.generation, "devices": run.devices,
            "layout": run.layout.describe(), "precision": "fp8" if run.work.fp8 else "bf16",
            "quantity": run.quantity, "published": run.published, "predicted": predicted,
            "error": predicted / run.published - 1, "held": run.held, "assumed": list(run.assumed),

@@ -20,9 +20,10 @@ never from its own interruption count; docs/planning.md sets the forecasts besid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.config import Config
+from keel.core.accelerators import by_key
 from keel.plan.failures import (
     FailureMix,
     FailureModel,
@@ -54,9 +55,6 @@ PALM_ROLLBACK_STEPS = 100
 PUBLISHED_MIX = FailureMix(hang=BYTEROBUST_HANGS / BYTEROBUST_INCIDENTS, silent=LLAMA3_SDC / LLAMA3_UNEXPECTED,
                            manual=LLAMA3_MANUAL / LLAMA3_UNEXPECTED)
 
-GENERATION_OF = {"h100": "hopper", "h100-pcie": "hopper", "h100-nvl": "hopper", "h200": "hopper",
-                 "h200-nvl": "hopper", "a100": "ampere", "a100-40": "ampere"}
-
 
 @dataclass(frozen=True)
 class PublishedRun:
@@ -64,7 +62,7 @@ class PublishedRun:
     planner's default). `at_least`: the source says "over" the count (or the goodput)."""
 
     name: str
-    generation: str
+    generation: str  # `Accelerator.generation`
     devices: int
     days: float  # wall-clock days the count covers
     interruptions: float  # unexpected ones
@@ -131,7 +129,7 @@ def generation_rate(generation: str) -> float:
 
 def device_mtbf_hours(hardware_key: str) -> float:
     """Hours of one accelerator per job interruption it causes, from its generation's published runs."""
-    return 24.0 / generation_rate(GENERATION_OF.get(hardware_key, "other"))
+    return 24.0 / generation_rate(by_key(hardware_key).generation)
 
 
 def forecast(run: PublishedRun, own_rate: bool = False, trials: int = 500, seed: int = 0) -> dict[str, float]:
@@ -139,16 +137,15 @@ def forecast(run: PublishedRun, own_rate: bool = False, trials: int = 500, seed:
     `own_rate`, the run's own count: what the goodput terms alone give) and its own operational figures: the
     run's days of compute meet failures for as long as they take."""
     rate = run.rate if own_rate else generation_rate(run.generation)
-    mix = PUBLISHED_MIX if run.manual is None else FailureMix(PUBLISHED_MIX.hang, PUBLISHED_MIX.silent, run.manual)
+    mix = PUBLISHED_MIX if run.manual is None else replace(PUBLISHED_MIX, manual=run.manual)
     ckpt = checkpoint_bytes(run.params, run.devices)
     storage = Storage()
     if run.blocking_s is not None:  # the published blocking: the whole write when sync, the copy when async
         storage = Storage(write_bw=ckpt / run.blocking_s, save_overhead_s=0.0) if run.sync else \
             Storage(host_copy_bw=math.inf, save_overhead_s=run.blocking_s)
-    base = Recovery()
-    recovery = Recovery(detect_s=base.detect_s if run.detect_s is None else run.detect_s,
-                        restart_s=base.restart_s if run.restart_s is None else run.restart_s,
-                        triage_s=(TRIAGE_H if run.triage_h is None else run.triage_h) * 3600)
+    given = {"detect_s": run.detect_s, "restart_s": run.restart_s}
+    recovery = replace(Recovery(triage_s=(TRIAGE_H if run.triage_h is None else run.triage_h) * 3600),
+                       **{name: value for name, value in given.items() if value is not None})
     model = Run(run.days * 86400, run.devices, ckpt, FailureModel(device_mtbf_h=24.0 / rate, mix=mix), storage,
                 recovery)
     result = simulate(model, Policy(async_save=not run.sync, interval_s=run.interval_s,
@@ -159,7 +156,7 @@ def forecast(run: PublishedRun, own_rate: bool = False, trials: int = 500, seed:
 
 def failures_source(hardware_key: str) -> str:
     """Where the default rate of `hardware_key` comes from, in a few words."""
-    generation = GENERATION_OF.get(hardware_key, "")
+    generation = by_key(hardware_key).generation
     runs = [r.name for r in RUNS if r.generation == generation]
     return f"{generation.title()}'s published runs ({', '.join(runs)})" if runs else \
         "the midpoint of every published run (none of this generation)"

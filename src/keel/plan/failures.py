@@ -108,7 +108,7 @@ class FailureModel:
     # buddy too when it shares the switch, so all 35 count as uncovered. That is conservative where buddies sit
     # behind different switches; a buddy's own failure during a node's recovery is rarer still and left out.
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE
-    mix: FailureMix = field(default_factory=lambda: FailureMix())
+    mix: FailureMix = FailureMix()  # frozen: one shared default is safe
 
     def __post_init__(self) -> None:
         if self.dist not in ("exponential", "weibull"):

@@ -97,11 +97,10 @@ CAUSAL_SHARE = 0.5
 SIZE_REFERENCE, SIZE_EXPONENT = 8192, 0.18
 # Compute efficiency at width 8,192 by accelerator generation, each fitted (geometric midpoint of the extremes,
 # after the width factor) to the published runs of that generation in the validation table.
-GENERATIONS: dict[tuple[str, ...], tuple[float, str]] = {
-    ("h100", "h100-pcie", "h100-nvl", "h200", "h200-nvl"): (
-        0.453, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
-    ("a100", "a100-40"): (0.576, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
-    ("tpu-v4",): (0.565, "TPU v4: PaLM 540B"),
+GENERATIONS: dict[str, tuple[float, str]] = {  # by `Accelerator.generation`
+    "hopper": (0.453, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
+    "ampere": (0.576, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
+    "tpu-v4": (0.565, "TPU v4: PaLM 540B"),
 }
 
 
@@ -137,10 +136,10 @@ DEFAULT = Efficiency()
 
 def efficiency_for(hw: Accelerator) -> Efficiency:
     """The default factors with the compute efficiency of `hw`'s generation where published runs give one."""
-    for keys, (compute, source) in GENERATIONS.items():
-        if hw.key in keys:
-            return replace(DEFAULT, compute=compute, source=f"defaults; compute from {source}")
-    return DEFAULT
+    if hw.generation not in GENERATIONS:
+        return DEFAULT
+    compute, source = GENERATIONS[hw.generation]
+    return replace(DEFAULT, compute=compute, source=f"defaults; compute from {source}")
 
 
 @dataclass(frozen=True)
