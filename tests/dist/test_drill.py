@@ -24,9 +24,19 @@ def quick(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     cwd = tmp_path_factory.mktemp("drill")
     done = run_keel(["drill", "--suite", "quick", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}"],
                     cwd=cwd, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, _broken(done.stdout) or done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(done.stdout)
     return cwd, {r["scenario"]: r for r in results}
+
+
+def _broken(stdout: str) -> str:
+    """The scorecard rows of the scenarios whose promise was broken, whole: the tail of the JSON shows
+    only the last scenarios, which usually kept theirs."""
+    try:
+        rows = json.loads(stdout)
+    except json.JSONDecodeError:
+        return ""
+    return "\n".join(json.dumps(r) for r in rows if not r.get("promise_kept"))
 
 
 def test_the_quick_suite_keeps_every_promise(quick) -> None:
@@ -83,7 +93,7 @@ def test_a_rank_killed_while_its_memory_copy_is_written_leaves_the_step_before_w
     assert not [e for e in events if e["kind"] == "memory" and e["action"] == "committed"
                 and e["step"] == fired["step"] and e["time"] < restored["time"]]
     # Lost: the steps since the step before (2), and those made while the killed copy was written (1 or 2).
-    assert killed["loss_max_abs_diff"] is not None and killed["steps_lost"] <= 4, killed
+    assert killed["state_equal"] and killed["losses_equal"] and killed["steps_lost"] <= 4, killed
 
 
 def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:

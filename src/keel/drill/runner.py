@@ -236,7 +236,10 @@ class Drill:
         `lose_node_at` the last `lose_nodes` nodes' launchers and workers are SIGKILLed together, as machines that
         die, and their memory tiers go with them."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        more = ("--nnodes", f"1:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{free_port()}")
+        # A job that loses no node waits for all of them: a node joining late pauses the job for the new world
+        # and checkpoints it to storage, at a step that would race the scenario's fault.
+        least = 1 if scenario.lose_node_at else scenario.nodes
+        more = ("--nnodes", f"{least}:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{free_port()}")
         args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
         jobs = []
         sent: dict[str, Any] = {}
