@@ -1,9 +1,13 @@
 """The throughput planner against published pre-training runs: every run of bench/published_runs.toml (papers,
 vendor performance tables and repositories; dense and mixture-of-experts, bf16 and FP8, GPUs and TPUs) is
-predicted with its layout as published and the planner's default efficiency for the accelerator's generation
-(`keel.plan.throughput.efficiency_for`), in the quantity the source published (tokens/s per device, MFU, HFU or
-TFLOP/s per device, each counted as that source counts it: see the file's header). Error = predicted /
-published − 1.
+predicted with its layout as published, the kernels its trainer runs (the source's `software`) and the planner's
+default efficiency for the accelerator's generation (`keel.plan.throughput.efficiency_for`), in the quantity the
+source published (tokens/s per device, MFU, HFU or TFLOP/s per device, each counted as that source counts it: see
+the file's header). Error = predicted / published − 1.
+
+A generation's efficiency is the one figure fitted to the table (`fit`: the median run of the generation predicted
+exactly), so each run is also predicted with it fitted to the other runs of its generation alone ("left out";
+a generation of one run then gets the default of hardware without published runs).
 
 Each run's published layout is also looked for in the planner's own search (`keel.plan.layouts.search` on the
 same devices): the first searched candidate with the same tp, pp, v, cp, ep and data-parallel degree (and
@@ -35,7 +39,7 @@ from keel.errors import KeelError
 from keel.plan.layout import CP_MIN_SEQ, Layout, Workload
 from keel.plan.layouts import MAX_PP, search
 from keel.plan.memory import memory
-from keel.plan.throughput import RECOMPUTE, StepBreakdown, efficiency_for, peak_flops, step_time
+from keel.plan.throughput import DEFAULT, RECOMPUTE, Efficiency, StepBreakdown, efficiency_for, peak_flops, step_time
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "bench" / "published_runs.toml"
@@ -61,7 +65,6 @@ class Run:
     published: float
     published_memory_gib: float | None = None
     assumed: tuple[str, ...] = ()
-    held: bool = False
     notes: str = ""
 
 
@@ -96,10 +99,11 @@ def runs(data: dict | None = None) -> list[Run]:
     out = []
     for r in data["runs"]:
         hw = machines[r["hardware"]] if r["hardware"] in machines else by_key(r["hardware"])
-        work = Workload(models[r["model"]], r["seq"], r["global_batch"], fp8=r["precision"] == "fp8")
+        software = r.get("software", data["sources"][r["source"]]["software"])
+        work = Workload(models[r["model"]], r["seq"], r["global_batch"], fp8=r["precision"] == "fp8", software=software)
         out.append(Run(r["name"], r["source"], r["where"], work, Layout(**r["layout"]), hw, r["devices"],
                        r["quantity"], float(r["published"]), r.get("published_memory_gib"),
-                       tuple(r.get("assumed", ())), r.get("held", False), r.get("notes", "")))
+                       tuple(r.get("assumed", ())), r.get("notes", "")))
     return out
 
 
@@ -118,9 +122,42 @@ def quantity(run: Run, step: StepBreakdown) -> float:
     return per_s / 1e12
 
 
-def predict(run: Run) -> float:
-    """The run's published quantity as the planner predicts it, with its default efficiency factors."""
-    return quantity(run, step_time(run.work, run.layout, run.hw, efficiency_for(run.hw)))
+def predict(run: Run, eff: Efficiency | None = None) -> float:
+    """The run's published quantity as the planner predicts it, with its default efficiency factors (or `eff`)."""
+    return quantity(run, step_time(run.work, run.layout, run.hw, eff or efficiency_for(run.hw)))
+
+
+def _ratios(published: list[Run]) -> dict[str, list[float]]:
+    """Predicted over published, by accelerator generation."""
+    out: dict[str, list[float]] = {}
+    for run in published:
+        out.setdefault(run.hw.generation, []).append(predict(run) / run.published)
+    return out
+
+
+def fit(published: list[Run] | None = None, rounds: int = 4) -> dict[str, float]:
+    """Each generation's compute efficiency (`keel.plan.throughput.GENERATIONS`): the factor that makes the median
+    of its runs' predicted / published 1. The step is not quite proportional to it (communication, bubbles), so a
+    few rounds of rescaling settle it."""
+    published = published or runs()
+    fitted = {g: efficiency_for(run.hw).compute for run in published for g in [run.hw.generation]}
+    for _ in range(rounds):
+        by_generation: dict[str, list[float]] = {}
+        for run in published:
+            eff = replace(efficiency_for(run.hw), compute=fitted[run.hw.generation])
+            by_generation.setdefault(run.hw.generation, []).append(predict(run, eff) / run.published)
+        fitted = {g: fitted[g] / statistics.median(ratios) for g, ratios in by_generation.items()}
+    return fitted
+
+
+def left_out(run: Run, ratios: list[float]) -> float:
+    """The run predicted with its generation's efficiency fitted to the other runs of that generation (their
+    ratios, predicted / published, at the planner's own efficiency); with none left, the default efficiency of a
+    generation without published runs."""
+    if not ratios:
+        return predict(run, DEFAULT)
+    eff = efficiency_for(run.hw)
+    return predict(run, replace(eff, compute=eff.compute / statistics.median(ratios)))
 
 
 def matches(run: Run, candidate: Layout) -> bool:
@@ -157,13 +194,15 @@ def unsearched(run: Run) -> str:
     return ", ".join(why for hit, why in reasons if hit) or "not enumerated"
 
 
-def evaluate(run: Run, with_rank: bool = True) -> dict:
+def evaluate(run: Run, others: list[float], with_rank: bool = True) -> dict:
     predicted = predict(run)
+    alone = left_out(run, others)
     row = {"name": run.name, "source": run.source, "where": run.where, "hardware": run.hw.key,
            "generation": run.hw.generation, "devices": run.devices,
            "layout": run.layout.describe(), "precision": "fp8" if run.work.fp8 else "bf16",
            "quantity": run.quantity, "published": run.published, "predicted": predicted,
-           "error": predicted / run.published - 1, "held": run.held, "assumed": list(run.assumed),
+           "error": predicted / run.published - 1, "left_out": alone, "left_out_error": alone / run.published - 1,
+           "assumed": list(run.assumed),
            "predicted_memory_gib": memory(run.work, run.layout, run.hw).total / GIB,
            "published_memory_gib": run.published_memory_gib}
     if with_rank:
@@ -186,8 +225,15 @@ def grouped(rows: list[dict], key: str) -> dict[str, dict]:
 
 
 def validate(with_rank: bool = True) -> dict:
-    rows = [evaluate(run, with_rank) for run in runs()]
-    held_out = [r for r in rows if not r["held"]]
+    published = runs()
+    ratios = _ratios(published)
+    seen: dict[str, int] = {}
+    rows = []
+    for run in published:  # each run's own ratio left out of its generation's
+        i = seen[run.hw.generation] = seen.get(run.hw.generation, -1) + 1
+        same = ratios[run.hw.generation]
+        rows.append(evaluate(run, same[:i] + same[i + 1:], with_rank))
+    held_out = [{**r, "error": r["left_out_error"]} for r in rows]
     return {"rows": rows, "summary": summary(rows), "held_out": summary(held_out),
             "by_source": grouped(rows, "source"), "by_generation": grouped(rows, "generation")}
 
@@ -207,15 +253,15 @@ def _line(name: str, s: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    rows = ["| run | source | layout | published | predicted | error | rank of the published layout |",
-            "|---|---|---|---:|---:|---:|---|"]
+    rows = ["| run | source | layout | published | predicted | error | left out | rank of the published layout |",
+            "|---|---|---|---:|---:|---:|---:|---|"]
     for r in results["rows"]:
-        name = r["name"] + (" (fitted)" if r["held"] else "")
+        name = r["name"]
         value = r["predicted"]
         predicted = f"{value:.1%}" if r["quantity"] in ("mfu", "hfu") else f"{value:,.0f}"
         rows.append(f"| {name} | {r['source']} | {r['layout']} | {_figure(r['published'], r['quantity'])} | "
-                    f"{predicted} | {r['error']:+.1%} | {r['rank']} |")
-    lines = [_line("All", results["summary"]), _line("Held out (not fitted)", results["held_out"])]
+                    f"{predicted} | {r['error']:+.1%} | {r['left_out_error']:+.1%} | {r['rank']} |")
+    lines = [_line("All", results["summary"]), _line("Each left out of its generation's fit", results["held_out"])]
     lines += [_line(f"Source {name}", s) for name, s in results["by_source"].items()]
     lines += [_line(f"Generation {name}", s) for name, s in results["by_generation"].items()]
     return "\n".join([*rows, "", *(f"- {line}" for line in lines)])

@@ -69,8 +69,7 @@ class Cluster:
         """The efficiency factors the file holds (all three, or none: the planner's defaults then)."""
         compute, overlap, link = self.compute_efficiency, self.overlap, self.link_efficiency
         if compute is not None and overlap is not None and link is not None:
-            return Efficiency(compute=compute, overlap=overlap, link=link, source="measured (the cluster file)",
-                              size_exponent=0.0)
+            return Efficiency(compute=compute, overlap=overlap, link=link, source="measured (the cluster file)")
         if compute is None and overlap is None and link is None:
             return None
         raise KeelError("--cluster: compute_efficiency, overlap and link_efficiency go together (as `keel plan "

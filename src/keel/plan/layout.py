@@ -102,6 +102,7 @@ class Workload:
     # the guards' in-memory snapshots (guard.snapshots). They share the device's memory on a CPU only.
     host_copies: int = 1
     fp8: bool = False  # train.precision = fp8: the blocks' linear layers multiply in float8
+    software: str = "eager"  # the trainer's kernels (keel.plan.kernels.SOFTWARE): eager, or compiled blocks
 
     @classmethod
     def of(cls, cfg: Config, tokens: float = 0.0, param_dtype: str = "bf16") -> Workload:
@@ -111,7 +112,8 @@ class Workload:
         if snapshots and cfg.fault_tolerance.replica_groups > 1 and g.sdc.fingerprint_interval:
             snapshots += 1  # the last state the groups' fingerprints verified is kept besides the ring
         return cls(cfg.model, cfg.train.seq_len, cfg.train.global_batch, tokens, param_dtype,
-                   cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots, cfg.train.precision == "fp8")
+                   cfg.train.cross_entropy, cfg.train.z_loss > 0, 1 + snapshots, cfg.train.precision == "fp8",
+                   "compiled" if cfg.parallel.compile else "eager")
 
     @cached_property
     def n_params(self) -> int:

@@ -29,6 +29,7 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
+from keel.plan.kernels import SOFTWARE, kernels_for
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
 from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
 from keel.plan.memory import GIB, PARTS, check_run, suggest
@@ -99,6 +100,21 @@ def basis(q: Question) -> tuple[Accelerator, Efficiency, Workload]:
     return hw, eff, Workload.of(q.cfg, q.tokens, q.cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
 
 
+def _kernels(work: Workload, hw: Accelerator) -> dict:
+    """The kernels the step model times: what the trainer runs (the config's) and how close the hardware's come to
+    its peaks."""
+    soft, kern = SOFTWARE[work.software], kernels_for(hw)
+    forward, backward = kern.attention_efficiency(soft.attention)
+    return {"software": work.software, "attention": soft.attention, "fused": soft.fused, "gemm": kern.gemm,
+            "attention_forward": forward, "attention_backward": backward, "source": kern.source}
+
+
+def _kernels_line(k: dict) -> str:
+    fused = "fused" if k["fused"] else "eager (parallel.compile = true fuses them)"
+    return (f"kernels: {k['software']}: GEMMs at up to {k['gemm']:.0%} of the peak, {k['attention']} attention at "
+            f"{k['attention_forward']:.0%}/{k['attention_backward']:.0%} forward/backward, element-wise {fused}")
+
+
 def answer(q: Question) -> dict:
     """Everything `keel plan` says, as one JSON-friendly dict."""
     hw, eff, work = basis(q)
@@ -139,6 +155,7 @@ def answer(q: Question) -> dict:
                   "global_batch": work.global_batch, "steps": work.steps()},
         "experts": _experts(work, best.layout, best.step, hw, eff),
         "efficiency": asdict(eff),
+        "kernels": _kernels(work, hw),
         "memory_check": _memory_check(q.calibrate_from, hw) if q.calibrate_from else None,
         "layouts": [_candidate(c) for c in fitting[:TOP]],
         "given": None if assessed is None else {**assessed.row(), "not_modelled": unmodelled},
@@ -284,7 +301,8 @@ def lines(a: dict) -> list[str]:
            f"GFLOP/token at sequence {m['seq_len']}; {q['tokens'] / 1e12:.2f}T tokens = {m['steps']:,} steps of "
            f"{m['global_batch']} × {m['seq_len']} on {q['gpus']:,} × {q['hardware']}",
            f"efficiency factors: compute {a['efficiency']['compute']:.2f}, overlap {a['efficiency']['overlap']:.2f}, "
-           f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", *_memory_line(a["memory_check"]), "",
+           f"link {a['efficiency']['link']:.2f} ({a['efficiency']['source']})", _kernels_line(a["kernels"]),
+           *_memory_line(a["memory_check"]), "",
            f"{'layout':<{width}}{'GiB/GPU':>9}{'headroom':>10}{'s/step':>9}{'tokens/s/GPU':>14}{'MFU':>7}"]
     for c in a["layouts"]:
         out.append(f"{c['layout']:<{width}}{c['memory_gib']:>9.1f}{c['headroom']:>10.0%}{c['step_s']:>9.3g}"

@@ -1,13 +1,12 @@
 """Step time of a layout: compute from FLOPs per token, communication from an alpha-beta model of each
 collective, the pipeline bubble, and how much of the data-parallel traffic hides behind compute.
 
-Compute: FLOPs per token (6N + 12·L·H·Q·T, PaLM appendix B; `Workload.flops_per_token`) times the tokens
-a device processes per step, plus the recomputed forward of activation checkpointing (full: one more
-forward, 4 passes instead of 3, Narayanan et al. 2021 eq. 3; selective in keel: every second block, half
-a forward), at `Efficiency.compute` of the dense peak. The 12·L·H·Q·T of attention counts every query
-against every key, as MFU's convention does; a causal flash kernel skips the tiles above the diagonal and
-computes half of them (FlashAttention-2, Dao 2023, §3.1), so the step is timed with half (`CAUSAL_SHARE`).
-MFU and HFU keep the convention's count.
+Compute: the step's kernels on the busiest pipeline rank (`keel.plan.kernels`: each GEMM at an efficiency set by
+its shape, attention at its kernel's, the element-wise kernels, the loss and the optimizer at the memory
+bandwidth), the recomputed forwards of activation checkpointing included (full: one more forward; selective in
+keel: every second block, half a forward), over `Efficiency.compute`, the share of that time a step gets (launch
+gaps, synchronisation and the kernels the model leaves out). MFU and HFU count FLOPs as their convention does
+(6N + 12·L·H·Q·T, PaLM appendix B; `Workload.flops_per_token`), every query against every key.
 
 Collectives, ring algorithm (Patarasuk & Yuan 2009; NCCL's ring): an all-gather or reduce-scatter of a
 buffer of S bytes over n ranks moves (n−1)/n·S through each rank's link, an all-reduce 2(n−1)/n·S.
@@ -67,8 +66,8 @@ from pathlib import Path
 from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.model.flops import attention_flops_per_token
-from keel.plan.layout import Layout, Workload, pipeline_imbalance, rank_blocks, rank_moe_blocks, run_layout
+from keel.plan.kernels import SOFTWARE, kernel_seconds, kernels_for, peak_flops
+from keel.plan.layout import Layout, Workload, rank_blocks, rank_moe_blocks, run_layout
 from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
 
@@ -83,40 +82,25 @@ GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, 
 # again: about twice its inputs and outputs, and the input once more per recomputed forward; each weight twice
 # per micro-batch (once more when recomputed).
 CAST_BYTES = 5
-# Element-wise kernels reach about 80% of the memory bandwidth (an assumption, as the link factor's 0.8).
-MEMORY_EFFICIENCY = 0.8
-# The share of the attention FLOPs a causal flash kernel computes: the score tiles below the diagonal.
-CAUSAL_SHARE = 0.5
-
-
-# Compute efficiency grows with the model's width: larger matmuls keep the tensor cores busier and the
-# element-wise kernels weigh less. torchtitan's Llama 3.1 8B, 70B and 405B, on the same H100s and software,
-# imply 0.38, 0.43 and 0.49 of the peak at widths 4,096, 8,192 and 16,384 (docs/planning.md, the attention
-# timed as a causal kernel computes it): about (dim / 8,192)^0.18. Below 256 the factor stops falling (such
-# models are not planned on accelerators).
-SIZE_REFERENCE, SIZE_EXPONENT = 8192, 0.18
-# Compute efficiency at width 8,192 by accelerator generation, each fitted (geometric midpoint of the extremes,
-# after the width factor) to the published runs of that generation in the validation table.
+# The share of the kernels' time a step gets, by accelerator generation: the median over the validation table's
+# runs of that generation (bench/plan_validation.py, which also reports each run predicted with the factor fitted
+# to the others), with each run's published kernels (`keel.plan.kernels.SOFTWARE`).
 GENERATIONS: dict[str, tuple[float, str]] = {  # by `Accelerator.generation`
-    "hopper": (0.453, "Hopper: torchtitan Llama 3.1 8B/70B/405B and Llama 3 405B on 16,384 H100"),
-    "ampere": (0.576, "Ampere: Megatron-LM 1T, MegaScale 175B and BLOOM-176B on A100"),
-    "tpu-v4": (0.565, "TPU v4: PaLM 540B"),
+    "hopper": (0.902, "Hopper: the median of 40 published runs on H100 and H800"),
+    "ampere": (0.821, "Ampere: the median of 34 published runs on A100"),
+    "blackwell": (0.760, "Blackwell: the median of 3 published runs on B200 and GB200"),
+    "tpu-v4": (0.684, "TPU v4: PaLM 540B"),
 }
-
-
-def size_factor(dim: int, exponent: float = SIZE_EXPONENT) -> float:
-    """How much more (or less) of the peak a model of width `dim` reaches than one of width 8,192."""
-    return (max(dim, 256) / SIZE_REFERENCE) ** exponent
 
 
 @dataclass(frozen=True)
 class Efficiency:
     """The factors that turn peak figures into time (tests/unit/plan/test_throughput.py checks them against
     every published run of the validation table):
-    - compute: the share of the dense peak the whole forward/backward reaches at width 8,192 (times
-      `size_factor` at other widths); matmuls alone reach ~80% on H100 ([ME]'s MAMF table), attention,
-      norms and element-wise kernels dilute it. By generation where published runs give it (GENERATIONS:
-      0.45 Hopper, 0.58 Ampere, 0.57 TPU v4); 0.52, the midpoint of every run's, on other hardware.
+    - compute: the share of the kernel model's time a step gets; by generation where published runs give it
+      (GENERATIONS: 0.90 Hopper, 0.82 Ampere, 0.76 Blackwell, 0.68 TPU v4). Hardware without kernel figures
+      (`keel.plan.kernels.KERNELS`) has every kernel at its peak, and 0.52 of that, the midpoint of every
+      published run's whole-step efficiency.
     - overlap 0.9: FSDP2 prefetch and backward reduce-scatter hide nearly all data-parallel traffic that
       fits under compute: torchtitan's Llama 3.1 8B lost 2.7% per GPU going from FSDP over NVLink (8
       GPUs) to FSDP over InfiniBand (128 GPUs), where its traffic is ~70% of the compute time.
@@ -128,7 +112,6 @@ class Efficiency:
     overlap: float = 0.9
     link: float = 0.8
     source: str = "defaults"
-    size_exponent: float = SIZE_EXPONENT  # 0 once calibrated: a measured run fixes the efficiency at its width
 
 
 DEFAULT = Efficiency()
@@ -202,37 +185,18 @@ def collective(kind: str, nbytes: float, n: int, link: _Link) -> float:
     return latency + steps / n * nbytes / link.bandwidth
 
 
-def peak_flops(work: Workload, hw: Accelerator) -> float:
-    peak = hw.peak_flops.get(work.param_dtype) or hw.peak_flops.get("bf16")
-    if not peak:
-        raise KeelError(f"{hw.name} has no known {work.param_dtype} peak FLOP/s: measure it (keel train reports "
-                        f"it) or calibrate from a run")
-    return peak
-
-
-def float8_peak(hw: Accelerator) -> float:
-    peak = hw.peak_flops.get("fp8")
-    if not peak:
-        raise KeelError(f"train.precision = fp8 on {hw.name}, which has no float8 matmuls: plan it with bf16, or on "
-                        f"an accelerator that has them (h100, h200, b200, mi300x, ...)")
-    return peak
-
-
 def _compute(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, recompute: float) -> float:
-    """One device's forward and backward (and recomputed forwards) of a step: the matmuls at the peak of their
-    dtype, times the compute efficiency; with fp8, the casts of the blocks' linear layers at memory bandwidth."""
-    tokens = work.global_batch * work.seq_len / layout.gpus()
-    fp8 = work.float8_flops_per_token
-    computed = work.flops_per_token - (1 - CAUSAL_SHARE) * attention_flops_per_token(work.model, work.seq_len)
-    flops_time = (computed - fp8) / peak_flops(work, hw) + (fp8 / float8_peak(hw) if fp8 else 0.0)
-    compute = tokens * flops_time * (1 + recompute / 3) / (eff.compute * size_factor(work.model.dim,
-                                                                                      eff.size_exponent))
-    if fp8:
+    """One device's kernels of a step on the busiest pipeline rank (keel.plan.kernels), over the compute
+    efficiency; with torchao's fp8, the casts of the blocks' linear layers at memory bandwidth."""
+    compute = kernel_seconds(work, layout, hw, kernels_for(hw), SOFTWARE[work.software], recompute,
+                             act_bytes(work)) / eff.compute
+    if work.fp8 and hw.memory_bw > 0:
         # A TP rank holds a slice of each weight, and of one side of each layer (the other side whole).
+        tokens = work.global_batch * work.seq_len / layout.gpus()
         weights = work.block_matmul_params / (layout.pp * layout.tp) * work.micro_batches(layout) * (2 + recompute)
         activations = tokens * work.linear_widths / layout.pp * (1 + 1 / layout.tp) / 2 * (2 + recompute / 2)
-        compute += CAST_BYTES * (weights + activations) / (hw.memory_bw * MEMORY_EFFICIENCY)
-    return compute * pipeline_imbalance(work, layout)
+        compute += CAST_BYTES * (weights + activations) / (hw.memory_bw * kernels_for(hw).memory)
+    return compute
 
 
 def _data_parallel_comm(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, layers: int,
@@ -470,15 +434,14 @@ def measured_run(run_dir: Path, hw: Accelerator | None = None) -> MeasuredRun:
 def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
     """Efficiency factors that reproduce a measured run. The profiler measures the wall time collectives
     were in flight (comm_s, pipeline waits included); the rest of the step is compute. So:
-    compute = the FLOPs its kernels computed (recompute included, half the causal attention's) / (peak ×
-    (step − comm)), i.e. its achieved MFU over the compute-bound part; the exposed data-parallel traffic is
+    compute = the kernel model's time for the step (recompute included) / (step − comm), the share of it the
+    compute-bound part reached; the exposed data-parallel traffic is
     what comm_s leaves after the predicted bubble, TP and pipeline transfers, and overlap = 1 − exposed /
     predicted. When comm_s exceeds all
     the predicted traffic even with nothing hidden, the link is slower than assumed: overlap = 0 and
     the link factor shrinks until the prediction matches."""
     run = measured_run(run_dir, hw)
-    nominal = step_time(run.work, run.layout, run.hw, Efficiency(compute=1.0, overlap=0.0, link=DEFAULT.link,
-                                                                 size_exponent=0.0))
+    nominal = step_time(run.work, run.layout, run.hw, Efficiency(compute=1.0, overlap=0.0, link=DEFAULT.link))
     layout = run.layout
     bubble_share = (layout.pp - 1) / (layout.v * run.work.micro_batches(layout)) if layout.pp > 1 else 0.0
     fixed = nominal.tp_comm + nominal.cp_comm + nominal.ep_comm + nominal.pp_p2p  # never hidden
@@ -494,5 +457,4 @@ def calibrate(run_dir: Path, hw: Accelerator | None = None) -> Efficiency:
         link = DEFAULT.link * (fixed + hideable) / max(exposed, 1e-12)
     else:
         overlap = min(1.0, max(0.0, 1 - (exposed - fixed) / hideable))
-    return Efficiency(compute=compute, overlap=overlap, link=link, source=f"calibrated on {Path(run_dir).name}",
-                      size_exponent=0.0)
+    return Efficiency(compute=compute, overlap=overlap, link=link, source=f"calibrated on {Path(run_dir).name}")

@@ -24,11 +24,12 @@ from keel.model.flops import (
     routed_expert_param_count,
 )
 from keel.model.llama import Block, rope_tables
+from keel.plan.kernels import CAUSAL_SHARE
 from keel.plan.layout import Layout, Workload, parse_layout
 from keel.plan.layouts import search
 from keel.plan.memory import block_activations, memory
 from keel.plan.report import Question, answer, lines
-from keel.plan.throughput import BASE_LATENCY, CAUSAL_SHARE, DEFAULT, HOP_INTER, HOP_INTRA, ep_exchange, step_time
+from keel.plan.throughput import BASE_LATENCY, DEFAULT, HOP_INTER, HOP_INTRA, ep_exchange, step_time
 from tests.conftest import REPO, run_keel
 
 H100 = by_key("h100")
@@ -98,10 +99,12 @@ def test_memory_counts_every_expert_and_flops_only_the_ones_a_token_uses() -> No
         assert memory(w, layout, H100).optimizer == pytest.approx(12 * w.n_params / 2048)
     assert doubled.n_params > 1.9 * work.n_params
     assert doubled.flops_per_token - work.flops_per_token == 6 * 7168 * 256 * 58
-    # The step is timed with the half of the attention FLOPs a causal kernel computes; the router's are whole.
+    # The step follows the FLOPs, not the parameters: it grows by more than the router's FLOPs (the step is timed
+    # with the half of the attention FLOPs a causal kernel computes, the router's whole; each expert's GEMMs get
+    # half the rows; the optimizer steps twice the state) and by a few percent at most.
     skipped = (1 - CAUSAL_SHARE) * attention_flops_per_token(work.model, work.seq_len)
-    assert step_time(doubled, layout, H100).compute / step_time(work, layout, H100).compute == pytest.approx(
-        (doubled.flops_per_token - skipped) / (work.flops_per_token - skipped))
+    grown = step_time(doubled, layout, H100).compute / step_time(work, layout, H100).compute
+    assert (doubled.flops_per_token - skipped) / (work.flops_per_token - skipped) < grown < 1.05
     assert work.n_active == active_param_count(work.model) < work.n_params / 17
 
 

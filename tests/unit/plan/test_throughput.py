@@ -17,12 +17,12 @@ from keel.config import ModelConfig, load_config
 from keel.core.accelerators import by_key
 from keel.errors import KeelError
 from keel.model.flops import attention_flops_per_token
+from keel.plan.kernels import CAUSAL_SHARE
 from keel.plan.layout import Layout, Workload
 from keel.plan.layouts import explain, search
 from keel.plan.report import Question, answer, lines
 from keel.plan.throughput import (
     BASE_LATENCY,
-    CAUSAL_SHARE,
     DEFAULT,
     HOP_INTER,
     HOP_INTRA,
@@ -32,7 +32,6 @@ from keel.plan.throughput import (
     collective,
     efficiency_for,
     measured_run,
-    size_factor,
     step_time,
 )
 from tests.conftest import REPO
@@ -81,8 +80,11 @@ def test_activation_checkpointing_adds_recomputed_forwards() -> None:
     work = Workload(model("llama3_8b"), 8192, 64)
     base = Layout(dp_shard=8, micro_batch=1)
     none = step_time(work, base, H100).compute
-    assert step_time(work, replace(base, ac="full"), H100).compute == pytest.approx(none * 4 / 3)
-    assert step_time(work, replace(base, ac="selective"), H100).compute == pytest.approx(none * 7 / 6)
+    full = step_time(work, replace(base, ac="full"), H100).compute
+    # One more forward of every block (a third of its training FLOPs; the output projection is not recomputed),
+    # and keel's selective half of it: every second block.
+    assert none * 1.25 < full < none * 4 / 3
+    assert step_time(work, replace(base, ac="selective"), H100).compute == pytest.approx((none + full) / 2)
     assert step_time(work, replace(base, ac="full"), H100).hfu == pytest.approx(
         step_time(work, replace(base, ac="full"), H100).mfu * 4 / 3)
 
@@ -149,106 +151,17 @@ def test_a_device_without_a_peak_is_refused() -> None:
         step_time(Workload(model("llama3_8b"), 8192, 8), Layout(dp_shard=8), by_key("cpu"))
 
 
-# Published runs, all predicted with DEFAULT. torchtitan ran on Grand Teton H100s with 96 GB HBM2e at a
-# 500 W limit, whose peak its benchmark puts "between SXM and NVL" (989.5 and 835.5 TFLOP/s): their midpoint
-# is used for time, their MFU stays quoted against 989.5 (benchmarks/llama3_h100_202412_torchtitan.md).
-TITAN_H100 = replace(H100, peak_flops={"bf16": (989.5e12 + 835.5e12) / 2, "fp8": (1979e12 + 1670.5e12) / 2},
-                     memory_bytes=96 * 2**30, memory_bw=2.4e12)
-# PaLM 540B (Chowdhery et al. 2022, arXiv 2204.02311): 118 layers, d_model 18,432, 48 heads of 256, one KV
-# head, SwiGLU d_ff 73,728, 256k vocabulary shared with the output. keel's head size is dim / heads (384),
-# so the FFN is trimmed to 69,632 to keep N = 540.9 B. §4: 2 pods of 3,072 TPU v4, 12-way model parallel ×
-# 256-way sharded data parallel inside a pod over ICI (so one "node" is the pod), 2 pods data parallel over
-# the DCN at 81 Tb/s per pod; batch 2,048 × 2,048 tokens; rematerialization (HFU/MFU = 57.8/46.2 = 1.25,
-# between selective and full: full is used).
-PALM = ModelConfig(dim=18432, n_layers=118, n_heads=48, n_kv_heads=1, vocab_size=256000, ffn_dim_multiplier=1.415,
-                   multiple_of=256, tie_embeddings=True)
-TPU_POD = replace(by_key("tpu-v4"), devices_per_node=3072, inter_bw=81e12 / 8 / 3072)
-# Megatron-LM 1T (Narayanan et al. 2021, arXiv 2104.04473, Table 1): 128 layers, hidden 25,600, 160 heads,
-# GPT (4h MLP: keel's SwiGLU at 8/3·h has the same 8h² parameters), vocab 51,200, seq 2,048, batch 3,072;
-# TP 8 × PP 64 × DP 6 on 3,072 A100 80GB (DGX A100, 8 × 200 Gb/s HDR), micro-batch 1, full recompute.
-# Its 52% counts the recomputed forward (eq. 3: 96·B·s·l·h², 4 passes), so it is compared with HFU.
-MEGATRON = ModelConfig(dim=25600, n_layers=128, n_heads=160, n_kv_heads=160, vocab_size=51200, multiple_of=256,
-                       tie_embeddings=True)
-# MegaScale (Jiang et al. 2024, arXiv 2402.15627, §6.1): GPT-3 175B (96 layers, hidden 12,288, 96 heads),
-# seq 2,048, batch 6,144 on 12,288 GPUs (A100 assumed), TP 8 × PP 8 × DP 192 with the interleaved schedule
-# (v = 2 assumed: the paper does not give it), no activation recompute (assumed: FlashAttention-2 leaves the
-# memory for it), micro-batch 1.
-GPT3 = ModelConfig(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=51200, multiple_of=256,
-                   tie_embeddings=True)
-
-# BLOOM-176B (BigScience 2022, arXiv 2211.05100, §3.4): 70 layers, hidden 14,336, 112 heads, vocabulary 250,880
-# tied with the output, seq 2,048, batch 2,048; TP 4 × PP 12 × DP 8 on 384 A100 80GB (48 nodes of 8, 4 ×
-# 100 Gb/s per node), micro-batch 2, full activation checkpointing; 156 TFLOP/s per GPU counting the
-# recomputed forward (Megatron's formula), so compared with HFU × 312 TFLOP/s. 70 blocks on 12 stages: 5 on
-# the first and last, 6 on the others (keel.model.split).
-BLOOM = ModelConfig(dim=14336, n_layers=70, n_heads=112, n_kv_heads=112, vocab_size=250880, multiple_of=256,
-                    tie_embeddings=True)
-BLOOM_A100 = replace(A100, inter_bw=4 * 100e9 / 8 / 8)
-# Llama 3 405B (arXiv 2407.21783, Table 4): 16,384 H100, TP 8 × CP 1 × PP 16 × DP 128, seq 8,192, 16 sequences
-# per data-parallel rank (batch 2,048), 41% BF16 MFU (38-43% across its configurations); the interleaved
-# schedule with one block fewer on the first and last stages (§3.3.2): 4 stages per rank assumed.
-PUBLISHED = [
-    # name, workload, layout, hardware, published value, quantity
-    ("torchtitan Llama 3.1 8B, 8 H100, FSDP", ("llama3_8b", 8192, 16),
-     Layout(dp_shard=8, micro_batch=2, ac="selective"), TITAN_H100, 5762, "tokens/s"),
-    # The same with torch.compile and Float8 linear layers (the model has no term for compile): 8,532.
-    ("torchtitan Llama 3.1 8B, 8 H100, FSDP, Float8", ("llama3_8b", 8192, 16, True),
-     Layout(dp_shard=8, micro_batch=2, ac="selective"), TITAN_H100, 8532, "tokens/s"),
-    ("torchtitan Llama 3.1 8B, 128 H100, FSDP", ("llama3_8b", 8192, 256),
-     Layout(dp_shard=128, micro_batch=2, ac="selective"), TITAN_H100, 5605, "tokens/s"),
-    # asyncTP_llama3_h100_2025-06: bf16, compile, full AC, local batch 16 per data-parallel rank, vanilla TP.
-    ("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8", ("llama3_70b", 8192, 512),
-     Layout(tp=8, dp_shard=32, micro_batch=16, ac="full"), TITAN_H100, 597, "tokens/s"),
-    # Dec 2024 Table 5: local batch 32, global 256, 1F1B with micro-batches of 1, full AC (and Float8,
-    # compile, async TP, which the model has no terms for).
-    ("torchtitan Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8", ("llama3_405b", 8192, 256),
-     Layout(tp=8, pp=8, dp_shard=8, micro_batch=1, ac="full"), TITAN_H100, 100, "tokens/s"),
-    ("PaLM 540B, 6,144 TPU v4", (PALM, 2048, 2048),
-     Layout(tp=12, dp_shard=256, dp_replicate=2, micro_batch=4, ac="full"), TPU_POD, 0.462, "mfu"),
-    ("Megatron-LM 1T, 3,072 A100", (MEGATRON, 2048, 3072),
-     Layout(tp=8, pp=64, dp_replicate=6, micro_batch=1, ac="full"), A100, 0.52, "hfu"),
-    ("MegaScale 175B, 12,288 GPUs", (GPT3, 2048, 6144),
-     Layout(tp=8, pp=8, v=2, dp_replicate=192, micro_batch=1), A100, 0.552, "mfu"),
-    ("BLOOM-176B, 384 A100, TP 4 x PP 12 x DP 8", (BLOOM, 2048, 2048),
-     Layout(tp=4, pp=12, dp_replicate=8, micro_batch=2, ac="full"), BLOOM_A100, 156e12 / 312e12, "hfu"),
-    ("Llama 3 405B, 16,384 H100, TP 8 x PP 16 x DP 128", ("llama3_405b", 8192, 2048),
-     Layout(tp=8, pp=16, v=4, dp_shard=128, micro_batch=1), H100, 0.41, "mfu"),
-]
-
-
-
-def predict(shape: tuple, layout: Layout, hw, quantity: str, eff: Efficiency | None = None) -> float:
-    cfg, seq, batch, *fp8 = shape
-    work = Workload(model(cfg) if isinstance(cfg, str) else cfg, seq, batch, fp8=bool(fp8 and fp8[0]))
-    step = step_time(work, layout, hw, eff or efficiency_for(hw))
-    return {"tokens/s": step.tokens_per_s_per_device, "mfu": step.mfu, "hfu": step.hfu}[quantity]
-
-
-@pytest.mark.parametrize(("name", "shape", "layout", "hw", "published", "quantity"), PUBLISHED,
-                         ids=[row[0] for row in PUBLISHED])
-def test_published_runs_are_predicted_within_10_percent(name: str, shape: tuple, layout: Layout, hw,
-                                                        published: float, quantity: str) -> None:
-    """With the compute efficiency of the accelerator's generation (fitted to these runs: in-sample; the
-    leave-one-out errors are in docs/planning.md), and with one default for every generation within 25%."""
-    assert str(layout.gpus()) in name.replace(",", "")  # the published device count
-    predicted = predict(shape, layout, hw, quantity)
-    assert abs(predicted / published - 1) <= 0.10, f"{name}: {quantity} {predicted:.4g} vs {published}"
-    anywhere = predict(shape, layout, hw, quantity, DEFAULT)
-    assert abs(anywhere / published - 1) <= 0.25, f"{name}: {quantity} {anywhere:.4g} vs {published} (default)"
-
-
-def test_wider_models_reach_more_of_the_peak() -> None:
-    assert size_factor(8192) == 1.0 and size_factor(4096) < 1.0 < size_factor(16384)
-    assert size_factor(64) == size_factor(256)
-    assert efficiency_for(H100).compute < efficiency_for(A100).compute  # torchtitan's H100s vs A100 runs
-    assert efficiency_for(by_key("mi300x")) == DEFAULT
-
-
 def test_the_published_model_shapes_match_their_papers() -> None:
-    assert Workload(PALM, 2048, 1).n_params == pytest.approx(540.35e9, rel=0.01)
-    assert Workload(MEGATRON, 2048, 1).n_params == pytest.approx(1008e9, rel=0.01)
-    assert Workload(GPT3, 2048, 1).n_params == pytest.approx(175e9, rel=0.01)
-    assert Workload(BLOOM, 2048, 1).n_params == pytest.approx(176.2e9, rel=0.01)
+    from bench.plan_validation import load
+    from bench.plan_validation import model as published_model
+
+    models = load()["models"]
+    sizes = {"palm_540b": 540.35e9, "megatron_1t": 1008e9, "gpt3_175b": 175e9, "bloom_176b": 176.2e9}
+    for name, size in sizes.items():
+        m = published_model(models[name])
+        # Models run in pipelines are untied there (Megatron keeps a copy of the embedding on the last stage).
+        size += 0 if m.tie_embeddings else m.vocab_size * m.dim
+        assert Workload(m, 2048, 1).n_params == pytest.approx(size, rel=0.01), name
 
 
 def test_calibration_reproduces_the_measured_run() -> None:
