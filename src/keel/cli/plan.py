@@ -115,7 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  recovery=cluster.recovery(), mix=cluster.mix(), silent_detect_s=cluster.silent_detect_s,
                  spares=cluster.spares, layout=args.layout,
                  calibrate_from=args.calibrate, efficiency=cluster.efficiency(), peak_tflops=cluster.peak_tflops,
-                 intra_gbps=cluster.intra_gbps, sweep=args.sweep, trials=args.trials, seed=args.seed)
+                 intra_gbps=cluster.intra_gbps, kernel_figures=tuple(cluster.kernel_figures().items()),
+                 sweep=args.sweep, trials=args.trials, seed=args.seed)
     measured = _measured(args, q, cluster) if args.measure else None
     # After --measure the plan is the one its calibration run gives, as --calibrate would.
     a = answer(q if measured is None else replace(q, calibrate_from=Path(measured["calibration"]["run_dir"])))

@@ -21,6 +21,7 @@ from keel.errors import KeelError
 from keel.plan.cost import DEFAULT_PRICE_PER_HOUR
 from keel.plan.failure_rates import PUBLISHED_MIX, TRIAGE_H
 from keel.plan.failures import DEFAULT_MEMORY_COVERAGE, FailureMix, Recovery
+from keel.plan.kernels import FIGURES
 from keel.plan.throughput import Efficiency
 
 YEAR_H = 365 * 24.0
@@ -56,6 +57,12 @@ class Cluster:
     link_efficiency: float | None = None
     peak_tflops: float | None = None
     intra_gbps: float | None = None
+    # The kernels' figures on this cluster (keel.plan.kernels.Kernels), each in place of its generation's where given
+    gemm_efficiency: float | None = None
+    gemm_fp8_efficiency: float | None = None
+    attention_forward_efficiency: float | None = None
+    attention_backward_efficiency: float | None = None
+    memory_efficiency: float | None = None
 
     def recovery(self) -> Recovery:
         return Recovery(detect_s=self.detect_s, restart_s=self.restart_s, repair_s=self.repair_h * 3600,
@@ -64,6 +71,10 @@ class Cluster:
     def mix(self) -> FailureMix:
         return FailureMix(hang=self.hang_share, silent=self.silent_share, manual=self.manual_share,
                           rollbacks_per_day=self.rollbacks_per_day)
+
+    def kernel_figures(self) -> dict[str, float]:
+        """The kernel figures the file gives, by `keel.plan.kernels.with_figures`'s names."""
+        return {name: value for name in FIGURES if (value := getattr(self, f"{name}_efficiency")) is not None}
 
     def efficiency(self) -> Efficiency | None:
         """The efficiency factors the file holds (all three, or none: the planner's defaults then)."""
@@ -99,12 +110,19 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "link_efficiency": (0.0, False, 2.0, "share of the link bandwidth collectives reach"),
     "peak_tflops": (0.0, False, 1e6, "dense peak TFLOP/s of one accelerator"),
     "intra_gbps": (0.0, False, 10_000.0, "GB/s per accelerator within a node"),
+    "gemm_efficiency": (0.0, False, 1.0, "share of the bf16 peak a large GEMM reaches"),
+    "gemm_fp8_efficiency": (0.0, False, 1.0, "share of the fp8 peak a large GEMM reaches"),
+    "attention_forward_efficiency": (0.0, False, 1.0, "share of the bf16 peak the attention kernel's forward reaches"),
+    "attention_backward_efficiency": (0.0, False, 1.0, "share of the bf16 peak its backward reaches"),
+    "memory_efficiency": (0.0, False, 1.0, "share of the memory bandwidth element-wise kernels reach"),
 }
 MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "intra_gbps")  # no flags
 # How failures show: the cluster file's figures only (a team's own operations, rarely changed per question)
 OPERATIONS = ("hang_share", "hang_detect_s", "silent_share", "silent_detect_s", "manual_share", "triage_h",
               "rollbacks_per_day")
-FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"] if name not in MEASURED + OPERATIONS}
+KERNEL_FIGURES = tuple(f"{name}_efficiency" for name in FIGURES)  # the file's only, as the operations'
+FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"]
+         if name not in MEASURED + OPERATIONS + KERNEL_FIGURES}
 FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"
 
 

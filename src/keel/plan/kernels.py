@@ -32,7 +32,7 @@ moments and writes three: `ADAM_BYTES` a parameter of the rank's shard).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.config import ffn_hidden_dim, head_size
 from keel.core.accelerators import Accelerator
@@ -131,6 +131,22 @@ def float8_peak(hw: Accelerator) -> float:
 
 def kernels_for(hw: Accelerator) -> Kernels:
     return KERNELS.get(hw.generation, DEFAULT_KERNELS)
+
+
+# A cluster file's own kernel figures (`keel plan --cluster`), by the names `with_figures` takes.
+FIGURES = ("gemm", "gemm_fp8", "attention_forward", "attention_backward", "memory")
+
+
+def with_figures(kern: Kernels, figures: dict[str, float]) -> Kernels:
+    """`kern` with a cluster's measured or published figures in place of the generation's (the attention's for
+    whichever kernel the trainer runs)."""
+    if not figures:
+        return kern
+    attention = tuple((kind, (figures.get("attention_forward", forward), figures.get("attention_backward", backward)))
+                      for kind, (forward, backward) in kern.attention)
+    return replace(kern, gemm=figures.get("gemm", kern.gemm), gemm_fp8=figures.get("gemm_fp8", kern.gemm_fp8),
+                   memory=figures.get("memory", kern.memory), attention=attention,
+                   source=f"the cluster file's {', '.join(sorted(figures))}; otherwise {kern.source}")
 
 
 def _fitted_tile(side: float) -> int:

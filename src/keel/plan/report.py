@@ -29,7 +29,7 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
-from keel.plan.kernels import SOFTWARE, kernels_for
+from keel.plan.kernels import SOFTWARE, kernels_for, with_figures
 from keel.plan.layout import Layout, Workload, config_layout, parse_layout
 from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
 from keel.plan.memory import GIB, PARTS, check_run, suggest
@@ -69,6 +69,7 @@ class Question:
     efficiency: Efficiency | None = None  # measured factors (a cluster file of `--measure`); --calibrate wins
     peak_tflops: float | None = None  # the accelerator's measured dense peak, where its catalog entry has none
     intra_gbps: float | None = None  # and its measured link bandwidth within a node
+    kernel_figures: tuple[tuple[str, float], ...] = ()  # the cluster's own (keel.plan.kernels.with_figures)
     sweep: Path | None = None  # a keel sweep's directory: the learning rate, warmup and loss it predicts
     trials: int = 2000
     seed: int = 0
@@ -94,16 +95,18 @@ def basis(q: Question) -> tuple[Accelerator, Efficiency, Workload]:
     if q.gpus < 1 or q.tokens <= 0:
         raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
     eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else q.efficiency or efficiency_for(hw)
+    if q.kernel_figures:
+        eff = replace(eff, kernels=with_figures(kernels_for(hw), dict(q.kernel_figures)))
     if q.calibrate_from and not hw.peak_flops:  # a CPU has no published peak: the run measured its own
         hw = measured_run(q.calibrate_from, hw).hw
     # keel computes in fp32 on a CPU unless told otherwise (train.precision = auto); every GPU plan is in bf16
     return hw, eff, Workload.of(q.cfg, q.tokens, q.cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
 
 
-def _kernels(work: Workload, hw: Accelerator) -> dict:
+def _kernels(work: Workload, hw: Accelerator, eff: Efficiency) -> dict:
     """The kernels the step model times: what the trainer runs (the config's) and how close the hardware's come to
     its peaks."""
-    soft, kern = SOFTWARE[work.software], kernels_for(hw)
+    soft, kern = SOFTWARE[work.software], eff.kernels or kernels_for(hw)
     forward, backward = kern.attention_efficiency(soft.attention)
     return {"software": work.software, "attention": soft.attention, "fused": soft.fused, "gemm": kern.gemm,
             "attention_forward": forward, "attention_backward": backward, "source": kern.source}
@@ -111,8 +114,9 @@ def _kernels(work: Workload, hw: Accelerator) -> dict:
 
 def _kernels_line(k: dict) -> str:
     fused = "fused" if k["fused"] else "eager (parallel.compile = true fuses them)"
+    given = " (the cluster file's figures)" if k["source"].startswith("the cluster file's") else ""
     return (f"kernels: {k['software']}: GEMMs at up to {k['gemm']:.0%} of the peak, {k['attention']} attention at "
-            f"{k['attention_forward']:.0%}/{k['attention_backward']:.0%} forward/backward, element-wise {fused}")
+            f"{k['attention_forward']:.0%}/{k['attention_backward']:.0%} forward/backward, element-wise {fused}{given}")
 
 
 def answer(q: Question) -> dict:
@@ -155,7 +159,7 @@ def answer(q: Question) -> dict:
                   "global_batch": work.global_batch, "steps": work.steps()},
         "experts": _experts(work, best.layout, best.step, hw, eff),
         "efficiency": asdict(eff),
-        "kernels": _kernels(work, hw),
+        "kernels": _kernels(work, hw, eff),
         "memory_check": _memory_check(q.calibrate_from, hw) if q.calibrate_from else None,
         "layouts": [_candidate(c) for c in fitting[:TOP]],
         "given": None if assessed is None else {**assessed.row(), "not_modelled": unmodelled},
@@ -396,9 +400,8 @@ def write_html(q: Question, a: dict, path: Path) -> Path:
         counts.append(gpus)
         walls.append(other["run"]["wall_days"]["p50"])
         costs.append(other["cost"]["money"]["p50"] / 1e6)
-    hw = hardware(q)
-    work = Workload.of(q.cfg, q.tokens)
-    best = search(work, q.gpus, hw, Efficiency(**a["efficiency"]))[0]
+    hw, eff, work = basis(q)
+    best = search(work, q.gpus, hw, eff)[0]
     run = planned_run(q, hw, work.steps() * best.step.total, a["checkpoint"]["bytes"], best.step.total)
     optimum = a["checkpoint"]["interval_s"]
     intervals = [optimum * 2 ** (k / 4) for k in range(-12, 13)]

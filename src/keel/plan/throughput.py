@@ -66,7 +66,7 @@ from pathlib import Path
 from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.kernels import SOFTWARE, kernel_seconds, kernels_for, peak_flops
+from keel.plan.kernels import SOFTWARE, Kernels, kernel_seconds, kernels_for, peak_flops
 from keel.plan.layout import Layout, Workload, rank_blocks, rank_moe_blocks, run_layout
 from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
@@ -112,6 +112,7 @@ class Efficiency:
     overlap: float = 0.9
     link: float = 0.8
     source: str = "defaults"
+    kernels: Kernels | None = None  # a cluster file's kernel figures; None: the generation's (KERNELS)
 
 
 DEFAULT = Efficiency()
@@ -188,14 +189,14 @@ def collective(kind: str, nbytes: float, n: int, link: _Link) -> float:
 def _compute(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, recompute: float) -> float:
     """One device's kernels of a step on the busiest pipeline rank (keel.plan.kernels), over the compute
     efficiency; with torchao's fp8, the casts of the blocks' linear layers at memory bandwidth."""
-    compute = kernel_seconds(work, layout, hw, kernels_for(hw), SOFTWARE[work.software], recompute,
-                             act_bytes(work)) / eff.compute
+    kern = eff.kernels or kernels_for(hw)
+    compute = kernel_seconds(work, layout, hw, kern, SOFTWARE[work.software], recompute, act_bytes(work)) / eff.compute
     if work.fp8 and hw.memory_bw > 0:
         # A TP rank holds a slice of each weight, and of one side of each layer (the other side whole).
         tokens = work.global_batch * work.seq_len / layout.gpus()
         weights = work.block_matmul_params / (layout.pp * layout.tp) * work.micro_batches(layout) * (2 + recompute)
         activations = tokens * work.linear_widths / layout.pp * (1 + 1 / layout.tp) / 2 * (2 + recompute / 2)
-        compute += CAST_BYTES * (weights + activations) / (hw.memory_bw * kernels_for(hw).memory)
+        compute += CAST_BYTES * (weights + activations) / (hw.memory_bw * kern.memory)
     return compute
 
 

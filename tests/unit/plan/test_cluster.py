@@ -13,7 +13,7 @@ from keel.errors import KeelError
 from keel.plan.cluster import Cluster, cluster_from, write_cluster
 from keel.plan.failure_rates import TRIAGE_H
 from keel.plan.failures import FailureMix, Recovery
-from keel.plan.report import Question, answer
+from keel.plan.report import Question, answer, lines
 from keel.plan.throughput import measured_run
 
 REPO = Path(__file__).resolve().parents[3]
@@ -49,6 +49,8 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
     ("detect_s = \n", "not valid TOML"),
     ("hang_share = 2\n", "hang_share = 2: expected a finite number at least 0 and at most 1"),
     ("triage_h = -3\n", "triage_h = -3: expected a finite number at least 0"),
+    ("gemm_efficiency = 1.5\n", "gemm_efficiency = 1.5: expected a finite number above 0 and at most 1"),
+    ("attention_backward_efficiency = 0\n", "attention_backward_efficiency = 0: expected a finite number above 0"),
 ])
 def test_a_bad_cluster_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.toml"
@@ -85,6 +87,22 @@ def test_how_failures_show_comes_from_the_file_and_reaches_the_forecast(tmp_path
     path.write_text("hang_share = 0.7\nsilent_share = 0.6\n")
     with pytest.raises(KeelError, match=f"--cluster {path}: hang_share 0.7 \\+ silent_share 0.6 exceed every"):
         cluster_from(path, {})
+
+
+def test_the_clusters_kernel_figures_replace_the_generations_and_reach_the_step(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("gemm_efficiency = 0.6\nattention_forward_efficiency = 0.5\nmemory_efficiency = 0.7\n")
+    cluster = cluster_from(path, {})
+    assert cluster.kernel_figures() == {"gemm": 0.6, "attention_forward": 0.5, "memory": 0.7}
+    q = question(64, Cluster(), tokens=1e11)
+    base, given = answer(q), answer(replace(q, kernel_figures=tuple(cluster.kernel_figures().items())))
+    k = given["kernels"]
+    assert (k["gemm"], k["attention_forward"]) == (0.6, 0.5)
+    assert k["attention_backward"] == base["kernels"]["attention_backward"]  # the generation's, not given
+    assert k["source"].startswith("the cluster file's attention_forward, gemm, memory")
+    # GEMMs at 60% of the peak instead of 80%: every layout slower, the best by most of that.
+    assert given["layouts"][0]["tokens_per_s_per_gpu"] < 0.85 * base["layouts"][0]["tokens_per_s_per_gpu"]
+    assert any(line.endswith("(the cluster file's figures)") for line in lines(given))
 
 
 def test_the_allocators_fragmentation_decides_what_fits() -> None:
