@@ -12,9 +12,8 @@ a generation of one run then gets the default of hardware without published runs
 Each run's published layout is also looked for in the planner's own search (`keel.plan.layouts.search` on the
 same devices): the first searched candidate with the same tp, pp, v, cp, ep and data-parallel degree (and
 micro-batch and activation checkpointing, unless the source did not give them) gives its rank among the layouts
-that fit; "not searched" when the search does not enumerate it (a micro-batch that is no power of two, v = 3 or
-more than 4, context parallelism at short sequences, tensor parallelism with experts ...), "does not fit" when
-the planner's memory model drops it.
+that fit; "not searched" when the search does not enumerate it (context parallelism at short sequences, tensor
+parallelism with experts ...), "does not fit" when the planner's memory model drops it.
 
 Summary: median and largest |error|, runs within 10% and 25%, the share whose published layout ranks in the top
 3; by source and by accelerator generation. Nothing runs on an accelerator: the planner imports no torch, so the
@@ -37,7 +36,7 @@ from keel.config import ModelConfig, load_config
 from keel.core.accelerators import GIB, Accelerator, by_key
 from keel.errors import KeelError
 from keel.plan.layout import CP_MIN_SEQ, Layout, Workload
-from keel.plan.layouts import MAX_PP, search
+from keel.plan.layouts import MAX_PP, interleavings, search
 from keel.plan.memory import memory
 from keel.plan.throughput import DEFAULT, RECOMPUTE, Efficiency, StepBreakdown, efficiency_for, peak_flops, step_time
 
@@ -184,8 +183,7 @@ def rank(run: Run) -> str | int:
 def unsearched(run: Run) -> str:
     """Why the search does not enumerate the published layout (keel.plan.layouts.layouts)."""
     lay, work = run.layout, run.work
-    reasons = [(lay.v not in (1, 2, 4), f"v {lay.v}"),
-               (lay.micro_batch & (lay.micro_batch - 1) != 0, f"micro-batch {lay.micro_batch}"),
+    reasons = [(lay.v not in interleavings(work.model.n_layers, lay.pp), f"v {lay.v}"),
                (lay.cp > 1 and work.seq_len < CP_MIN_SEQ, "cp at a short sequence"),
                (lay.tp > 1 and work.experts > 0, "tp with experts"),
                (work.model.n_kv_heads % lay.tp != 0, f"tp {lay.tp} over {work.model.n_kv_heads} KV heads"),

@@ -5,12 +5,13 @@ Enumerated: tp over the divisors of a node's device count that divide the heads,
 (keel's TP constraints); cp (context parallelism) over the divisors of the device count that split the
 sequence into 2·cp equal chunks, each rank's share still divisible by tp, when the sequence is long
 (CP_MIN_SEQ) or when no layout without it fits; pp from 1 to the block count, at most MAX_PP (stages
-split as keel.model.split does, uneven where they must be; no pipeline with tied embeddings); v = 2 or 4
-chunks per rank (interleaved 1F1B) where there are at least v·pp blocks; every
+split as keel.model.split does, uneven where they must be; no pipeline with tied embeddings); v chunks per rank
+(interleaved 1F1B): 2 or 4 where there are at least v·pp blocks, and every v that gives each stage the same
+whole number of blocks; every
 split of the remaining data parallelism into dp_shard × dp_replicate (HSDP); for a mixture-of-experts model
 ep over the divisors of dp_shard × cp that divide the experts (and tp = 1: keel replicates expert blocks over
-tensor-parallel ranks, which the planner does not model); micro-batches of 1, 2, 4 …
-sequences dividing the per-rank batch (and, with a pipeline, leaving at least pp of them); activation
+tensor-parallel ranks, which the planner does not model); micro-batches of every size dividing the per-rank
+batch (and, with a pipeline, leaving at least pp of them); activation
 checkpointing none, selective, full. Layouts that do not divide the batch are not layouts; those that do
 not fit stay in the list with their memory verdict, after the ones that do, which are ranked by
 predicted tokens/s per device.
@@ -53,12 +54,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _powers_of_two_dividing(n: int) -> list[int]:
-    out, d = [], 1
-    while d <= n and n % d == 0:
-        out.append(d)
-        d *= 2
-    return out
+def interleavings(blocks: int, pp: int) -> list[int]:
+    """Model chunks per pipeline rank: 1, and with a pipeline 2 and 4 (keel.model.split evens out the blocks) and
+    every v that gives each of the pp × v stages the same whole number of blocks (as Megatron-LM requires)."""
+    if pp == 1:
+        return [1]
+    return sorted({1, *(v for v in (2, 4) if blocks >= v * pp), *(v for v in _divisors(blocks // pp)
+                                                                    if blocks % (pp * v) == 0)})
 
 
 def context_degrees(work: Workload, gpus: int) -> list[int]:
@@ -84,10 +86,10 @@ def layouts(work: Workload, gpus: int, hw: Accelerator, cps: list[int] | None = 
         if work.global_batch % dp:
             continue
         per_rank = work.global_batch // dp
-        vs = [1] + [v for v in (2, 4) if pp > 1 and m.n_layers >= v * pp]
+        vs = interleavings(m.n_layers, pp)
         for replicate in _divisors(dp):
             eps = [d for d in _divisors(dp // replicate * cp) if work.experts % d == 0] if work.experts else [1]
-            for mb in _powers_of_two_dividing(per_rank):
+            for mb in _divisors(per_rank):
                 if pp > 1 and per_rank // mb < pp:
                     continue
                 out.extend(Layout(tp=tp, pp=pp, v=v, dp_shard=dp // replicate, dp_replicate=replicate, cp=cp, ep=ep,

@@ -249,7 +249,11 @@ def test_search_over_1024_gpus_is_fast_ranked_and_complete() -> None:
         assert lay.pp == 1 or work.micro_batches(lay) >= lay.pp
         assert c.memory.fits == c.fits and (c.fits or "does not fit" in c.why)
     assert {c.layout.ac for c in found} == {"none", "selective", "full"}
-    assert {c.layout.v for c in found} == {1, 2, 4}
+    assert {c.layout.v for c in found} > {1, 2, 4}  # and each v of Megatron-LM's whole blocks per stage:
+    assert all(cfg.model.n_layers % (c.layout.pp * c.layout.v) == 0 for c in found if c.layout.v not in (1, 2, 4))
+    # Micro-batches of every size dividing the per-rank batch, not only powers of two (llm-foundry's 6, 14, 18...).
+    six = Workload(cfg.model, cfg.train.seq_len, 48)
+    assert {c.layout.micro_batch for c in search(six, 8, H100) if c.layout.dp() == 8} == {1, 2, 3, 6}
     assert any(c.layout.dp_replicate > 1 for c in fitting)
     assert any(cfg.model.n_layers % (c.layout.pp * c.layout.v) for c in fitting)  # uneven splits are searched
     best = fitting[0]
