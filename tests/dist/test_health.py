@@ -187,8 +187,9 @@ def test_no_straggler_in_a_clean_run_of_500_steps(small_corpus: Path, tmp_path: 
 def test_worker_killed_mid_step_is_restarted_and_finishes_bitwise(reference_run: Path, small_corpus: Path,
                                                                   tmp_path: Path) -> None:
     run_dir = tmp_path / "K"
+    # A synchronous save, so that step 20's checkpoint is committed before the kill in step 25 on a busy machine.
     result = run_keel(train_cmd(small_corpus, run_dir, 'drill.inject=["kill:step=25,rank=1,times=1"]',
-                                "--max-restarts", "2"), cwd=tmp_path)
+                                "checkpoint.async_save=false", "--max-restarts", "2"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [e["step"] for e in events(run_dir, "resume")] == [20]
     assert state_sha256(final_checkpoint(run_dir)) == state_sha256(final_checkpoint(reference_run))
