@@ -126,20 +126,12 @@ def predict(run: Run, eff: Efficiency | None = None) -> float:
     return quantity(run, step_time(run.work, run.layout, run.hw, eff or efficiency_for(run.hw)))
 
 
-def _ratios(published: list[Run]) -> dict[str, list[float]]:
-    """Predicted over published, by accelerator generation."""
-    out: dict[str, list[float]] = {}
-    for run in published:
-        out.setdefault(run.hw.generation, []).append(predict(run) / run.published)
-    return out
-
-
 def fit(published: list[Run] | None = None, rounds: int = 4) -> dict[str, float]:
     """Each generation's compute efficiency (`keel.plan.throughput.GENERATIONS`): the factor that makes the median
     of its runs' predicted / published 1. The step is not quite proportional to it (communication, bubbles), so a
     few rounds of rescaling settle it."""
     published = published or runs()
-    fitted = {g: efficiency_for(run.hw).compute for run in published for g in [run.hw.generation]}
+    fitted = {run.hw.generation: efficiency_for(run.hw).compute for run in published}
     for _ in range(rounds):
         by_generation: dict[str, list[float]] = {}
         for run in published:
@@ -224,13 +216,10 @@ def grouped(rows: list[dict], key: str) -> dict[str, dict]:
 
 def validate(with_rank: bool = True) -> dict:
     published = runs()
-    ratios = _ratios(published)
-    seen: dict[str, int] = {}
-    rows = []
-    for run in published:  # each run's own ratio left out of its generation's
-        i = seen[run.hw.generation] = seen.get(run.hw.generation, -1) + 1
-        same = ratios[run.hw.generation]
-        rows.append(evaluate(run, same[:i] + same[i + 1:], with_rank))
+    ratios = [predict(run) / run.published for run in published]
+    rows = [evaluate(run, [ratio for other, ratio in zip(published, ratios, strict=True)  # its generation's others
+                           if other is not run and other.hw.generation == run.hw.generation], with_rank)
+            for run in published]
     held_out = [{**r, "error": r["left_out_error"]} for r in rows]
     return {"rows": rows, "summary": summary(rows), "held_out": summary(held_out),
             "by_source": grouped(rows, "source"), "by_generation": grouped(rows, "generation")}

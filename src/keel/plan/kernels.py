@@ -38,6 +38,7 @@ from keel.config import ffn_hidden_dim, head_size
 from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
 from keel.plan.layout import Layout, Workload, rank_block_ids
+from keel.plan.memory import act_bytes
 
 BACKWARD_BYTES = 2.0  # memory traffic of an element-wise kernel's backward over its forward's
 LOSS_BYTES = 14  # per logit: written (2) and read (2) as bf16, softmax and gradient in fp32 written and read (4+4, 2)
@@ -196,6 +197,11 @@ class _Rank:
     def tokens(self) -> float:
         return self.work.local_tokens(self.layout)
 
+    @property
+    def act(self) -> int:
+        """Bytes of an activation element."""
+        return act_bytes(self.work)
+
     def linear(self, n: float, k: float, rows: float | None = None, groups: float = 1,
                fp8: bool | None = None, forwards: float | None = None) -> float:
         """A linear layer of `k` inputs and `n` outputs over `rows` (the micro-batch's tokens), trained."""
@@ -206,17 +212,16 @@ class _Rank:
                                     kern.gemm_fp8 if use_fp8 else kern.gemm, 1 if use_fp8 else 2, groups,
                                     self.forwards if forwards is None else forwards)
 
-    def moved(self, elements: float, act_bytes: float, forwards: float | None = None) -> float:
+    def moved(self, elements: float) -> float:
         """Element-wise kernels that move `elements` activations a forward, trained; 0 where the bandwidth is not
         known."""
         if self.hw.memory_bw <= 0:
             return 0.0
         passes = 1.0 if self.soft.fused else EAGER_PASSES
-        forwards = self.forwards if forwards is None else forwards
-        return elements * act_bytes * passes * (forwards + BACKWARD_BYTES) / (self.hw.memory_bw * self.kern.memory)
+        return elements * self.act * passes * (self.forwards + BACKWARD_BYTES) / (self.hw.memory_bw * self.kern.memory)
 
 
-def _attention(r: _Rank, act_bytes: float) -> float:
+def _attention(r: _Rank) -> float:
     """A block's attention for one micro-batch: a flash kernel computes the causal half of the scores (the rank's
     queries against the whole sequence under CP); a materialised one computes every score in two batched GEMMs
     (QKᵀ, then the probabilities by V) and writes them out, its softmax reading and writing them once more."""
@@ -226,13 +231,13 @@ def _attention(r: _Rank, act_bytes: float) -> float:
         sequences = r.tokens / seq * r.layout.cp  # a CP rank's queries of a sequence: seq / cp of them
         queries, groups = seq / r.layout.cp, sequences * heads
         scores = r.linear(seq, hd, queries, groups, fp8=False) + r.linear(hd, seq, queries, groups, fp8=False)
-        return scores + r.moved(SOFTMAX_BYTES / act_bytes * queries * seq * groups, act_bytes)
+        return scores + r.moved(SOFTMAX_BYTES / r.act * queries * seq * groups)
     forward, backward = r.kern.attention_efficiency(r.soft.attention)
     flops = 4 * r.tokens * seq * heads * hd * CAUSAL_SHARE
     return flops * (r.forwards / forward + 2 / backward) / peak_flops(r.work, r.hw)
 
 
-def block_seconds(r: _Rank, layer: int, act_bytes: float) -> float:
+def block_seconds(r: _Rank, layer: int) -> float:
     """One block's kernels for one micro-batch on a rank: its GEMMs, its attention and its memory-bound kernels,
     in the forward, the backward and the recomputed forwards."""
     m, tp, t = r.work.model, r.layout.tp, r.tokens
@@ -251,12 +256,12 @@ def block_seconds(r: _Rank, layer: int, act_bytes: float) -> float:
             shared = moe.shared_experts * f
             seconds += r.linear(2 * shared, d) + r.linear(d, shared)
         # SwiGLU of every routed and shared row, each routed row gathered and scattered back, the router's scores
-        moved += 3 * f * t * (moe.top_k + moe.shared_experts) + 4 * t * moe.top_k * d + 8 * t * moe.experts / act_bytes
+        moved += 3 * f * t * (moe.top_k + moe.shared_experts) + 4 * t * moe.top_k * d + 8 * t * moe.experts / r.act
     else:
         width = ffn_hidden_dim(m) / tp
         seconds += r.linear(2 * width, d) + r.linear(d, width)
         moved += 3 * width * t
-    return seconds + r.moved(moved, act_bytes) + _attention(r, act_bytes)
+    return seconds + r.moved(moved) + _attention(r)
 
 
 def head_seconds(r: _Rank) -> float:
@@ -277,21 +282,26 @@ def optimizer_seconds(work: Workload, layout: Layout, hw: Accelerator, kern: Ker
     return local * ADAM_BYTES / (hw.memory_bw * kern.memory)
 
 
-def kernel_seconds(work: Workload, layout: Layout, hw: Accelerator, kern: Kernels, soft: Software,
-                   recompute: float, act_bytes: float) -> float:
-    """One step's kernels on the busiest pipeline rank: its blocks and (on the last) the head, for every
-    micro-batch, and the optimizer."""
+def rank_seconds(work: Workload, layout: Layout, hw: Accelerator, kern: Kernels, soft: Software,
+                 recompute: float) -> list[float]:
+    """Each pipeline rank's kernels for one micro-batch: its blocks and, on the last, the head."""
     r = _Rank(work, layout, hw, kern, soft, 1 + recompute)
     kinds: dict[bool, float] = {}  # a block's time: dense or mixture-of-experts
 
     def block(layer: int) -> float:
         moe = bool(work.block_experts[layer])
         if moe not in kinds:
-            kinds[moe] = block_seconds(r, layer, act_bytes)
+            kinds[moe] = block_seconds(r, layer)
         return kinds[moe]
 
     head = head_seconds(r)
     ranks = rank_block_ids(work.model.n_layers, layout.pp, layout.v)
-    busiest = max(sum(block(i) for i in ids) + (head if rank == layout.pp - 1 else 0.0)
-                  for rank, ids in enumerate(ranks))
+    return [sum(block(i) for i in ids) + (head if rank == layout.pp - 1 else 0.0) for rank, ids in enumerate(ranks)]
+
+
+def kernel_seconds(work: Workload, layout: Layout, hw: Accelerator, kern: Kernels, soft: Software,
+                   recompute: float) -> float:
+    """One step's kernels on the busiest pipeline rank (the pipeline runs at its pace), for every micro-batch, and
+    the optimizer."""
+    busiest = max(rank_seconds(work, layout, hw, kern, soft, recompute))
     return busiest * work.micro_batches(layout) + optimizer_seconds(work, layout, hw, kern)

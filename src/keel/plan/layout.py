@@ -178,8 +178,6 @@ class Workload:
         """The blocks' parameters a token multiplies with (what a float8 matmul casts of the weights)."""
         return matmul_param_count(self.model) - self.model.vocab_size * self.model.dim
 
-    def block_flops_per_token(self) -> float:
-        return (self.flops_per_token - self.head_flops_per_token) / self.model.n_layers
 
 
 def rank_blocks(work: Workload, layout: Layout) -> list[int]:
@@ -202,16 +200,6 @@ def rank_moe_blocks(work: Workload, layout: Layout) -> int:
     """Mixture-of-experts blocks on the pipeline rank with the most of them."""
     ids = rank_block_ids(work.model.n_layers, layout.pp, layout.v)
     return max(sum(work.block_experts[i] > 0 for i in rank) for rank in ids)
-
-
-def pipeline_imbalance(work: Workload, layout: Layout) -> float:
-    """The busiest pipeline rank's compute over the mean rank's: uneven splits, and the output projection and
-    loss on the last rank (the embedding lookup costs no matmul). The pipeline runs at its busiest rank's pace."""
-    if layout.pp == 1:
-        return 1.0
-    block, head = work.block_flops_per_token(), work.head_flops_per_token
-    loads = [n * block + (head if rank == layout.pp - 1 else 0.0) for rank, n in enumerate(rank_blocks(work, layout))]
-    return max(loads) / (sum(loads) / layout.pp)
 
 
 def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layout:

@@ -106,7 +106,7 @@ def basis(q: Question) -> tuple[Accelerator, Efficiency, Workload]:
 def _kernels(work: Workload, hw: Accelerator, eff: Efficiency) -> dict:
     """The kernels the step model times: what the trainer runs (the config's) and how close the hardware's come to
     its peaks."""
-    soft, kern = SOFTWARE[work.software], eff.kernels or kernels_for(hw)
+    soft, kern = SOFTWARE[work.software], eff.kernels_on(hw)
     forward, backward = kern.attention_efficiency(soft.attention)
     return {"software": work.software, "attention": soft.attention, "fused": soft.fused, "gemm": kern.gemm,
             "attention_forward": forward, "attention_backward": backward, "source": kern.source}

@@ -114,6 +114,10 @@ class Efficiency:
     source: str = "defaults"
     kernels: Kernels | None = None  # a cluster file's kernel figures; None: the generation's (KERNELS)
 
+    def kernels_on(self, hw: Accelerator) -> Kernels:
+        """The kernel figures the step is timed with on `hw`."""
+        return self.kernels or kernels_for(hw)
+
 
 DEFAULT = Efficiency()
 
@@ -189,8 +193,8 @@ def collective(kind: str, nbytes: float, n: int, link: _Link) -> float:
 def _compute(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency, recompute: float) -> float:
     """One device's kernels of a step on the busiest pipeline rank (keel.plan.kernels), over the compute
     efficiency; with torchao's fp8, the casts of the blocks' linear layers at memory bandwidth."""
-    kern = eff.kernels or kernels_for(hw)
-    compute = kernel_seconds(work, layout, hw, kern, SOFTWARE[work.software], recompute, act_bytes(work)) / eff.compute
+    kern = eff.kernels_on(hw)
+    compute = kernel_seconds(work, layout, hw, kern, SOFTWARE[work.software], recompute) / eff.compute
     if work.fp8 and hw.memory_bw > 0:
         # A TP rank holds a slice of each weight, and of one side of each layer (the other side whole).
         tokens = work.global_batch * work.seq_len / layout.gpus()

@@ -22,7 +22,6 @@ from keel.plan.kernels import (
     optimizer_seconds,
 )
 from keel.plan.layout import Layout, Workload
-from keel.plan.memory import act_bytes
 from tests.conftest import REPO
 
 H100 = by_key("h100")
@@ -65,8 +64,7 @@ def work_of(name: str, *overrides: str) -> Workload:
 
 
 def step(work: Workload, layout: Layout, software: str, hw=H100) -> float:
-    return kernel_seconds(replace(work, software=software), layout, hw, kernels_for(hw), SOFTWARE[software], 0.0,
-                          act_bytes(work))
+    return kernel_seconds(replace(work, software=software), layout, hw, kernels_for(hw), SOFTWARE[software], 0.0)
 
 
 def test_fusing_the_element_wise_kernels_halves_their_traffic_and_nothing_else() -> None:
