@@ -23,9 +23,10 @@ class ScaledAdamW(torch.optim.AdamW):
     (`lr_scales`, one per group; μP's hidden matrices: base_dim / dim). The multipliers are not in the
     optimizer's state dict: they follow from the config."""
 
-    def __init__(self, groups: list[dict], lr_scales: list[float], **kwargs: Any) -> None:
+    def __init__(self, groups: list[dict], lr_scales: list[float] | None = None, **kwargs: Any) -> None:
         super().__init__(groups, **kwargs)
-        self.lr_scales = lr_scales
+        # Without multipliers every group takes the schedule's rate (how a checkpoint probes the state it keeps).
+        self.lr_scales = lr_scales or [1.0] * len(self.param_groups)
         # DTensor's fused (foreach) kernels take DTensors only: tensor parallelism leaves a mixture of experts'
         # parameters plain where no FSDP wraps them, and a group that mixes the two steps tensor by tensor. Set
         # at every step: loading a state dict brings back the saved groups' settings.
