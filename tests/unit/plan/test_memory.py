@@ -106,6 +106,20 @@ def test_tensor_and_sequence_parallel_split_activations() -> None:
     assert ckpt_sp8 == ckpt8 / 8
 
 
+def test_megatron_keeps_the_sequence_parallel_shard_and_keel_the_gathered_input() -> None:
+    """Korthikanti et al. 2022 §4.2.2: Megatron-Core all-gathers a norm output again in the backward pass, and with
+    sequence parallelism its whole block is split by t (their 34·sbh/t with selective recompute, in a GPT block)."""
+    e, h, seq, tp = 2, 8192, 8192, 8
+    keel = Workload(model("llama3_70b"), seq, 64)
+    megatron = replace(keel, software="transformer-engine")
+    kept_by_keel, _ = block_activations(keel, 1, tp=tp, sp=True)
+    kept_by_megatron, _ = block_activations(megatron, 1, tp=tp, sp=True)
+    assert kept_by_keel - kept_by_megatron == pytest.approx(2 * e * seq * h * (1 - 1 / tp))
+    assert block_activations(megatron, 1, tp=tp, sp=False) == block_activations(keel, 1, tp=tp, sp=False)
+    whole, _ = block_activations(megatron, 1, tp=1, sp=False)
+    assert kept_by_megatron == pytest.approx(whole / tp, rel=0.01)  # everything split, up to the log-sum-exp
+
+
 # Published layouts. torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (torch, torchao and torchtitan of
 # 2024-12) report the peak memory per GPU (GiB, maximum over ranks) next to throughput; they ran on 96 GB H100s.
 # The published figure is reserved memory: the model's allocated peak and the allocator's fragmentation.
