@@ -116,8 +116,10 @@ def test_grouped_gemm_equals_the_per_expert_loop_with_padded_and_empty_groups() 
         out = compute(inputs[0], counts, inputs[1], inputs[2], inputs[3])
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
         results.append([out.detach()] + [t.grad for t in inputs])
+    # The two sum in different orders: fp32's rounding of each, relative to the values (up to ~100 here), differs
+    # with the CPU's kernels; a misplaced row or group would be off by the values themselves.
     for got, expected in zip(*results, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert results[0][2] is not None and not results[0][2][1].any()  # the empty expert gets no gradient
 
 
