@@ -96,7 +96,8 @@ def test_mlflow_gets_every_metric_and_the_config_and_a_resume_appends_to_the_sam
     experiment = client.get_experiment_by_name("pre")
     (run,) = client.search_runs([experiment.experiment_id])  # one MLflow run across the kill
     saved = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
-    assert saved == {"run_id": run.info.run_id, "tracking_uri": mlflow_server.url, "sent_step": 24}
+    assert saved == {"run_id": run.info.run_id, "tracking_uri": mlflow_server.url, "key": saved["key"],
+                     "sent_step": 24}
     assert run.info.status == "FINISHED" and run.data.tags["keel.state"] == "finished"
     assert run.data.tags["team"] == "lm" and run.data.tags["keel.run_dir"] == str(run_dir.resolve())
     assert run.info.run_name == run_dir.name and run.data.tags["keel.config"] == "tiny"  # named after its directory
@@ -115,6 +116,30 @@ def test_mlflow_gets_every_metric_and_the_config_and_a_resume_appends_to_the_sam
     assert run.data.tags["event.finish"].startswith("step 24: finished")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.toml", "report.html"} <= artifacts
+
+
+def test_an_mlflow_run_started_before_its_id_was_kept_is_continued_not_started_again(
+        tmp_path: Path, mlflow_server: MlflowServer) -> None:
+    from keel.config import Config, TrackerQueueConfig
+    from keel.monitor.trackers import TRACKERS, TrackerChannel
+    from keel.monitor.tracking.registry import make_backend
+
+    # What a SIGKILL inside the first start's `open` leaves: the key kept, the server's run made, no id kept.
+    run_dir, cfg = tmp_path / "run", Config(name="tiny")
+    run_dir.mkdir()
+    cfg.monitor.mlflow.tracking_uri = mlflow_server.url
+    (run_dir / TRACKERS).write_text(json.dumps({"mlflow": {"key": "k1"}}))
+    first = make_backend("mlflow", cfg, run_dir).open(None, "k1")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 4.0 - s}) + "\n"
+                                                   for s in (1, 2, 3)))
+    TrackerChannel("mlflow", make_backend("mlflow", cfg, run_dir), cfg, run_dir, TrackerQueueConfig(),
+                   lambda text, detail: None, start_step=3).close("finished", timeout_s=60)
+    client = mlflow_server.client()
+    (run,) = client.search_runs([client.get_experiment_by_name("keel").experiment_id])
+    assert run.info.run_id == first["run_id"] and run.info.status == "FINISHED"
+    assert json.loads((run_dir / TRACKERS).read_text())["mlflow"] == {**first, "key": "k1", "sent_step": 3}
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")} == \
+        {1: 3.0, 2: 2.0, 3: 1.0}
 
 
 def test_a_tracker_server_killed_mid_run_does_not_stop_training(small_corpus: Path, tmp_path: Path,

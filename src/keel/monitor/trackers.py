@@ -5,11 +5,11 @@ which owns the tracker's client.
 Training never waits for a tracker: records go into a bounded queue, and a record that finds the queue full
 is dropped and counted, as are those that come while a tracker rests after a failed request (the thread
 says how many, at most once a minute, and at the end); what was dropped is not sent later. A tracker that
-cannot be reached costs the loop one `put_nowait` per record. The tracker's run id is kept in
-RUN_DIR/trackers.json as soon as the run exists, so that a resumed run, after any kind of stop, continues
-the same tracker run, and the last step the tracker received: a restart first sends the records of
-metrics.jsonl after it (what a SIGKILL caught in the queue, or the whole history where a tracker is
-enabled on a run that has one), so that the tracker's run holds what metrics.jsonl holds.
+cannot be reached costs the loop one `put_nowait` per record. A key for the tracker's run is kept in
+RUN_DIR/trackers.json before the run is started, its id as soon as it exists, so that a resumed run, after
+any kind of stop, continues the same tracker run, and the last step the tracker received: a restart first
+sends the records of metrics.jsonl after it (what a SIGKILL caught in the queue, or the whole history where
+a tracker is enabled on a run that has one), so that the tracker's run holds what metrics.jsonl holds.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,8 @@ def cause(e: Exception) -> str:
 
 
 def ids_of(saved: dict) -> dict:
-    """What identifies a tracker run in its entry of trackers.json."""
-    return {k: v for k, v in saved.items() if k != "sent_step"}
+    """What identifies a tracker run in its entry of trackers.json (the tracker's own ids)."""
+    return {k: v for k, v in saved.items() if k not in ("sent_step", "key")}
 
 
 def read_saved(run_dir: Path) -> dict:
@@ -135,12 +136,16 @@ class TrackerChannel:
         """The tracker's run, opened (or continued) on first use; retried every REOPEN_EVERY_S."""
         if self.opened or time.monotonic() < self._next_open:
             return self.opened
-        saved = read_saved(self.run_dir).get(self.name)
+        entry = read_saved(self.run_dir).get(self.name, {})
         try:
-            self.ids = self.backend.open(saved)
-            self.sent_step = int(saved.get("sent_step", -1)) if saved and self.ids == ids_of(saved) else -1
+            if not (key := entry.get("key")):  # kept before the tracker's run is started: see Backend.open
+                key = uuid.uuid4().hex
+                save_ids(self.run_dir, self.name, entry := {**entry, "key": key})
+            opened = self.backend.open(ids_of(entry) or None, key)
+            self.sent_step = int(entry.get("sent_step", -1)) if opened == ids_of(entry) else -1
+            self.ids = {**opened, "key": key}
             save_ids(self.run_dir, self.name, {**self.ids, "sent_step": self.sent_step})
-            self.backend.config(self.cfg, resumed=saved is not None)
+            self.backend.config(self.cfg)
             self._backfill()
             self.opened = True
         except Exception as e:
@@ -151,9 +156,11 @@ class TrackerChannel:
 
     def _backfill(self) -> None:
         """The records of metrics.jsonl after the last step the tracker received, up to this start's step."""
+        after = self.sent_step  # a step redone after a resume is in the file twice: both are sent, in order
         for record in read_jsonl(self.run_dir / METRICS):
-            if self.sent_step < record.get("step", -1) <= self.start_step and (values := numeric(record)):
+            if after < record.get("step", -1) <= self.start_step and (values := numeric(record)):
                 self.backend.metrics(record["step"], values, record.get("time", time.time()))
+                self.sent_step = max(self.sent_step, record["step"])
         self._sent(self.sent_step, force=True)
 
     def _sent(self, step: int, force: bool = False) -> None:
@@ -238,7 +245,7 @@ def attach_report(cfg: Config, run_dir: Path, report: Path) -> list[str]:
             continue
         try:
             backend = make_backend(name, cfg, run_dir)
-            backend.open(saved[name])
+            backend.open(ids_of(saved[name]), saved[name].get("key", ""))
             backend.artifact(report)
             backend.close("finished")
         except Exception as e:

@@ -35,11 +35,11 @@ class Recording:
             raise ConnectionError("Connection refused")
         self.calls.append(call)
 
-    def open(self, saved: dict | None) -> dict:
-        self.opened_with.append(saved)
+    def open(self, saved: dict | None, key: str) -> dict:
+        self.opened_with.append((saved, key))
         return {"run_id": "r1"}
 
-    def config(self, cfg: Config, resumed: bool) -> None: ...
+    def config(self, cfg: Config) -> None: ...
 
     def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:
         self._call("metrics", step, values)
@@ -100,14 +100,30 @@ def test_a_restart_sends_the_records_the_tracker_missed_up_to_its_step(tmp_path:
     # The tracker received step 2; the process died at step 6 after its checkpoint of step 4.
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 10.0 - s, "time": 1.0}) + "\n"
                                                     for s in range(1, 7)) + '{"step": 7, "train/lo')
-    (tmp_path / TRACKERS).write_text(json.dumps({"mlflow": {"run_id": "r1", "sent_step": 2}}))
+    (tmp_path / TRACKERS).write_text(json.dumps({"mlflow": {"run_id": "r1", "key": "k", "sent_step": 2}}))
     backend = Recording()
     ch = channel(backend, tmp_path, start_step=4)
     ch.put("metrics", 5, {"train/loss": 4.5}, 0.0)  # the redone step 5
     ch.close("finished", timeout_s=10)
-    assert backend.opened_with == [{"run_id": "r1", "sent_step": 2}]
+    assert backend.opened_with == [({"run_id": "r1"}, "k")]
     assert [(c[1], c[2]["train/loss"]) for c in backend.calls if c[0] == "metrics"] == [(3, 7.0), (4, 6.0), (5, 4.5)]
-    assert json.loads((tmp_path / TRACKERS).read_text())["mlflow"] == {"run_id": "r1", "sent_step": 5}
+    assert json.loads((tmp_path / TRACKERS).read_text())["mlflow"] == {"run_id": "r1", "key": "k", "sent_step": 5}
+
+
+def test_the_tracker_run_key_is_kept_before_the_run_is_started_and_reused_by_the_next_start(tmp_path: Path) -> None:
+    # The first start is stopped inside `open`: its tracker run may exist, its ids were never kept.
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n"
+                                                    for s in (1, 2)))
+    stopped = Recording(fail=True)
+    stopped.open = lambda saved, key: (stopped.opened_with.append((saved, key)), stopped._call())  # type: ignore
+    channel(stopped, tmp_path, start_step=2).close("failed", timeout_s=10)
+    ((saved, key),) = stopped.opened_with
+    assert saved is None and json.loads((tmp_path / TRACKERS).read_text()) == {"mlflow": {"key": key}}
+    restarted = Recording()
+    channel(restarted, tmp_path, start_step=2).close("finished", timeout_s=10)
+    # the same key, no ids to continue by, so the whole history is sent again
+    assert restarted.opened_with == [(None, key)] and [c[1] for c in restarted.calls if c[0] == "metrics"] == [1, 2]
+    assert json.loads((tmp_path / TRACKERS).read_text())["mlflow"] == {"run_id": "r1", "key": key, "sent_step": 2}
 
 
 def test_a_tracker_enabled_on_a_run_with_history_receives_all_of_it(tmp_path: Path) -> None:
@@ -116,7 +132,7 @@ def test_a_tracker_enabled_on_a_run_with_history_receives_all_of_it(tmp_path: Pa
     backend = Recording()
     ch = channel(backend, tmp_path, start_step=2)
     ch.close("paused", timeout_s=10)
-    assert [c[1] for c in backend.calls if c[0] == "metrics"] == [1, 2] and backend.opened_with == [None]
+    assert [c[1] for c in backend.calls if c[0] == "metrics"] == [1, 2] and backend.opened_with[0][0] is None
 
 
 def test_records_become_numeric_series_and_the_config_flat_parameters() -> None:
@@ -147,8 +163,8 @@ def test_tracker_runs_are_named_after_their_run_directory_with_the_config_as_a_t
     wandb = make_backend("wandb", cfg, run_dir)
     assert isinstance(mlflow, MlflowBackend) and isinstance(wandb, WandbBackend)
     assert mlflow.run_name == wandb.run_name == "tiny-lr1e-2"
-    assert mlflow.tags() == {"team": "lm", "proxy": "true", "keel.run_dir": str(run_dir.resolve()),
-                             "keel.config": "tiny"}
+    assert mlflow.tags("k1") == {"team": "lm", "proxy": "true", "keel.run_dir": str(run_dir.resolve()),
+                                 "keel.config": "tiny", "keel.run_key": "k1"}
     assert wandb.tags() == ["proxy", "config=tiny"]
     # A replica group logs the whole run, under the run directory's name; a configured name wins.
     assert make_backend("mlflow", cfg, run_dir / "groups" / "0").run_name == "tiny-lr1e-2"

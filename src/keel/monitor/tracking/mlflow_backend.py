@@ -20,6 +20,7 @@ from keel.monitor.tracking.registry import tracker
 MLFLOW_PARAMS_PER_CALL, MLFLOW_METRICS_PER_CALL, MLFLOW_TAG_CHARS = 100, 1000, 5000
 _MLFLOW_KEY = re.compile(r"[^\w./\- :]")
 # The state a keel run ended in → MLflow's run status (a paused run is resumed later into the same MLflow run).
+MLFLOW_KEY_TAG = "keel.run_key"  # the tag that finds a run again whose id was never kept
 MLFLOW_STATUS = {"finished": "FINISHED", "paused": "KILLED", "stopped": "KILLED", "failed": "FAILED"}
 
 
@@ -61,29 +62,32 @@ class MlflowBackend:
         self.client: Any = None
         self.run_id = ""
 
-    def open(self, saved: dict | None) -> dict:
+    def open(self, saved: dict | None, key: str) -> dict:
         from mlflow import MlflowClient  # on the tracker's thread: its import takes seconds
 
         self.client = MlflowClient(self.mc.tracking_uri or None)
         uri = str(self.client.tracking_uri)
         if saved and saved.get("tracking_uri") == uri:  # the same server: continue its run
             self.run_id = saved["run_id"]
-            self.client.update_run(self.run_id, "RUNNING")
-        else:
+        else:  # MLflow names its runs itself: one started before its id was kept is found by its key's tag
             experiment = self.client.get_experiment_by_name(self.mc.experiment)
             experiment_id = (experiment.experiment_id if experiment is not None else
                              self.client.create_experiment(self.mc.experiment))
-            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags()).info.run_id
+            found = self.client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_KEY_TAG}` = '{key}'",
+                                            max_results=1)
+            self.run_id = found[0].info.run_id if found else self.client.create_run(
+                experiment_id, run_name=self.run_name, tags=self.tags(key)).info.run_id
+        self.client.update_run(self.run_id, "RUNNING")
         return {"run_id": self.run_id, "tracking_uri": uri}
 
-    def tags(self) -> dict[str, str]:
+    def tags(self, key: str) -> dict[str, str]:
         """A new run's tags: the configured ones (`KEY=VALUE`, or a bare `KEY` as true), where its run directory
-        is and the name of its config."""
+        is, the name of its config and the keel run's key."""
         tags = {key: value if sep else "true" for key, sep, value in (tag.partition("=") for tag in self.mc.tags)}
         config = {"keel.config": self.config_name} if self.config_name else {}
-        return {**tags, "keel.run_dir": str(self.run_dir.resolve()), **config}
+        return {**tags, "keel.run_dir": str(self.run_dir.resolve()), **config, MLFLOW_KEY_TAG: key}
 
-    def config(self, cfg: Config, resumed: bool) -> None:
+    def config(self, cfg: Config) -> None:
         """The resolved config as parameters (MLflow keeps a parameter's first value: a value changed on
         resume is a `config.changed.KEY` tag) and as config.toml."""
         from mlflow.entities import Param, RunTag
@@ -91,7 +95,7 @@ class MlflowBackend:
         from keel.config import to_toml
 
         flat = flat_config(cfg)
-        logged = self.client.get_run(self.run_id).data.params if resumed else {}
+        logged = self.client.get_run(self.run_id).data.params
         params = [Param(k, v[:6000]) for k, v in flat.items() if k not in logged]
         tags = [RunTag(f"config.changed.{k}", v[:MLFLOW_TAG_CHARS]) for k, v in flat.items()
                 if k in logged and logged[k] != v[:6000]]

@@ -35,16 +35,17 @@ class WandbBackend:
         self.wc, self.run_name, self.config_name, self.run_dir = wc, wc.run_name or run_name, config_name, run_dir
         self.run: Any = None
 
-    def open(self, saved: dict | None) -> dict:
+    def open(self, saved: dict | None, key: str) -> dict:
         import wandb
 
         # The run's own files only: no console capture, system metrics, code or package list (keel
         # monitors the machine itself).
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   save_code=False, disable_git=True, x_save_requirements=False)
+        # W&B takes a run's id from its caller: the key, so that a start stopped before keeping it continues it.
         self.run = wandb.init(project=self.wc.project, entity=self.wc.entity or None, name=self.run_name,
                               tags=self.tags(), mode=cast(Any, self.wc.mode), dir=str(self.run_dir),
-                              id=saved["id"] if saved else None, resume="allow" if saved else None,
+                              id=saved["id"] if saved else key, resume="allow",
                               settings=settings)
         return {"id": self.run.id, "project": self.wc.project, "mode": self.wc.mode}
 
@@ -53,7 +54,7 @@ class WandbBackend:
         characters)."""
         return [*self.wc.tags, *([f"config={self.config_name}"[:WANDB_TAG_CHARS]] if self.config_name else [])]
 
-    def config(self, cfg: Config, resumed: bool) -> None:
+    def config(self, cfg: Config) -> None:
         self.run.config.update(dataclasses.asdict(cfg), allow_val_change=True)
 
     def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:

@@ -31,11 +31,11 @@ class JsonlBackend:
         with self.path.open("a") as f:
             f.write(json.dumps({"kind": kind, **record}) + "\n")
 
-    def open(self, saved: dict | None) -> dict:
+    def open(self, saved: dict | None, key: str) -> dict:
         self.write("open", resumed=saved is not None, **self.names)
         return {"file": str(self.path)}
 
-    def config(self, cfg: Config, resumed: bool) -> None:
+    def config(self, cfg: Config) -> None:
         self.write("config", toml=to_toml(cfg))
 
     def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:

@@ -49,12 +49,12 @@ RECORDER = """
             self.calls: list[tuple] = []
             MADE.append(self)
 
-        def open(self, saved: dict | None) -> dict:
+        def open(self, saved: dict | None, key: str) -> dict:
             self.calls.append(("open", saved))
             return {"run": "r-1"}
 
-        def config(self, cfg: Config, resumed: bool) -> None:
-            self.calls.append(("config", cfg.name, resumed))
+        def config(self, cfg: Config) -> None:
+            self.calls.append(("config", cfg.name))
 
         def metrics(self, step: int, values: dict[str, float], time_s: float) -> None:
             self.calls.append(("metrics", step, values))
@@ -108,10 +108,11 @@ def test_a_new_tracker_registers_by_its_file_alone_and_receives_the_runs_records
     trackers.close("finished")
     made = module.MADE[-1]
     assert made.given == ("demo", "tiny-lr1e-3", "tiny", run_dir)
-    assert made.calls == [("open", None), ("config", "tiny", False), ("metrics", 1, {"train/loss": 2.5}),
+    assert made.calls == [("open", None), ("config", "tiny"), ("metrics", 1, {"train/loss": 2.5}),
                           ("event", 1, "guard", "step 1: skip (guard=numerics)"),
                           ("link", "checkpoint", "/ckpt/step-1"), ("close", "finished")]
-    assert json.loads((run_dir / TRACKERS).read_text()) == {"recorder": {"run": "r-1", "sent_step": 1}}
+    (kept,) = json.loads((run_dir / TRACKERS).read_text()).values()
+    assert len(kept.pop("key")) == 32 and kept == {"run": "r-1", "sent_step": 1}
     assert emitted == [], "nothing was dropped or refused"
 
 
