@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from keel.config import ffn_hidden_dim, head_size
 from keel.core.accelerators import Accelerator
 from keel.errors import KeelError
-from keel.plan.layout import Layout, Workload, rank_block_ids
+from keel.plan.layout import Layout, Software, Workload, rank_block_ids
 from keel.plan.memory import act_bytes
 
 BACKWARD_BYTES = 2.0  # memory traffic of an element-wise kernel's backward over its forward's
@@ -91,27 +91,6 @@ KERNELS: dict[str, Kernels] = {  # by `Accelerator.generation`
         "50-73% of the peak forward, up to 63% backward; 108 SMs"),
 }
 DEFAULT_KERNELS = Kernels()
-
-
-@dataclass(frozen=True)
-class Software:
-    """What the trainer runs: its attention kernel ("fused": the best flash kernel of the hardware, FlashAttention-3
-    or cuDNN's on Hopper, FlashAttention-2 on Ampere; "flash2": FlashAttention-2, PyTorch's SDPA; "materialised":
-    the scores written out by a batched GEMM, every one of them computed, the causal half too) and whether its
-    element-wise kernels are fused."""
-
-    attention: str
-    fused: bool
-    source: str
-
-
-SOFTWARE: dict[str, Software] = {
-    "eager": Software("flash2", False, "PyTorch eager with SDPA (keel, torchtitan without torch.compile)"),
-    "compiled": Software("flash2", True, "torch.compile: the element-wise kernels fused; attention through SDPA"),
-    "transformer-engine": Software("fused", True, "Megatron-Core and NeMo with Transformer Engine"),
-    "unfused-attention": Software("materialised", True, "Megatron-LM before flash attention (2021-22): fused "
-                                  "element-wise kernels and softmax, the scores materialised"),
-}
 
 
 def peak_flops(work: Workload, hw: Accelerator) -> float:

@@ -90,6 +90,30 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Software:
+    """What the trainer runs: its attention kernel ("fused": the best flash kernel of the hardware, FlashAttention-3
+    or cuDNN's on Hopper, FlashAttention-2 on Ampere; "flash2": FlashAttention-2, PyTorch's SDPA; "materialised":
+    the scores written out by a batched GEMM, every one of them computed, the causal half too) and whether its
+    element-wise kernels are fused. `regathers` is Megatron-Core's sequence parallelism: a norm output's shard is
+    kept for the backward pass and all-gathered again there (Korthikanti et al. 2022 §4.2.2), where keel's DTensor
+    one keeps the gathered tensor."""
+
+    attention: str
+    fused: bool
+    source: str
+    regathers: bool = False
+
+
+SOFTWARE: dict[str, Software] = {
+    "eager": Software("flash2", False, "PyTorch eager with SDPA (keel, torchtitan without torch.compile)"),
+    "compiled": Software("flash2", True, "torch.compile: the element-wise kernels fused; attention through SDPA"),
+    "transformer-engine": Software("fused", True, "Megatron-Core and NeMo with Transformer Engine", regathers=True),
+    "unfused-attention": Software("materialised", True, "Megatron-LM before flash attention (2021-22): fused "
+                                  "element-wise kernels and softmax, the scores materialised", regathers=True),
+}
+
+
+@dataclass(frozen=True)
 class Workload:
     model: ModelConfig
     seq_len: int
@@ -102,7 +126,7 @@ class Workload:
     # the guards' in-memory snapshots (guard.snapshots). They share the device's memory on a CPU only.
     host_copies: int = 1
     fp8: bool = False  # train.precision = fp8: the blocks' linear layers multiply in float8
-    software: str = "eager"  # the trainer's kernels (keel.plan.kernels.SOFTWARE): eager, or compiled blocks
+    software: str = "eager"  # the trainer's kernels (SOFTWARE): eager, or compiled blocks
 
     @classmethod
     def of(cls, cfg: Config, tokens: float = 0.0, param_dtype: str = "bf16") -> Workload:

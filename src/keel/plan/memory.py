@@ -45,7 +45,7 @@ from keel.config import head_size
 from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.model.flops import FUSED_CHUNK, ffn_hidden_dim
-from keel.plan.layout import CP_MIN_SEQ, Layout, Workload, rank_block_ids, run_layout
+from keel.plan.layout import CP_MIN_SEQ, SOFTWARE, Layout, Workload, rank_block_ids, run_layout
 from keel.rundir.events import read_jsonl
 
 GIB = 2**30
@@ -54,9 +54,6 @@ NCCL_BUFFERS = 256 * 2**20  # per communicator: NCCL's default 4 MiB per channel
 AC_EVERY = 2  # keel's parallel.ac_every: "selective" checkpoints one block in this many
 STATE_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # per parameter, mixed-precision Adam (ZeRO)
 GRAD_BUCKET_BYTES = 4  # fp32 gradient bucket of ZeRO-1/2's reducer
-# Trainers (keel.plan.kernels.SOFTWARE) whose sequence parallelism keeps a norm output's shard for the backward
-# pass and all-gathers it again there (Megatron-Core, Korthikanti et al. 2022 §4.2.2), not the gathered tensor.
-REGATHERED = frozenset({"transformer-engine", "unfused-attention"})
 # The parts of a device's peak, which add up to it.
 PARTS = ("params", "grads", "optimizer", "activations", "pipeline_inflight", "backward", "buffers", "host")
 
@@ -127,7 +124,7 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     the norm inputs are split along the sequence too (Korthikanti: everything / t), but keel's DTensor
     sequence parallelism all-gathers the inputs of the column-parallel linears and autograd keeps the
     gathered tensors, so those 2·e·sbh stay whole; Megatron-Core keeps the shard and gathers again in the
-    backward pass (`REGATHERED`), and its runs keep 2·e·sbh / tp. A checkpointed block keeps only its input:
+    backward pass (`Software.regathers`), and its runs keep 2·e·sbh / tp. A checkpointed block keeps only its input:
     e·sbh (/tp under sequence parallel).
     Context parallelism over cp ranks gives each rank s/cp of every sequence: every term is per token, so all
     are divided by cp; the K and V gathered over the CP group are not kept (the backward pass gathers them
@@ -141,7 +138,7 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     if moe:  # tp = 1: the planner plans expert blocks without tensor parallelism
         attention = tokens * (2 * q + 2 * kv) * e + 4 * tokens * m.n_heads
         return norms + e * tokens * h + attention + moe_activations(work, tokens), e * tokens * h
-    gathered = 2 * e * tokens * h / (seq_split if work.software in REGATHERED else 1)
+    gathered = 2 * e * tokens * h / (seq_split if SOFTWARE[work.software].regathers else 1)
     split = (tokens * (2 * q + 2 * kv) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads) / tp
     return norms + gathered + split, e * tokens * h / seq_split
 

@@ -29,8 +29,8 @@ from keel.plan.failures import (
     save_times,
     young_daly,
 )
-from keel.plan.kernels import SOFTWARE, kernels_for, with_figures
-from keel.plan.layout import Layout, Workload, config_layout, parse_layout
+from keel.plan.kernels import kernels_for, with_figures
+from keel.plan.layout import SOFTWARE, Layout, Workload, config_layout, parse_layout
 from keel.plan.layouts import Candidate, assess, explain, search, untied_alternative
 from keel.plan.memory import GIB, PARTS, check_run, suggest
 from keel.plan.throughput import (

@@ -66,8 +66,8 @@ from pathlib import Path
 from keel.config import head_size
 from keel.core.accelerators import CATALOG, Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.kernels import SOFTWARE, Kernels, kernel_seconds, kernels_for, peak_flops
-from keel.plan.layout import Layout, Workload, rank_blocks, rank_moe_blocks, run_layout
+from keel.plan.kernels import Kernels, kernel_seconds, kernels_for, peak_flops
+from keel.plan.layout import SOFTWARE, Layout, Workload, rank_blocks, rank_moe_blocks, run_layout
 from keel.plan.memory import act_bytes
 from keel.rundir.events import read_jsonl
 
@@ -84,7 +84,7 @@ GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, 
 CAST_BYTES = 5
 # The share of the kernels' time a step gets, by accelerator generation: the median over the validation table's
 # runs of that generation (bench/plan_validation.py, which also reports each run predicted with the factor fitted
-# to the others), with each run's published kernels (`keel.plan.kernels.SOFTWARE`).
+# to the others), with each run's published kernels (`keel.plan.layout.SOFTWARE`).
 GENERATIONS: dict[str, tuple[float, str]] = {  # by `Accelerator.generation`
     "hopper": (0.902, "Hopper: the median of 40 published runs on H100 and H800"),
     "ampere": (0.821, "Ampere: the median of 34 published runs on A100"),

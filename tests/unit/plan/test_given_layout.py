@@ -104,8 +104,8 @@ def test_a_given_layout_ranks_among_the_fitting_ones_it_is_counted_with() -> Non
 
 
 def test_uneven_pipelines_plan_with_the_trainer_s_split_and_their_busiest_rank() -> None:
-    from keel.plan.kernels import SOFTWARE, kernels_for, rank_seconds
-    from keel.plan.layout import rank_blocks
+    from keel.plan.kernels import kernels_for, rank_seconds
+    from keel.plan.layout import SOFTWARE, rank_blocks
 
     cfg = load_config(REPO / "configs" / "llama3_405b.toml", [])
     work = Workload(cfg.model, 8192, 2048)

@@ -15,13 +15,12 @@ from keel.plan.kernels import (
     DEFAULT_KERNELS,
     KERNELS,
     LOSS_BYTES,
-    SOFTWARE,
     gemm_seconds,
     kernel_seconds,
     kernels_for,
     optimizer_seconds,
 )
-from keel.plan.layout import Layout, Workload
+from keel.plan.layout import SOFTWARE, Layout, Workload
 from tests.conftest import REPO
 
 H100 = by_key("h100")
