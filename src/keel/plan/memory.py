@@ -305,9 +305,10 @@ def _comm_buffers(work: Workload, lay: Layout, stage: Stage, cpu: bool) -> float
         # shard, ZeRO-2 as they are produced (one bucket in flight, taken as one block's), ZeRO-1 at the end.
         buffers += per_block * GRAD_BUCKET_BYTES / lay.tp
     elif lay.shard() > 1 and lay.pp > 1:
-        # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage stays gathered and
-        # accumulates unsharded gradients through the step.
-        buffers += _gathered(lay, stage.params, stage.experts) / lay.tp * grad_bytes
+        # Pipelining defers FSDP's gradient sync to the last micro-batch: the stage's parameters stay gathered
+        # from its first forward to the sync (keel.parallel.apply, as torchtitan) and its unsharded gradients
+        # accumulate through the step.
+        buffers += _gathered(lay, stage.params, stage.experts) / lay.tp * (e + grad_bytes)
     elif lay.shard() > 1:
         # Two blocks gathered (current and prefetched) plus the root unit (embedding, norm, output), which
         # FSDP does not reshard after the forward pass; one unit's unsharded gradients.

@@ -20,7 +20,7 @@ from keel.config import ModelConfig, load_config
 from keel.core.accelerators import Accelerator, by_key
 from keel.model.llama import Block, rope_tables
 from keel.plan.layout import Layout, Workload
-from keel.plan.memory import GIB, block_activations, first_fix, memory, suggest
+from keel.plan.memory import GIB, NCCL_BUFFERS, block_activations, first_fix, memory, suggest
 from keel.plan.report import Question, answer, lines
 from tests.conftest import REPO
 
@@ -131,6 +131,16 @@ def test_llama3_70b_fsdp32_tp8_full_ac_fits_an_80gb_h100() -> None:
     mem = memory(work, Layout(tp=8, dp_shard=32, micro_batch=16, ac="full"), H100)
     assert mem.fits
     assert mem.reserved / GIB == pytest.approx(71.9, rel=0.15)
+
+
+def test_a_pipeline_stage_under_fsdp_keeps_its_parameters_gathered_and_its_gradients_whole() -> None:
+    # From the first micro-batch to the gradient sync (keel.parallel.apply): bf16 parameters, bf16 gradients and
+    # their fp32 copy for the reduction, 8 bytes a parameter of the stage, beside a communicator per group.
+    cfg = model("llama3_70b")
+    work = Workload(cfg, 8192, 64)
+    per_block = (work.n_params - 2 * cfg.vocab_size * cfg.dim - cfg.dim) // cfg.n_layers
+    stage = 20 * per_block + cfg.vocab_size * cfg.dim
+    assert memory(work, Layout(pp=4, dp_shard=8), H100).buffers == 2 * NCCL_BUFFERS + 8 * stage
 
 
 def test_llama3_405b_fsdp8_tp8_pp8_fits_the_h100_it_ran_on() -> None:
