@@ -34,10 +34,10 @@ def parallelize(model: Parallelizable, layout: Layout, cfg: ParallelConfig, para
         # A pipeline runs many micro-batches through a stage between its gradient syncs: its parameters stay
         # gathered from the first forward to the sync, not gathered again for each micro-batch's forward and
         # backward (the schedule reshards them after the last backward).
-        regather = not layout.pipelined
+        reshard = not layout.pipelined
         for module, mesh in apart:  # split over a degree's ranks already: FSDP shards them over the ranks left over
-            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=regather)
-        apply_fsdp(model, layout.fsdp, policy, regather)
+            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        apply_fsdp(model, layout.fsdp, policy, reshard)
 
 
 def apply_degrees(model: Parallelizable, layout: Layout, cfg: ParallelConfig) -> list[tuple[nn.Module, DeviceMesh]]:
@@ -102,9 +102,10 @@ def compile_blocks(model: Parallelizable, mode: str) -> None:
 
 
 def apply_fsdp(model: Parallelizable, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool) -> None:
     """Shard parameters, gradients and optimizer state over `mesh` (a 2-D mesh gives HSDP); gather
-    parameters and reduce gradients in the policy's dtypes."""
+    parameters and reduce gradients in the policy's dtypes; `reshard_after_forward`: free each unit's gathered
+    parameters after its forward, and gather them again for its backward."""
     for block in model.blocks().values():
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(module_of(model), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

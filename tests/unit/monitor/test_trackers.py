@@ -54,6 +54,14 @@ class Recording:
         self.calls.append(("close", ended))
 
 
+class StoppedInOpen(Recording):
+    """A start whose `open` never returns its ids (the process killed there, the tracker's run perhaps made)."""
+
+    def open(self, saved: dict | None, key: str) -> dict:
+        super().open(saved, key)
+        raise ConnectionError("killed before the ids were kept")
+
+
 def channel(backend: Recording, run_dir: Path, queue: int = 1000, start_step: int = 0,
             warnings: list | None = None) -> TrackerChannel:
     return TrackerChannel("mlflow", backend, Config(), run_dir, TrackerQueueConfig(queue=queue),
@@ -114,8 +122,7 @@ def test_the_tracker_run_key_is_kept_before_the_run_is_started_and_reused_by_the
     # The first start is stopped inside `open`: its tracker run may exist, its ids were never kept.
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n"
                                                     for s in (1, 2)))
-    stopped = Recording(fail=True)
-    stopped.open = lambda saved, key: (stopped.opened_with.append((saved, key)), stopped._call())  # type: ignore
+    stopped = StoppedInOpen()
     channel(stopped, tmp_path, start_step=2).close("failed", timeout_s=10)
     ((saved, key),) = stopped.opened_with
     assert saved is None and json.loads((tmp_path / TRACKERS).read_text()) == {"mlflow": {"key": key}}

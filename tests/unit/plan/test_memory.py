@@ -63,11 +63,17 @@ def test_fsdp_shards_the_whole_state(n: int) -> None:
     assert state(work, Layout(tp=8, dp_shard=n)) == pytest.approx(16 * work.n_params / (8 * n), rel=1e-12)
 
 
-def test_pipeline_ranks_hold_their_stage() -> None:
-    cfg = model("llama3_70b")  # 80 blocks in 4 stages of 20, plus the embedding or the output projection
-    work = Workload(cfg, 8192, 64)
+def first_of_four_stages(work: Workload) -> int:
+    """Parameters of Llama 3 70B's first pipeline stage of 4: 20 of its 80 blocks and the embedding (the last
+    stage's output projection is as large)."""
+    cfg = work.model
     per_block = (work.n_params - 2 * cfg.vocab_size * cfg.dim - cfg.dim) // cfg.n_layers
-    assert state(work, Layout(pp=4)) == 16 * (20 * per_block + cfg.vocab_size * cfg.dim)
+    return 20 * per_block + cfg.vocab_size * cfg.dim
+
+
+def test_pipeline_ranks_hold_their_stage() -> None:
+    work = Workload(model("llama3_70b"), 8192, 64)
+    assert state(work, Layout(pp=4)) == 16 * first_of_four_stages(work)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -136,11 +142,8 @@ def test_llama3_70b_fsdp32_tp8_full_ac_fits_an_80gb_h100() -> None:
 def test_a_pipeline_stage_under_fsdp_keeps_its_parameters_gathered_and_its_gradients_whole() -> None:
     # From the first micro-batch to the gradient sync (keel.parallel.apply): bf16 parameters, bf16 gradients and
     # their fp32 copy for the reduction, 8 bytes a parameter of the stage, beside a communicator per group.
-    cfg = model("llama3_70b")
-    work = Workload(cfg, 8192, 64)
-    per_block = (work.n_params - 2 * cfg.vocab_size * cfg.dim - cfg.dim) // cfg.n_layers
-    stage = 20 * per_block + cfg.vocab_size * cfg.dim
-    assert memory(work, Layout(pp=4, dp_shard=8), H100).buffers == 2 * NCCL_BUFFERS + 8 * stage
+    work = Workload(model("llama3_70b"), 8192, 64)
+    assert memory(work, Layout(pp=4, dp_shard=8), H100).buffers == 2 * NCCL_BUFFERS + 8 * first_of_four_stages(work)
 
 
 def test_llama3_405b_fsdp8_tp8_pp8_fits_the_h100_it_ran_on() -> None:

@@ -75,9 +75,12 @@ class MlflowBackend:
                              self.client.create_experiment(self.mc.experiment))
             found = self.client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_KEY_TAG}` = '{key}'",
                                             max_results=1)
-            self.run_id = found[0].info.run_id if found else self.client.create_run(
-                experiment_id, run_name=self.run_name, tags=self.tags(key)).info.run_id
-        self.client.update_run(self.run_id, "RUNNING")
+            if not found:
+                self.run_id = self.client.create_run(experiment_id, run_name=self.run_name,
+                                                     tags=self.tags(key)).info.run_id
+                return {"run_id": self.run_id, "tracking_uri": uri}
+            self.run_id = found[0].info.run_id
+        self.client.update_run(self.run_id, "RUNNING")  # a continued run ended KILLED or FAILED, or was cut off
         return {"run_id": self.run_id, "tracking_uri": uri}
 
     def tags(self, key: str) -> dict[str, str]:
