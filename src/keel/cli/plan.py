@@ -14,6 +14,7 @@ from keel.cli.pathargs import PathArg, reads, writes_dir, writes_file
 from keel.errors import KeelError
 
 if TYPE_CHECKING:
+    from keel.config import Config
     from keel.plan.cluster import Cluster
     from keel.plan.report import Question
 
@@ -53,12 +54,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "[parallel] gives one too")
     pl.add_argument("--calibrate", action=PathArg, check=reads("dir", "pass the run directory of a measured run"),
                     metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
+    pl.add_argument("--calibrate-sweep", action="store_true", help="first time GEMMs, attention, a memory-bound kernel "
+                    "and collectives on this machine's devices (--gpus processes, one node), write the figures into "
+                    "MEASURE_DIR/cluster.toml and plan with them")
     pl.add_argument("--measure", type=int, default=0, metavar="K", help="run the calibration layout and the plan's K "
                     "fastest layouts on this machine (--gpus processes) for a few steps each, compare them with the "
                     "predictions and write the fitted figures into MEASURE_DIR/cluster.toml")
     pl.add_argument("--measure-steps", type=int, default=16, help="steps of each measured run (default 16)")
     pl.add_argument("--measure-dir", action=PathArg, check=writes_dir, default=None, metavar="DIR",
-                    help="where --measure keeps its runs and cluster file (default keel-plan-measure); empty or new")
+                    help="where --measure or --calibrate-sweep keeps its runs and cluster file (default "
+                    "keel-plan-measure, keel-plan-calibration); empty or new")
     pl.add_argument("--sweep", action=PathArg, check=reads("dir", "pass the directory of a keel sweep"),
                     metavar="DIR", help="a keel sweep's directory: the learning rate and "
                     "warmup it transfers to this model, and the loss its power law extrapolates to")
@@ -75,6 +80,7 @@ MAX_TRIALS = 1_000_000
 MAX_MEASURED = 20  # layouts --measure runs: each trains for a while on this machine
 # Three logged windows of keel.plan.measure.WINDOW steps: the first the warm-up, the next profiled, the third not.
 MIN_MEASURE_STEPS = 6
+SWEEP_DIR = "keel-plan-calibration"  # where --calibrate-sweep keeps its results without --measure-dir
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -95,12 +101,16 @@ def check_numbers(args: argparse.Namespace) -> None:
     if args.measure and args.calibrate:
         raise KeelError(f"--measure {args.measure} --calibrate {args.calibrate}: --measure calibrates on a run of its "
                         f"own; drop one of them")
+    if args.calibrate_sweep and args.calibrate:
+        raise KeelError(f"--calibrate-sweep --calibrate {args.calibrate}: each calibrates the plan its own way (a "
+                        f"sweep of kernels, a measured run); drop one of them")
     if args.measure and args.measure_steps < MIN_MEASURE_STEPS:
         raise bad("--measure-steps", args.measure_steps, f"at least {MIN_MEASURE_STEPS} (the first logged window "
                   f"is the warm-up)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from keel.plan.calibration import sweep_lines
     from keel.plan.cluster import cluster_from
     from keel.plan.measure import measure_lines
     from keel.plan.report import Question, answer, lines, to_json, write_html
@@ -109,34 +119,66 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = cluster_from(args.cluster, {name: getattr(args, name) for name in (
         "net_gbps", "detect_s", "restart_s", "repair_h", "spares", "mtbf_hours", "storage_gbps", "price",
         "fragmentation", "memory_coverage")})
-    q = Question(config_from_args(args), args.gpus, args.hardware, args.tokens, price=cluster.price,
+    cfg = config_from_args(args)
+    swept = None
+    if args.calibrate_sweep:
+        cluster, swept = _swept(args, cfg, cluster)
+    q = Question(cfg, args.gpus, args.hardware, args.tokens, price=cluster.price,
                  storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
                  fragmentation=cluster.fragmentation, memory_coverage=cluster.memory_coverage,
                  recovery=cluster.recovery(), mix=cluster.mix(), silent_detect_s=cluster.silent_detect_s,
                  spares=cluster.spares, layout=args.layout,
                  calibrate_from=args.calibrate, efficiency=cluster.efficiency(), peak_tflops=cluster.peak_tflops,
-                 intra_gbps=cluster.intra_gbps, kernel_figures=tuple(cluster.kernel_figures().items()),
+                 intra_gbps=cluster.intra_gbps, memory_gbps=cluster.memory_gbps,
+                 kernel_figures=tuple(cluster.kernel_figures().items()),
                  sweep=args.sweep, trials=args.trials, seed=args.seed)
-    measured = _measured(args, q, cluster) if args.measure else None
+    measured = _measured(args, q, cluster, swept is not None) if args.measure else None
     # After --measure the plan is the one its calibration run gives, as --calibrate would.
-    a = answer(q if measured is None else replace(q, calibrate_from=Path(measured["calibration"]["run_dir"])))
+    calibrated = measured and measured["calibration"]
+    a = answer(replace(q, calibrate_from=Path(calibrated["run_dir"])) if calibrated else q)
     if measured is not None:
         a["measured"] = measured
-    print(to_json(a) if args.json else "\n".join(lines(a) + (measure_lines(measured) if measured else [])))
+    if swept is not None:
+        a["calibration_sweep"] = swept
+    text = lines(a) + (measure_lines(measured) if measured else []) + (sweep_lines(swept) if swept else [])
+    print(to_json(a) if args.json else "\n".join(text))
     if args.html:  # checked as it was read (keel.cli.pathargs): its directory is made if missing
         args.html.parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {write_html(q, a, args.html)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def _measured(args: argparse.Namespace, q: Question, cluster: Cluster) -> dict:
-    """`--measure K`: the calibration run and the K fastest layouts trained here (keel.plan.measure)."""
+def _empty_dir(args: argparse.Namespace, default: str, flag: str) -> Path:
+    out = args.measure_dir or Path(default)
+    if out.exists() and any(out.iterdir()):
+        raise KeelError(f"--measure-dir {out}: not empty; {flag} keeps its runs there, so name a new or empty "
+                        f"directory")
+    return out
+
+
+def _swept(args: argparse.Namespace, cfg: Config, cluster: Cluster) -> tuple[Cluster, dict]:
+    """`--calibrate-sweep`: the kernels and collectives timed here, as the cluster's figures
+    (keel.plan.calibration)."""
+    from keel.core.accelerators import by_key
+    from keel.plan.calibration import calibrate_sweep
+    from keel.plan.layout import Workload
+
+    hw = by_key(args.hardware)
+    out = _empty_dir(args, SWEEP_DIR, "--calibrate-sweep")
+    work = Workload.of(cfg, args.tokens, cfg.train.compute_precision("cpu") if hw.key == "cpu" else "bf16")
+    calibrated, result = calibrate_sweep(work, cfg.train.micro_batch, hw, args.gpus, cluster, out,
+                                         lambda line: print(line, file=sys.stderr, flush=True))
+    # The file keeps what was measured; a flag still wins over it for this plan.
+    return (calibrated if args.net_gbps is None else replace(calibrated, net_gbps=args.net_gbps)), result
+
+
+def _measured(args: argparse.Namespace, q: Question, cluster: Cluster, swept: bool) -> dict:
+    """`--measure K`: the calibration run (unless a sweep calibrated the plan) and the K fastest layouts trained
+    here (keel.plan.measure)."""
     from keel.plan.measure import Invocation, measure
 
-    out = args.measure_dir or Path("keel-plan-measure")
-    if out.exists() and any(out.iterdir()):
-        raise KeelError(f"--measure-dir {out}: not empty; --measure keeps its runs there, so name a new or empty "
-                        f"directory")
+    # After a sweep its directory holds the runs too (checked empty before the sweep).
+    out = (args.measure_dir or Path(SWEEP_DIR)) if swept else _empty_dir(args, "keel-plan-measure", "--measure")
     config = config_path(args)
     how = Invocation(str(config) if config else None, list(args.overrides), args.gpus, args.measure_steps)
-    return measure(q, how, args.measure, out, cluster, lambda line: print(line, file=sys.stderr, flush=True))
+    return measure(q, how, args.measure, out, cluster, lambda line: print(line, file=sys.stderr, flush=True), swept)

@@ -3,7 +3,9 @@ how often its accelerators fail, its spare nodes, its storage, its price and its
 fragmentation; from flags, a TOML file
 (`--cluster FILE`, the same names), or the defaults below, each with its source (docs/planning.md). A file
 that `keel plan --measure` wrote also holds what it measured: the efficiency factors fitted on this machine,
-and for an accelerator without published figures (a CPU) its peak and link bandwidth.
+and for an accelerator without published figures (a CPU) its peak and link bandwidth; one that
+`keel plan --calibrate-sweep` wrote, the kernels' figures and the links' bandwidth measured here (and a CPU's
+peak and memory bandwidth).
 
 A flag wins over the file, the file over the default. Every figure is checked (finite, in range) before
 anything is planned: one line naming it and what would do.
@@ -57,6 +59,7 @@ class Cluster:
     link_efficiency: float | None = None
     peak_tflops: float | None = None
     intra_gbps: float | None = None
+    memory_gbps: float | None = None  # and its memory bandwidth (`keel plan --calibrate-sweep`)
     # The kernels' figures on this cluster (keel.plan.kernels.Kernels), each in place of its generation's where given
     gemm_efficiency: float | None = None
     gemm_fp8_efficiency: float | None = None
@@ -110,13 +113,14 @@ LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "link_efficiency": (0.0, False, 2.0, "share of the link bandwidth collectives reach"),
     "peak_tflops": (0.0, False, 1e6, "dense peak TFLOP/s of one accelerator"),
     "intra_gbps": (0.0, False, 10_000.0, "GB/s per accelerator within a node"),
+    "memory_gbps": (0.0, False, 100_000.0, "GB/s of an accelerator's memory"),
     "gemm_efficiency": (0.0, False, 1.0, "share of the bf16 peak a large GEMM reaches"),
     "gemm_fp8_efficiency": (0.0, False, 1.0, "share of the fp8 peak a large GEMM reaches"),
     "attention_forward_efficiency": (0.0, False, 1.0, "share of the bf16 peak the attention kernel's forward reaches"),
     "attention_backward_efficiency": (0.0, False, 1.0, "share of the bf16 peak its backward reaches"),
     "memory_efficiency": (0.0, False, 1.0, "share of the memory bandwidth element-wise kernels reach"),
 }
-MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "intra_gbps")  # no flags
+MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "intra_gbps", "memory_gbps")  # no flags
 # How failures show: the cluster file's figures only (a team's own operations, rarely changed per question)
 OPERATIONS = ("hang_share", "hang_detect_s", "silent_share", "silent_detect_s", "manual_share", "triage_h",
               "rollbacks_per_day")

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from keel.core.accelerators import by_key
+from keel.core.accelerators import Accelerator, by_key
 from keel.errors import KeelError
 from keel.plan.cluster import Cluster, write_cluster
 from keel.plan.layout import Layout, config_layout, parse_layout
 from keel.plan.layouts import Candidate, search
 from keel.plan.memory import GIB, METRIC
 from keel.plan.report import Question, basis
-from keel.plan.throughput import measured_run
+from keel.plan.throughput import Efficiency, measured_run
 from keel.rundir.events import read_jsonl
 
 # Steps per logged window (monitor.interval); the first window, the warm-up, is left out. The calibration run
@@ -96,33 +96,48 @@ class Measurement:
 
 
 def measure(q: Question, how: Invocation, k: int, out: Path, cluster: Cluster,
-            say: Callable[[str], None]) -> dict:
+            say: Callable[[str], None], swept: bool = False) -> dict:
     """Calibrate on one layout, run the plan's `k` fastest, and compare; the figures fitted go to
-    OUT/cluster.toml."""
-    given = parse_layout(q.layout, q.gpus) if q.layout else config_layout(q.cfg, q.gpus)[0]
-    first = given or Layout(dp_shard=q.gpus, micro_batch=q.cfg.train.micro_batch)
-    say(f"calibration: {first.describe()} for {how.steps} steps, profiled")
-    how.train(first, out / "calibration", profile=True)
-    calibrated = replace(q, calibrate_from=out / "calibration")
-    hw, eff, work = basis(calibrated)
+    OUT/cluster.toml. `swept`: the plan's figures are a calibration sweep's (keel.plan.calibration, its file
+    already in OUT), and no layout is trained to calibrate."""
+    calibration = None if swept else _calibration(q, how, out, say)
+    hw, eff, work = basis(q if swept else replace(q, calibrate_from=out / "calibration"))
     fitting = [c for c in search(work, q.gpus, hw, eff) if c.fits and c.layout.zero == 3]
     rows = []
     for rank, candidate in enumerate(fitting[:k], start=1):
         rows.append(_measured(candidate, rank, how, out / f"layout-{rank}", say))
     by_speed = sorted(rows, key=lambda m: m.measured_s)
+    path = out / "cluster.toml"
+    if calibration is not None:
+        calibration = {**calibration, "measured_s": measured_run(out / "calibration", hw).step_s,
+                       "efficiency": asdict(eff)}
+        path = _write_fitted(q, cluster, hw, eff, work.param_dtype, path, calibration["layout"])
+    return {"calibration": calibration, "rows": [m.row() for m in rows],
+            "best": by_speed[0].row() if by_speed else None,
+            "measured_order": [m.layout.describe() for m in by_speed], "cluster_file": str(path)}
+
+
+def _calibration(q: Question, how: Invocation, out: Path, say: Callable[[str], None]) -> dict:
+    """The calibration run: the config's layout (FSDP over every device when it sets none), profiled."""
+    given = parse_layout(q.layout, q.gpus) if q.layout else config_layout(q.cfg, q.gpus)[0]
+    first = given or Layout(dp_shard=q.gpus, micro_batch=q.cfg.train.micro_batch)
+    say(f"calibration: {first.describe()} for {how.steps} steps, profiled")
+    how.train(first, out / "calibration", profile=True)
+    return {"layout": first.describe(), "run_dir": str(out / "calibration")}
+
+
+def _write_fitted(q: Question, cluster: Cluster, hw: Accelerator, eff: Efficiency, dtype: str, path: Path,
+                  layout: str) -> Path:
+    """The factors fitted to the calibration run (and a CPU's measured peak and links) as a cluster file."""
     measured = replace(cluster, compute_efficiency=eff.compute, overlap=eff.overlap, link_efficiency=eff.link)
     sources = dict.fromkeys(("compute_efficiency", "overlap", "link_efficiency"),
-                            f"keel plan --measure: fitted to {first.describe()} ({out / 'calibration'})")
+                            f"keel plan --measure: fitted to {layout} ({path.parent / 'calibration'})")
     if not by_key(q.hardware).peak_flops:  # an accelerator without published figures: what this machine measured
-        measured = replace(measured, peak_tflops=hw.peak_flops[work.param_dtype] / 1e12,
+        measured = replace(measured, peak_tflops=hw.peak_flops[dtype] / 1e12,
                            intra_gbps=hw.intra_bw / 1e9, net_gbps=hw.inter_bw / 1e9)
         sources.update(dict.fromkeys(("peak_tflops", "intra_gbps", "net_gbps"),
                                      "keel plan --measure: the calibration run's matmul probe and all-reduce"))
-    path = write_cluster(out / "cluster.toml", measured, sources)
-    return {"calibration": {"layout": first.describe(), "run_dir": str(out / "calibration"),
-                            "measured_s": measured_run(out / "calibration", hw).step_s, "efficiency": asdict(eff)},
-            "rows": [m.row() for m in rows], "best": by_speed[0].row() if by_speed else None,
-            "measured_order": [m.layout.describe() for m in by_speed], "cluster_file": str(path)}
+    return write_cluster(path, measured, sources)
 
 
 def _measured(candidate: Candidate, rank: int, how: Invocation, run_dir: Path,
@@ -136,8 +151,9 @@ def _measured(candidate: Candidate, rank: int, how: Invocation, run_dir: Path,
 def measure_lines(result: dict) -> list[str]:
     """The comparison as the plan prints it."""
     calib = result["calibration"]
-    out = ["", f"measured on this machine (calibrated on {calib['layout']}, {calib['measured_s']:.3g} s a step "
-                f"outside its profiled windows):",
+    basis = "with the calibration sweep's figures" if calib is None else \
+        f"calibrated on {calib['layout']}, {calib['measured_s']:.3g} s a step outside its profiled windows"
+    out = ["", f"measured on this machine ({basis}):",
            "layout                                plan rank  predicted s  measured s   error  predicted GiB  "
            "measured GiB"]
     for r in result["rows"]:
@@ -149,5 +165,6 @@ def measure_lines(result: dict) -> list[str]:
         best = result["best"]["layout"]
         out.append(f"measured best: {best}" + (" (the plan's first pick)" if best == first else
                                                f" (the plan's first pick, {first}, measured slower)"))
-    out.append(f"fitted figures written to {result['cluster_file']}: pass --cluster {result['cluster_file']}")
+    if calib is not None:
+        out.append(f"fitted figures written to {result['cluster_file']}: pass --cluster {result['cluster_file']}")
     return out

@@ -69,6 +69,7 @@ class Question:
     efficiency: Efficiency | None = None  # measured factors (a cluster file of `--measure`); --calibrate wins
     peak_tflops: float | None = None  # the accelerator's measured dense peak, where its catalog entry has none
     intra_gbps: float | None = None  # and its measured link bandwidth within a node
+    memory_gbps: float | None = None  # and memory bandwidth
     kernel_figures: tuple[tuple[str, float], ...] = ()  # the cluster's own (keel.plan.kernels.with_figures)
     sweep: Path | None = None  # a keel sweep's directory: the learning rate, warmup and loss it predicts
     trials: int = 2000
@@ -84,6 +85,12 @@ def hardware(q: Question) -> Accelerator:
             raise KeelError(f"--cluster peak_tflops = {q.peak_tflops:g}: {hw.name} has a published peak; the figure "
                             f"is for an accelerator without one (a CPU, as `keel plan --measure` writes it)")
         hw = replace(hw, peak_flops={"bf16": q.peak_tflops * 1e12, "fp32": q.peak_tflops * 1e12})
+    if q.memory_gbps is not None:
+        if hw.memory_bw:
+            raise KeelError(f"--cluster memory_gbps = {q.memory_gbps:g}: {hw.name} has a published memory bandwidth; "
+                            f"the figure is for an accelerator without one (a CPU, as `keel plan --calibrate-sweep` "
+                            f"writes it); give memory_efficiency instead")
+        hw = replace(hw, memory_bw=q.memory_gbps * 1e9)
     if q.intra_gbps is not None:
         hw = replace(hw, intra_bw=q.intra_gbps * 1e9)
     return hw if q.net_gbps is None else replace(hw, inter_bw=q.net_gbps * 1e9)
@@ -94,7 +101,8 @@ def basis(q: Question) -> tuple[Accelerator, Efficiency, Workload]:
     hw = hardware(q)
     if q.gpus < 1 or q.tokens <= 0:
         raise KeelError(f"--gpus {q.gpus} --tokens {q.tokens:g}: both must be positive")
-    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else q.efficiency or efficiency_for(hw)
+    eff = calibrate(q.calibrate_from, hw) if q.calibrate_from else \
+        q.efficiency or efficiency_for(hw, kernels_measured=bool(q.kernel_figures))
     if q.kernel_figures:
         eff = replace(eff, kernels=with_figures(kernels_for(hw), dict(q.kernel_figures)))
     if q.calibrate_from and not hw.peak_flops:  # a CPU has no published peak: the run measured its own

@@ -100,7 +100,8 @@ class Efficiency:
     - compute: the share of the kernel model's time a step gets; by generation where published runs give it
       (GENERATIONS: 0.90 Hopper, 0.82 Ampere, 0.76 Blackwell, 0.68 TPU v4). Hardware without kernel figures
       (`keel.plan.kernels.KERNELS`) has every kernel at its peak, and 0.52 of that, the midpoint of every
-      published run's whole-step efficiency.
+      published run's whole-step efficiency; with its kernels measured instead (a cluster file's figures,
+      `keel plan --calibrate-sweep`), the median of the generations' factors (`MEASURED_KERNELS`).
     - overlap 0.9: FSDP2 prefetch and backward reduce-scatter hide nearly all data-parallel traffic that
       fits under compute: torchtitan's Llama 3.1 8B lost 2.7% per GPU going from FSDP over NVLink (8
       GPUs) to FSDP over InfiniBand (128 GPUs), where its traffic is ~70% of the compute time.
@@ -120,11 +121,19 @@ class Efficiency:
 
 
 DEFAULT = Efficiency()
+# The share of the kernels' time a step gets on hardware whose kernels were measured but whose generation has no
+# published runs: what the published generations' steps got of theirs (launch gaps, synchronisation, the kernels
+# the model leaves out), their median.
+MEASURED_KERNELS = statistics.median(compute for compute, _ in GENERATIONS.values())
 
 
-def efficiency_for(hw: Accelerator) -> Efficiency:
-    """The default factors with the compute efficiency of `hw`'s generation where published runs give one."""
+def efficiency_for(hw: Accelerator, kernels_measured: bool = False) -> Efficiency:
+    """The default factors with the compute efficiency of `hw`'s generation where published runs give one, or,
+    without one, `MEASURED_KERNELS` where its kernels' figures were measured."""
     if hw.generation not in GENERATIONS:
+        if kernels_measured:
+            return replace(DEFAULT, compute=MEASURED_KERNELS, source="defaults; compute: the median of the published "
+                           "generations' factors, with the kernels measured here")
         return DEFAULT
     compute, source = GENERATIONS[hw.generation]
     return replace(DEFAULT, compute=compute, source=f"defaults; compute from {source}")
