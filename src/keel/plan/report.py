@@ -214,6 +214,10 @@ def planned_run(q: Question, hw: Accelerator, work_s: float, ckpt_bytes: float, 
     recovery = replace(q.recovery, rollback_s=rollback_s,
                        silent_detect_s=silent_s if q.silent_detect_s is None else q.silent_detect_s)
     mtbf_h = device_mtbf_hours(hw.key) if q.mtbf_hours is None else q.mtbf_hours
+    if hw.inter_bw <= 0:  # a CPU measured by one process: no peer to have measured a link with
+        raise KeelError(f"--hardware {hw.key}: the network between its nodes is unknown (the failure model copies "
+                        f"checkpoints to a peer over it); pass --net-gbps, or measure it on 2 or more processes "
+                        f"(keel plan --calibrate-sweep)")
     return Run(work_s, q.gpus, ckpt_bytes,
                FailureModel(device_mtbf_h=mtbf_h, devices_per_node=hw.devices_per_node,
                             memory_coverage=q.memory_coverage, mix=q.mix),

@@ -16,7 +16,7 @@ from keel.errors import KeelError
 from keel.plan.calibration import CPU, GPU, fit, spec_for, sweep_device
 from keel.plan.kernels import CAUSAL_SHARE, gemm_seconds, kernels_for, with_figures
 from keel.plan.layout import Workload
-from keel.plan.report import Question, hardware
+from keel.plan.report import Question, answer, hardware
 from keel.plan.throughput import GENERATIONS, MEASURED_KERNELS, _Link, collective, efficiency_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -136,3 +136,11 @@ def test_a_measured_memory_bandwidth_is_refused_where_the_catalog_publishes_one(
         hardware(replace(Question(cfg, 8, "h100", 1e6), memory_gbps=3000.0))
 
 
+def test_a_cpu_plan_without_a_known_network_is_refused_in_one_line() -> None:
+    """One process measures no link: the failure model's copies to a peer have no bandwidth to run at."""
+    cfg = load_config(REPO / "configs" / "tiny.toml", [])
+    alone = Question(cfg, 1, "cpu", 1e6, peak_tflops=0.05, memory_gbps=10.0)
+    with pytest.raises(KeelError, match=r"^--hardware cpu: the network between its nodes is unknown .* pass "
+                                        r"--net-gbps, or measure it on 2 or more processes"):
+        answer(alone)
+    assert answer(replace(alone, net_gbps=1.0))["layouts"]
