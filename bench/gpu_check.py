@@ -13,6 +13,10 @@ after the other on the same device (the table of variants: bench/gpu_variants.py
   torchtitan        torchtitan 0.3.0's trainer on its Llama 3 flavour of the same shapes ("1B", "3B"), in a
                     subprocess (bench/titan_train.py, bench/titan_run.py): same sequence, batch, micro-batches,
                     bf16 compute over fp32 weights, per-block compile; no activation checkpointing, no checkpoint
+Before the runs, `keel plan --calibrate-sweep` on the device (bench/results key plan_sweep): the planner's kernel
+figures measured here (GEMMs in bf16 and float8, the 1B model's attention forward and backward, the memory
+bandwidth) beside the published ones it otherwise takes for the generation (keel.plan.kernels.KERNELS), and
+each GEMM's time beside the step model's; about half a minute.
 Of each run:
   tokens/s          median of the logged windows after the first (compile, CUDA graph capture, allocator warm-up)
                     and, for keel, without a checkpoint in them
@@ -68,6 +72,7 @@ import json
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +85,7 @@ from keel.config import Config, load_config
 from keel.core.accelerators import Accelerator, by_key, lookup
 from keel.errors import KeelError
 from keel.model.flops import ffn_hidden_dim, flops_per_token, param_count
+from keel.plan.kernels import kernels_for
 from keel.plan.layout import Layout, Workload
 from keel.plan.memory import memory
 from keel.train.setup import precision_dtype
@@ -447,6 +453,30 @@ def run_all(s: Session, variants: tuple[Variant, ...], out: Path) -> None:
         write(out, results)
 
 
+def plan_sweep(s: Session, cfg_path: Path) -> dict | str:
+    """`keel plan --calibrate-sweep` on this device, as a team would run it on a node of its cluster: the
+    planner's kernel figures measured here (GEMMs in bf16 and float8, the model's attention, memory bandwidth)
+    beside the published ones the planner otherwise takes for this generation (keel.plan.kernels.KERNELS)."""
+    hw = s.hw if s.cuda and s.hw else by_key("cpu")
+    # Every device here (with two or more, its links too); the dry run's two CPU processes measure a link.
+    devices = torch.cuda.device_count() if s.cuda else 2
+    cmd = [sys.executable, "-m", "keel", "plan", "--config", str(cfg_path), "--gpus", str(devices),
+           "--hardware", hw.key, "--tokens", "1e9", "--trials", "20", "--json", "--calibrate-sweep", "--measure-dir",
+           str(s.work / "plan-sweep"), *(DRY_RUN if s.args.cpu_dry_run else [])]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.strip()]
+        return f"keel plan --calibrate-sweep exited {done.returncode}: {said[-1] if said else 'no message'}"
+    swept = json.loads(done.stdout)["calibration_sweep"]
+    kern = kernels_for(hw)
+    forward, backward = kern.attention_efficiency("flash2")
+    published = {"gemm": kern.gemm, "gemm_fp8": kern.gemm_fp8, "attention_forward": forward,
+                 "attention_backward": backward, "memory": kern.memory}
+    return {"hardware": hw.key, "measured": swept["kernels"], "published": published, "rows": swept["rows"],
+            "figures": swept["measured"], "wall_s": time.perf_counter() - started}
+
+
 def work_root(args: argparse.Namespace, variants: tuple[Variant, ...]) -> Path | None:
     """--work, else /dev/shm when it can hold the largest checkpoint of the runs (written there in seconds, not
     on a disk that may lack the room), else None (the temporary directory)."""
@@ -492,7 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     work = Path(tempfile.mkdtemp(prefix="keel-gpu-check-", dir=work_root(args, variants)))
     try:
-        run_all(Session(args, cuda, no_cuda, results, work), variants, out)
+        session = Session(args, cuda, no_cuda, results, work)
+        swept = plan_sweep(session, first)  # about half a minute: first, so the budget never leaves it out
+        if isinstance(swept, str):
+            results["not_run"]["plan sweep"] = swept
+        else:
+            results["plan_sweep"] = swept
+        print(f"gpu_check: plan sweep: {swept if isinstance(swept, str) else swept['measured']}", flush=True)
+        run_all(session, variants, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"gpu_check: wrote {out}")
