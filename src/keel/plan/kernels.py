@@ -209,8 +209,12 @@ def _attention(r: _Rank) -> float:
     if r.soft.attention == "materialised":
         sequences = r.tokens / seq * r.layout.cp  # a CP rank's queries of a sequence: seq / cp of them
         queries, groups = seq / r.layout.cp, sequences * heads
-        scores = r.linear(seq, hd, queries, groups, fp8=False) + r.linear(hd, seq, queries, groups, fp8=False)
-        return scores + r.moved(SOFTMAX_BYTES / r.act * queries * seq * groups)
+        # Selective recomputation runs the scores' forward again in the backward, unless the block is anyway.
+        forwards = max(r.forwards, 2.0) if r.soft.recomputes_scores else r.forwards
+        scores = r.linear(seq, hd, queries, groups, fp8=False, forwards=forwards) + \
+            r.linear(hd, seq, queries, groups, fp8=False, forwards=forwards)
+        softmax = r.moved(SOFTMAX_BYTES / r.act * queries * seq * groups)
+        return scores + softmax * (forwards + BACKWARD_BYTES) / (r.forwards + BACKWARD_BYTES)
     forward, backward = r.kern.attention_efficiency(r.soft.attention)
     flops = 4 * r.tokens * seq * heads * hd * CAUSAL_SHARE
     return flops * (r.forwards / forward + 2 / backward) / peak_flops(r.work, r.hw)

@@ -96,20 +96,30 @@ class Software:
     the scores written out by a batched GEMM, every one of them computed, the causal half too) and whether its
     element-wise kernels are fused. `regathers` is Megatron-Core's sequence parallelism: a norm output's shard is
     kept for the backward pass and all-gathered again there (Korthikanti et al. 2022 §4.2.2), where keel's DTensor
-    one keeps the gathered tensor."""
+    one keeps the gathered tensor. A materialised attention keeps `scores_kept` bytes a score (16-bit) for its
+    backward pass, or recomputes the scores there (`recomputes_scores`: Megatron-LM's selective recomputation)."""
 
     attention: str
     fused: bool
     source: str
     regathers: bool = False
+    scores_kept: int = 0
+    recomputes_scores: bool = False
 
 
 SOFTWARE: dict[str, Software] = {
     "eager": Software("flash2", False, "PyTorch eager with SDPA (keel, torchtitan without torch.compile)"),
     "compiled": Software("flash2", True, "torch.compile: the element-wise kernels fused; attention through SDPA"),
     "transformer-engine": Software("fused", True, "Megatron-Core and NeMo with Transformer Engine", regathers=True),
+    # The softmax's output, which the product with V takes too, is kept: 2 bytes a score in 16-bit. A dropout after
+    # the softmax would keep its mask and output as well (3 bytes more, Korthikanti et al. 2022 §4.1's 5as²b):
+    # not counted, as not every run of these trainers used one.
     "unfused-attention": Software("materialised", True, "Megatron-LM before flash attention (2021-22): fused "
-                                  "element-wise kernels and softmax, the scores materialised", regathers=True),
+                                  "element-wise kernels and softmax, the scores materialised", regathers=True,
+                                  scores_kept=2),
+    "selective-recompute": Software("materialised", True, "Megatron-LM with selective recomputation (Korthikanti et "
+                                    "al. 2022 §5): the scores materialised, recomputed in the backward pass rather "
+                                    "than kept", regathers=True, recomputes_scores=True),
 }
 
 

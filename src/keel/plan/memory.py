@@ -128,18 +128,21 @@ def block_activations(work: Workload, micro_batch: int, tp: int, sp: bool,
     e·sbh (/tp under sequence parallel).
     Context parallelism over cp ranks gives each rank s/cp of every sequence: every term is per token, so all
     are divided by cp; the K and V gathered over the CP group are not kept (the backward pass gathers them
-    again: `cp_kv_buffer`). A mixture-of-experts block (`moe`) keeps its own feed-forward's
-    (`moe_activations`) in place of the SwiGLU's 4·e·sbf and its input's e·sbh."""
-    m, e = work.model, act_bytes(work)
+    again: `cp_kv_buffer`). A trainer that materialises the scores (`Software.scores_kept`) keeps
+    scores_kept · a·s² bytes a sequence too (Korthikanti's 5as²b with its dropout's mask and output), split by
+    tp. A mixture-of-experts block (`moe`) keeps its own feed-forward's (`moe_activations`) in place of the
+    SwiGLU's 4·e·sbf and its input's e·sbh."""
+    m, e, soft = work.model, act_bytes(work), SOFTWARE[work.software]
     tokens, h, f = work.seq_len * micro_batch / cp, m.dim, ffn_hidden_dim(m)
     q, kv = m.n_heads * head_size(m), m.n_kv_heads * head_size(m)
     seq_split = tp if tp > 1 and sp else 1
     norms = 2 * 4 * tokens * h * (2 if composite_norm else 1) / seq_split
+    scores = soft.scores_kept * m.n_heads * work.seq_len * tokens  # a materialised attention's: every query's row
     if moe:  # tp = 1: the planner plans expert blocks without tensor parallelism
-        attention = tokens * (2 * q + 2 * kv) * e + 4 * tokens * m.n_heads
+        attention = tokens * (2 * q + 2 * kv) * e + 4 * tokens * m.n_heads + scores
         return norms + e * tokens * h + attention + moe_activations(work, tokens), e * tokens * h
-    gathered = 2 * e * tokens * h / (seq_split if SOFTWARE[work.software].regathers else 1)
-    split = (tokens * (2 * q + 2 * kv) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads) / tp
+    gathered = 2 * e * tokens * h / (seq_split if soft.regathers else 1)
+    split = (tokens * (2 * q + 2 * kv) * e + 4 * e * tokens * f + 4 * tokens * m.n_heads + scores) / tp
     return norms + gathered + split, e * tokens * h / seq_split
 
 

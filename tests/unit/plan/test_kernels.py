@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from keel.config import load_config
+from keel.config import head_size, load_config
 from keel.core.accelerators import by_key
 from keel.plan.kernels import (
     CAUSAL_SHARE,
@@ -95,6 +95,26 @@ def test_materialised_attention_computes_every_score_and_a_flash_kernel_the_caus
     grown_materialised = step(longer, layout, "unfused-attention", a100) - materialised
     assert grown_materialised > grown_flash > 0
 
+
+def test_selective_recomputation_runs_the_scores_forward_again_unless_the_block_is_recomputed() -> None:
+    """Korthikanti et al. 2022 §5: the attention's scores are recomputed in the backward pass instead of kept: their
+    two batched GEMMs and the softmax run forward once more; a fully recomputed block runs them again anyway."""
+    work, layout, a100 = work_of("llama3_8b"), Layout(tp=8, micro_batch=1), by_key("a100")
+    kept, recomputed = step(work, layout, "unfused-attention", a100), step(work, layout, "selective-recompute", a100)
+    m, seq = work.model, work.seq_len
+    heads, hd = m.n_heads / 8, head_size(m)
+    peak, kern = a100.peak_flops["bf16"], KERNELS["ampere"]
+    forward = sum(gemm_seconds(seq, n, k, peak, a100.memory_bw, kern, kern.gemm, groups=heads)
+                  for n, k in ((seq, hd), (hd, seq)))
+    softmax = 4 * seq * seq * heads / (a100.memory_bw * kern.memory)  # SOFTMAX_BYTES a score, read and written
+    per_micro_batch = m.n_layers * (forward + softmax)
+    assert recomputed - kept == pytest.approx(work.micro_batches(layout) * per_micro_batch, rel=1e-6)
+
+    def full(software: str) -> float:
+        return kernel_seconds(replace(work, software=software), replace(layout, ac="full"), a100, kernels_for(a100),
+                              SOFTWARE[software], 1.0)
+
+    assert full("selective-recompute") == pytest.approx(full("unfused-attention"))
 
 def test_without_kernel_figures_the_kernels_add_up_to_the_flops_at_the_peak() -> None:
     """A CPU: no kernel figures (every kernel at its peak, no tiles) and no memory bandwidth. The step is then the

@@ -126,6 +126,20 @@ def test_megatron_keeps_the_sequence_parallel_shard_and_keel_the_gathered_input(
     assert kept_by_megatron == pytest.approx(whole / tp, rel=0.01)  # everything split, up to the log-sum-exp
 
 
+
+def test_a_materialised_attention_keeps_its_softmax_output_unless_it_recomputes_the_scores() -> None:
+    """Megatron-LM before flash attention kept the probabilities, a·s² elements a sequence and block (2 bytes each
+    in 16-bit), split over tp with the heads; its selective recomputation (Korthikanti et al. 2022 §5) keeps none."""
+    seq, tp = 2048, 8
+    flash = Workload(model("llama3_70b"), seq, 64, software="transformer-engine")
+    materialised, selective = (replace(flash, software=s) for s in ("unfused-attention", "selective-recompute"))
+    kept = block_activations(flash, 4, tp=tp, sp=True)[0]
+    assert block_activations(materialised, 4, tp=tp, sp=True)[0] - kept == pytest.approx(
+        2 * model("llama3_70b").n_heads * seq * seq * 4 / tp)
+    assert block_activations(selective, 4, tp=tp, sp=True) == block_activations(flash, 4, tp=tp, sp=True)
+    # Checkpointed, a block keeps its input alone, whichever the attention.
+    assert block_activations(materialised, 4, tp=tp, sp=True)[1] == block_activations(flash, 4, tp=tp, sp=True)[1]
+
 # Published layouts. torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (torch, torchao and torchtitan of
 # 2024-12) report the peak memory per GPU (GiB, maximum over ranks) next to throughput; they ran on 96 GB H100s.
 # The published figure is reserved memory: the model's allocated peak and the allocator's fragmentation.
