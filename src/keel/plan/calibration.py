@@ -60,6 +60,7 @@ class Sizes:
 
 GPU = Sizes((2048, 4096, 8192), 2**28, (2**22, 2**26, 2**30), 10, 0.05, 16384)
 CPU = Sizes((256, 512, 1024), 2**24, (2**16, 2**20, 2**24), 3, 0.1, 8192)
+CPU_PROCESSES_PER_CORE = 4  # a CPU sweep's processes a core at most: no plan of one host runs more
 SWEEP_TIMEOUT_S = 900  # a sweep takes seconds to a minute: past this a process is stuck (a collective that hangs)
 
 
@@ -245,6 +246,9 @@ def calibrate_sweep(work: Workload, micro_batch: int, hw: Accelerator, gpus: int
     OUT/sweep.json; the cluster to plan with, and what to report."""
     device, count = sweep_device(hw)
     processes = gpus if device == "cpu" else min(gpus, count)
+    if device == "cpu" and processes > CPU_PROCESSES_PER_CORE * (os.cpu_count() or 1):
+        raise KeelError(f"--calibrate-sweep --gpus {gpus} --hardware cpu: one process a device would start {gpus} on "
+                        f"this host's {os.cpu_count()} cores; sweep at most {CPU_PROCESSES_PER_CORE} a core")
     say(f"calibration sweep: GEMMs, attention, memory and collectives on {processes} {device} process(es)")
     ranks = run_sweep(spec_for(work, micro_batch, device, CPU if device == "cpu" else GPU), processes, out)
     link = cluster.link_efficiency or DEFAULT.link

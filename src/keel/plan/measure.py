@@ -151,9 +151,9 @@ def _measured(candidate: Candidate, rank: int, how: Invocation, run_dir: Path,
 def measure_lines(result: dict) -> list[str]:
     """The comparison as the plan prints it."""
     calib = result["calibration"]
-    basis = "with the calibration sweep's figures" if calib is None else \
+    planned_with = "with the calibration sweep's figures" if calib is None else \
         f"calibrated on {calib['layout']}, {calib['measured_s']:.3g} s a step outside its profiled windows"
-    out = ["", f"measured on this machine ({basis}):",
+    out = ["", f"measured on this machine ({planned_with}):",
            "layout                                plan rank  predicted s  measured s   error  predicted GiB  "
            "measured GiB"]
     for r in result["rows"]:

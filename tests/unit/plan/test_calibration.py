@@ -4,6 +4,7 @@ tests/dist/test_plan_calibration.py.)"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import torch
 from keel.config import head_size, load_config
 from keel.core.accelerators import by_key
 from keel.errors import KeelError
-from keel.plan.calibration import CPU, GPU, fit, spec_for, sweep_device
+from keel.plan.calibration import CPU, GPU, calibrate_sweep, fit, spec_for, sweep_device
+from keel.plan.cluster import Cluster
 from keel.plan.kernels import CAUSAL_SHARE, gemm_seconds, kernels_for, with_figures
 from keel.plan.layout import Workload
 from keel.plan.report import Question, answer, hardware
@@ -118,6 +120,14 @@ def test_a_gpu_sweep_on_a_machine_without_one_is_refused_before_anything_runs() 
     with pytest.raises(KeelError, match="no CUDA device; run the sweep on a node of the cluster"):
         sweep_device(H100)
     assert sweep_device(by_key("cpu")) == ("cpu", 0)
+
+
+def test_a_cpu_sweep_of_more_processes_than_the_host_can_take_is_refused_before_anything_runs(tmp_path) -> None:
+    cores = os.cpu_count() or 1
+    with pytest.raises(KeelError, match=f"would start {4 * cores + 1} on this host's {cores} cores"):
+        calibrate_sweep(Workload(H100_MODEL, 4096, 256), 1, by_key("cpu"), 4 * cores + 1, Cluster(), tmp_path,
+                        print)
+    assert not any(tmp_path.iterdir())
 
 
 def test_measured_kernels_on_hardware_without_published_runs_get_the_median_generations_step_share() -> None:
