@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
-__all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "fsspec_checkpoint_io",
+__all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "float8_matmul",
+           "fsspec_checkpoint_io",
            "in_backward", "norms", "pin_by_registering", "process_groups", "sdp_choice",
            "set_group_timeout", "set_local_tensor"]
 
@@ -34,6 +35,13 @@ def copy_all_(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tens
     """Copy every source into its destination in one call (torch._foreach_copy_): the interpreter lock is
     released once for the whole state instead of once per tensor, which a checkpoint's staging relies on."""
     torch._foreach_copy_(list(destinations), list(sources), non_blocking=non_blocking)
+
+
+def float8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(a · scale_a) @ (b · scale_b) of float8 operands in `out_dtype` (torch._scaled_mm, the kernel torchao's
+    float8 linear layers run): `keel plan --calibrate-sweep` times it. `b` is column-major."""
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
 
 
 def in_backward() -> bool:

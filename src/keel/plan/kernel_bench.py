@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from keel.core.torch_private import float8_matmul
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -63,8 +65,8 @@ def gemms(spec: dict, device: torch.device) -> list[dict]:
 
 def float8_gemms(spec: dict, device: torch.device) -> list[dict]:
     """The same GEMMs in float8 (e4m3, one scale per tensor, a bf16 result): where the device has float8
-    matmuls, and for the shapes its kernel takes (every side a multiple of 16). The second operand is laid out
-    column-major, as the kernel requires."""
+    matmuls (`float8_matmul`), and for the shapes its kernel takes (every side a multiple of 16). The second
+    operand is laid out column-major, as the kernel requires."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return []
     one = torch.ones((), device=device)
@@ -74,7 +76,7 @@ def float8_gemms(spec: dict, device: torch.device) -> list[dict]:
             continue
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
-        call = partial(torch._scaled_mm, a, b, one, one, out_dtype=torch.bfloat16)
+        call = partial(float8_matmul, a, b, one, one, torch.bfloat16)
         out.append({"m": m, "n": n, "k": k, "label": label, "s": timed(call, device, spec["min_s"])})
     return out
 

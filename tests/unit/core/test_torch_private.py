@@ -23,6 +23,7 @@ from keel.core.torch_private import (
     flash_attention_cpu,
     flash_attention_cpu_backward,
     flatten_mesh,
+    float8_matmul,
     fsspec_checkpoint_io,
     in_backward,
     norms,
@@ -53,6 +54,14 @@ def test_fused_norms_and_copies() -> None:
     targets = [torch.zeros(5), torch.zeros(3, 4)]
     copy_all_(targets, tensors)
     assert all(torch.equal(a, b) for a, b in zip(targets, tensors, strict=True))
+
+
+def test_a_float8_matmul_multiplies_the_scaled_operands() -> None:
+    a, b = (torch.randn(32, 48).to(torch.float8_e4m3fn), torch.randn(16, 48).to(torch.float8_e4m3fn).t())
+    scale_a, scale_b = torch.tensor(0.5), torch.tensor(2.0)
+    product = float8_matmul(a, b, scale_a, scale_b, torch.float32)
+    assert product.dtype == torch.float32 and product.shape == (32, 16)
+    torch.testing.assert_close(product, (a.float() * 0.5) @ (b.float() * 2.0), rtol=1e-5, atol=1e-5)
 
 
 def test_in_backward_tells_a_recomputation_from_a_forward() -> None:
