@@ -38,7 +38,7 @@ from keel.config import ffn_hidden_dim, head_size
 from keel.core.accelerators import Accelerator, lookup
 from keel.errors import KeelError
 from keel.plan.cluster import Cluster, write_cluster
-from keel.plan.kernels import CAUSAL_SHARE, gemm_seconds, kernels_for, with_figures
+from keel.plan.kernels import CAUSAL_SHARE, float8_peak, gemm_seconds, kernels_for, peak_flops, with_figures
 from keel.plan.layout import Workload
 from keel.plan.throughput import DEFAULT, _Link, all_to_all, collective
 
@@ -163,8 +163,6 @@ class Fitted:
 
 def _device_figures(ranks: list[dict], work: Workload, hw: Accelerator) -> tuple[float, dict, dict]:
     """The peak the kernels are measured against, the kernel figures, and a CPU's own peak and bandwidth."""
-    from keel.plan.kernels import float8_peak, peak_flops
-
     timed = _median_s(ranks, "gemm")
     kernels: dict[str, float] = {}
     measured: dict[str, float] = {}
@@ -210,8 +208,6 @@ def fit(ranks: list[dict], work: Workload, hw: Accelerator, link: float = DEFAUL
 def _rows(ranks: list[dict], moves: list[dict], work: Workload, hw: Accelerator, peak: float,
           figures: dict[str, float], link: float) -> list[dict]:
     """Each GEMM and collective of the sweep, measured and as the step model times it with the fitted figures."""
-    from keel.plan.kernels import float8_peak
-
     kern, n = with_figures(kernels_for(hw), figures), len(ranks)
     rows = []
     for part, rate, share, size in (("gemm", peak, kern.gemm, DTYPE_BYTES[work.param_dtype]),
