@@ -13,11 +13,15 @@ Each run's published layout is also looked for in the planner's own search (`kee
 same devices): the first searched candidate with the same tp, pp, v, cp, ep and data-parallel degree (and
 micro-batch and activation checkpointing, unless the source did not give them) gives its rank among the layouts
 that fit; "not searched" when the search does not enumerate it (context parallelism at short sequences, tensor
-parallelism with experts ...), "does not fit" when the planner's memory model drops it.
+parallelism with experts ...), "does not fit" when the planner's memory model drops it. It is ranked twice: among
+every layout keel can run, and among those the run's own trainer offered (`Offers`, the source's `offers`: a
+trainer without FSDP shards nothing, or only its optimizer state, and some have no pipeline or no selective
+checkpointing), which is the choice its team had.
 
 Summary: median and largest |error|, runs within 10% and 25%, the share whose published layout ranks in the top
-3; by source and by accelerator generation. Nothing runs on an accelerator: the planner imports no torch, so the
-whole set takes about half a minute on one core (the searches; the predictions alone take well under a second).
+3 (of keel's layouts and of its trainer's); by source and by accelerator generation. Nothing runs on an
+accelerator: the planner imports no torch, so the whole set takes a few minutes on one core (the searches; the
+predictions alone take well under a second).
 
     python -m bench.plan_validation      writes bench/results/plan_validation.json
     python -m bench.tables               then renders its table into docs/planning.md
@@ -35,7 +39,7 @@ from pathlib import Path
 from keel.config import ModelConfig, load_config
 from keel.core.accelerators import GIB, Accelerator, by_key
 from keel.errors import KeelError
-from keel.plan.layout import CP_MIN_SEQ, Layout, Workload
+from keel.plan.layout import ACS, CP_MIN_SEQ, Layout, Workload
 from keel.plan.layouts import MAX_PP, interleavings, search
 from keel.plan.memory import memory
 from keel.plan.throughput import DEFAULT, RECOMPUTE, Efficiency, StepBreakdown, efficiency_for, peak_flops, step_time
@@ -52,6 +56,34 @@ HW_FIELDS = {"bf16_tflops": None, "fp8_tflops": None, "memory_gib": "memory_byte
 
 
 @dataclass(frozen=True)
+class Offers:
+    """The layouts a run's trainer offered: the ZeRO stages its data parallelism shards with (3: FSDP; 1 and 2: a
+    distributed optimizer; none: whole replicas only), its activation checkpointing, and whether it has tensor,
+    pipeline, context and expert parallelism."""
+
+    sharding: tuple[int, ...] = (3,)
+    ac: tuple[str, ...] = ACS
+    tp: bool = True
+    pp: bool = True
+    cp: bool = True
+    ep: bool = True
+
+    def variants(self, layout: Layout) -> list[Layout]:
+        """What the trainer runs in place of keel's `layout`: nothing where it lacks one of its parts, else the
+        layout with each of the trainer's ways to shard the data-parallel state."""
+        parts = ((layout.tp, self.tp), (layout.pp, self.pp), (layout.cp, self.cp), (layout.ep, self.ep))
+        if layout.ac not in self.ac or any(degree > 1 and not offered for degree, offered in parts):
+            return []
+        if layout.shard() == 1:
+            return [layout]
+        return [replace(layout, zero=zero) for zero in self.sharding]
+
+
+def offers(spec: dict) -> Offers:
+    return Offers(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
+
+
+@dataclass(frozen=True)
 class Run:
     name: str
     source: str
@@ -65,6 +97,7 @@ class Run:
     published_memory_gib: float | None = None
     assumed: tuple[str, ...] = ()
     notes: str = ""
+    offers: Offers = Offers()
 
 
 def load(path: Path = RUNS) -> dict:
@@ -100,9 +133,10 @@ def runs(data: dict | None = None) -> list[Run]:
         hw = machines[r["hardware"]] if r["hardware"] in machines else by_key(r["hardware"])
         software = r.get("software", data["sources"][r["source"]]["software"])
         work = Workload(models[r["model"]], r["seq"], r["global_batch"], fp8=r["precision"] == "fp8", software=software)
+        offered = offers({**data["sources"][r["source"]].get("offers", {}), **r.get("offers", {})})
         out.append(Run(r["name"], r["source"], r["where"], work, Layout(**r["layout"]), hw, r["devices"],
                        r["quantity"], float(r["published"]), r.get("published_memory_gib"),
-                       tuple(r.get("assumed", ())), r.get("notes", "")))
+                       tuple(r.get("assumed", ())), r.get("notes", ""), offered))
     return out
 
 
@@ -159,10 +193,12 @@ def matches(run: Run, candidate: Layout) -> bool:
     return all(getattr(mine, k) == getattr(candidate, k) for k in keys) and mine.dp() == candidate.dp()
 
 
-def rank(run: Run) -> str | int:
-    """The published layout's rank among the searched layouts that fit, or why it has none."""
+def rank(run: Run, trainers: bool = False) -> str | int:
+    """The published layout's rank among the searched layouts that fit (with `trainers`: those its trainer
+    offered), or why it has none."""
     try:
-        candidates = search(run.work, run.devices, run.hw, efficiency_for(run.hw))
+        candidates = search(run.work, run.devices, run.hw, efficiency_for(run.hw),
+                            run.offers.variants if trainers else None)
     except KeelError:  # no searched layout divides the batch
         return f"not searched ({unsearched(run)})"
     fitting = sum(c.fits for c in candidates)
@@ -196,7 +232,7 @@ def evaluate(run: Run, others: list[float], with_rank: bool = True) -> dict:
            "predicted_memory_gib": memory(run.work, run.layout, run.hw).total / GIB,
            "published_memory_gib": run.published_memory_gib}
     if with_rank:
-        row["rank"] = rank(run)
+        row["rank"], row["trainer_rank"] = rank(run), rank(run, trainers=True)
     return row
 
 
@@ -206,6 +242,7 @@ def summary(rows: list[dict]) -> dict:
     return {"runs": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
             "within_10": sum(e <= 0.10 for e in errors), "within_25": sum(e <= 0.25 for e in errors),
             "top3": sum(isinstance(r["rank"], int) and r["rank"] <= 3 for r in ranked),
+            "top3_trainer": sum(isinstance(r["trainer_rank"], int) and r["trainer_rank"] <= 3 for r in ranked),
             "not_searched": sum(str(r["rank"]).startswith("not searched") for r in ranked),
             "does_not_fit": sum(r["rank"] == "does not fit" for r in ranked)}
 
@@ -236,18 +273,20 @@ def _line(name: str, s: dict) -> str:
     return (f"{name}: {count}, median |error| {s['median_abs_error']:.1%}, largest {s['max_abs_error']:.1%}, "
             f"{s['within_10']} within 10%, {s['within_25']} within 25%, published layout in the top 3 for "
             f"{s['top3']} ({s['top3'] / s['runs']:.0%}; {s['not_searched']} not searched, "
-            f"{s['does_not_fit']} dropped for memory)")
+            f"{s['does_not_fit']} dropped for memory), among its trainer's layouts for {s['top3_trainer']} "
+            f"({s['top3_trainer'] / s['runs']:.0%})")
 
 
 def markdown(results: dict) -> str:
-    rows = ["| run | source | layout | published | predicted | error | left out | rank of the published layout |",
-            "|---|---|---|---:|---:|---:|---:|---|"]
+    rows = ["| run | source | layout | published | predicted | error | left out | rank of the published layout: "
+            "of keel's | of its trainer's |", "|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in results["rows"]:
         name = r["name"]
         value = r["predicted"]
         predicted = f"{value:.1%}" if r["quantity"] in ("mfu", "hfu") else f"{value:,.0f}"
         rows.append(f"| {name} | {r['source']} | {r['layout']} | {_figure(r['published'], r['quantity'])} | "
-                    f"{predicted} | {r['error']:+.1%} | {r['left_out_error']:+.1%} | {r['rank']} |")
+                    f"{predicted} | {r['error']:+.1%} | {r['left_out_error']:+.1%} | {r['rank']} | "
+                    f"{r['trainer_rank']} |")
     lines = [_line("All", results["summary"]), _line("Each left out of its generation's fit", results["held_out"])]
     lines += [_line(f"Source {name}", s) for name, s in results["by_source"].items()]
     lines += [_line(f"Generation {name}", s) for name, s in results["by_generation"].items()]

@@ -19,6 +19,7 @@ predicted tokens/s per device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from keel.core.accelerators import Accelerator
@@ -27,6 +28,8 @@ from keel.plan.layout import ACS, CP_MIN_SEQ, Layout, Workload
 from keel.plan.memory import GIB, MemoryBreakdown, cp_fits_sequence, memory, suggest
 from keel.plan.throughput import DEFAULT, Efficiency, StepBreakdown, step_time
 
+# What another trainer runs in place of one of keel's layouts: nothing, or its own forms of it.
+Variants = Callable[[Layout], list[Layout]]
 MAX_PP = 64  # deeper pipelines need thousands of micro-batches to keep the bubble small
 PART_NAMES = {"compute": "compute", "tp_comm": "TP collectives", "cp_comm": "CP K/V exchange",
               "ep_comm": "EP all-to-all", "pp_p2p": "pipeline transfers", "bubble": "pipeline bubble",
@@ -113,14 +116,16 @@ def _assessed(work: Workload, found: list[Layout], hw: Accelerator, eff: Efficie
     return out
 
 
-def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT) -> list[Candidate]:
+def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT,
+           variants: Variants | None = None) -> list[Candidate]:
     """All layouts of `work` on `gpus` devices of `hw`: those that fit, fastest first, then those that do
     not (smallest first), each with its memory and predicted step. Context parallelism is searched from
-    CP_MIN_SEQ on, and at shorter sequences when no layout without it fits."""
+    CP_MIN_SEQ on, and at shorter sequences when no layout without it fits. `variants`: what another trainer
+    runs in place of each of keel's layouts (none, or its own forms of it); the search is then of those."""
     if gpus < 1:
         raise KeelError(f"gpus = {gpus}: expected at least 1")
     long = work.seq_len >= CP_MIN_SEQ
-    found = layouts(work, gpus, hw, [1, *context_degrees(work, gpus)] if long else [1])
+    found = _runnable(layouts(work, gpus, hw, [1, *context_degrees(work, gpus)] if long else [1]), variants)
     if not found:
         split = "tp × pp × cp" if long else "tp × pp"
         raise KeelError(f"no layout of {gpus} devices divides the global batch of {work.global_batch} sequences: "
@@ -128,10 +133,15 @@ def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT
                         f"divide it; change the batch or the device count")
     candidates = _assessed(work, found, hw, eff)
     if not long and not any(c.fits for c in candidates):
-        candidates += _assessed(work, layouts(work, gpus, hw, context_degrees(work, gpus)), hw, eff)
+        candidates += _assessed(work, _runnable(layouts(work, gpus, hw, context_degrees(work, gpus)), variants), hw,
+                                eff)
     fitting = sorted((c for c in candidates if c.fits), key=_sort_key)
     dropped = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
     return fitting + dropped
+
+
+def _runnable(found: list[Layout], variants: Variants | None) -> list[Layout]:
+    return found if variants is None else [mine for layout in found for mine in variants(layout)]
 
 
 def _best(candidates: list[Candidate], keep) -> Candidate | None:

@@ -4,10 +4,15 @@ run is consistent, the errors are no worse than docs/planning.md reports, and th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from bench.plan_validation import RESULTS, fit, load, predict, runs, summary, validate
+from bench.plan_validation import RESULTS, Offers, fit, load, predict, runs, summary, validate
+from keel.config import ModelConfig
+from keel.core.accelerators import by_key
+from keel.plan.layout import Layout, Workload
+from keel.plan.layouts import search
 from keel.plan.throughput import GENERATIONS
 
 # What docs/planning.md ("Held-out published runs") reports, rounded up to the next percent: the planner may
@@ -46,7 +51,7 @@ def test_every_layout_multiplies_to_its_device_count_and_splits_the_batch(publis
 
 
 def test_the_errors_are_no_worse_than_documented(published: list) -> None:
-    rows = [{"error": predict(run) / run.published - 1, "rank": 0} for run in published]
+    rows = [{"error": predict(run) / run.published - 1, "rank": 0, "trainer_rank": 0} for run in published]
     s = summary(rows)
     assert s["median_abs_error"] <= MEDIAN_ABS_ERROR
     assert s["max_abs_error"] <= MAX_ABS_ERROR
@@ -72,3 +77,38 @@ def test_the_stored_results_match_the_live_predictions(published: list) -> None:
     for row, run in zip(stored["rows"], published, strict=True):
         assert row["published"] == run.published, run.name
         assert row["predicted"] == pytest.approx(predict(run), rel=1e-9), run.name
+
+
+def test_a_trainer_without_fsdp_is_searched_over_replicas_and_its_own_optimizer_sharding() -> None:
+    """A run is also ranked among the layouts its trainer offered (bench.plan_validation.Offers): keel's layouts
+    it cannot run are left out, and its data-parallel sharding takes the place of keel's FSDP."""
+    ddp = Offers(sharding=(), ac=("none", "full"), cp=False, ep=False)
+    assert ddp.variants(Layout(dp_replicate=8)) == [Layout(dp_replicate=8)]
+    assert ddp.variants(Layout(dp_shard=8)) == [] and ddp.variants(Layout(dp_replicate=8, ac="selective")) == []
+    assert ddp.variants(Layout(cp=2, dp_replicate=4)) == []
+    zero = Offers(sharding=(1, 2))
+    assert zero.variants(Layout(tp=2, dp_shard=4)) == [Layout(tp=2, dp_shard=4, zero=1), Layout(tp=2, dp_shard=4,
+                                                                                              zero=2)]
+    fsdp_only = Offers(tp=False, pp=False)
+    assert fsdp_only.variants(Layout(tp=2, dp_shard=4)) == [] and fsdp_only.variants(Layout(pp=2, dp_shard=4)) == []
+
+    work = Workload(ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=32_000), 2048, 64)
+    a100 = by_key("a100")
+    keels = search(work, 16, a100)
+    mine = search(work, 16, a100, variants=ddp.variants)
+    assert any(c.layout.dp_shard > 1 for c in keels) and mine
+    assert all(c.layout.dp_shard == 1 and c.layout.ac in ("none", "full") for c in mine)
+    # The same layouts keel searches, less those the trainer lacks: one candidate for each it keeps.
+    assert [c.layout for c in mine] == [c.layout for c in keels if ddp.variants(c.layout)]
+
+
+def test_every_source_says_what_its_trainer_offered_where_it_is_not_keels() -> None:
+    """The trainers before FSDP: Megatron-LM's (2021-22) whole replicas, Megatron-DeepSpeed's and Megatron-Core's
+    distributed optimizer; runs keep their source's unless they name their own (DeepSpeed's ZeRO-3 rows)."""
+    by_name = {run.name: run for run in runs()}
+    assert by_name["Megatron-LM 1.7B, 32 A100, DP 32"].offers.sharding == ()
+    assert by_name["GPT-3 175B, 384 A100, ZeRO-3 (DeepSpeed)"].offers.sharding == (1, 2, 3)
+    assert by_name["MPT-70B, 64 H100, FSDP, AC"].offers == Offers(ac=("none", "full"), tp=False, pp=False, cp=False,
+                                                                  ep=False)
+    for run in runs():  # the published layout is one its trainer offered
+        assert run.layout in run.offers.variants(replace(run.layout, zero=3)), run.name
