@@ -9,12 +9,18 @@ background) are paid for in it. The ratio on/off is taken per repeat and the med
 1.03 at an interval of 5). From the runs with the tier: a save's median blocking time (what the loop waited
 for) and write time (the background part), and the bytes of one save. Results: a table and
 bench/results/memory_tier.json, one entry per config.
+
+The ratio of two runs carries the drift between them, which on a 2-core machine is several percent. With
+`--log-interval 1` each run with the tier also gives its cost within itself (`cycle_cost`): every step after the
+first cycle has a place in the save cycle, and the steps the background write runs beside (as many after each
+save as the write lasts, at most interval - 1) are set against the others of the cycle after the saving step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -42,6 +48,24 @@ def saves(run_dir: Path) -> dict:
             "bytes": committed[-1] if committed else 0}
 
 
+def cycle_cost(run_dir: Path, interval: int, write_s: float) -> float | None:
+    """The tier's cost within one run logged every step, as a share of a cycle of `interval` steps: the median
+    step at each place the background write reaches (it lasts `write_s`) less the median of the places it does
+    not reach, the saving step itself left out. None where the write reaches every place."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time/step_s"] for r in records if "time/step_s" in r and r["step"] > interval}
+    if not times:
+        return None
+    reached = min(interval - 1, math.ceil(write_s / statistics.median(times.values())))
+    by_place = {p: statistics.median(t for step, t in times.items() if step % interval == p)
+                for p in range(1, interval) if any(step % interval == p for step in times)}
+    untouched = [t for p, t in by_place.items() if p > reached]
+    if not untouched:
+        return None
+    base = statistics.median(untouched)
+    return sum(by_place[p] - base for p in range(1, reached + 1) if p in by_place) / (interval * base)
+
+
 def bench_config(config: str, args: argparse.Namespace, work: Path) -> dict:
     pairs = []
     for repeat in range(args.repeats):
@@ -52,16 +76,20 @@ def bench_config(config: str, args: argparse.Namespace, work: Path) -> dict:
             got[on] = run(config, "sharded", True, args, run_dir, [*tier, *args.overrides])
             if on:
                 got[on].update(saves(run_dir))
+                if args.log_interval == 1:
+                    got[on]["cycle_cost"] = cycle_cost(run_dir, args.interval, got[on]["write_s"])
         pairs.append(got)
         print(f"  {config} repeat {repeat}: on {got[True]['step_s']:.4f} s/step, off {got[False]['step_s']:.4f} "
               f"s/step, ratio {got[True]['step_s'] / got[False]['step_s']:.4f}", flush=True)
     ratios = [p[True]["step_s"] / p[False]["step_s"] for p in pairs]
     on = [p[True] for p in pairs]
+    within = [r["cycle_cost"] for r in on if r.get("cycle_cost") is not None]
     return {"config": config, "overrides": args.overrides, "interval": args.interval,
             "ratio": statistics.median(ratios), "ratios": ratios,
             "step_s_on": statistics.median(r["step_s"] for r in on),
             "step_s_off": statistics.median(p[False]["step_s"] for p in pairs),
             **{k: statistics.median(r[k] for r in on) for k in ("blocking_s", "write_s", "bytes", "saves")},
+            "cycle_cost": statistics.median(within) if within else None, "cycle_costs": within,
             "runs": pairs}
 
 
@@ -83,6 +111,10 @@ def main() -> None:
         print(f"{r['config']:<22}{r['step_s_on']:>11.4f}{r['step_s_off']:>11.4f}{r['ratio']:>8.4f}"
               f"{r['blocking_s']:>12.4f}{r['write_s']:>9.3f}{r['bytes'] / 1e6:>8.1f}")
     print(f"ratio: the memory tier every {args.interval} steps / off, median over repeats (target <= {TARGET})")
+    for r in results:
+        if r["cycle_cost"] is not None:
+            print(f"{r['config']}: within each run with the tier, the steps beside its writes cost "
+                  f"{r['cycle_cost']:+.1%} of a cycle (median of {', '.join(f'{c:+.1%}' for c in r['cycle_costs'])})")
     earlier = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else []
     kept = [r for r in earlier if r["config"] not in {n["config"] for n in results}]
     for r in results:

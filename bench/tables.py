@@ -144,11 +144,13 @@ def memory_tier() -> str:
     rows = []
     for r in _results("memory_tier")["results"]:
         repeats = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        within = f"{r['cycle_cost']:+.1%}" if r.get("cycle_cost") is not None else ""
         rows.append([_run_shape(r), str(r["interval"]), f"{r['step_s_on']:.3f}", f"{r['step_s_off']:.3f}",
-                     f"**{r['ratio']:.3f}** ({repeats})", f"{r['blocking_s']:.4f}", f"{r['write_s']:.3f}",
+                     f"**{r['ratio']:.3f}** ({repeats})", within, f"{r['blocking_s']:.4f}", f"{r['write_s']:.3f}",
                      f"{r['bytes'] / 1e6:.1f}"])
     return _table(["config", "memory interval, steps", "with the tier, s/step", "without, s/step",
-                   "ratio, median (repeats)", "a save's blocking, s", "its write, s", "MB a save"], rows)
+                   "ratio, median (repeats)", "cost within a run", "a save's blocking, s", "its write, s",
+                   "MB a save"], rows)
 
 
 RECOVERY_PHASES = {
