@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from keel.rundir.events import read_jsonl
+
 try:
     from bench.guard_overhead import run
 except ImportError:  # run as a script: bench/ is the first entry of sys.path
@@ -52,18 +54,20 @@ def cycle_cost(run_dir: Path, interval: int, write_s: float) -> float | None:
     """The tier's cost within one run logged every step, as a share of a cycle of `interval` steps: the median
     step at each place the background write reaches (it lasts `write_s`) less the median of the places it does
     not reach, the saving step itself left out. None where the write reaches every place."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = {r["step"]: r["time/step_s"] for r in records if "time/step_s" in r and r["step"] > interval}
+    times = {r["step"]: r["time/step_s"] for r in read_jsonl(run_dir / "metrics.jsonl")
+             if "time/step_s" in r and r["step"] > interval}
     if not times:
         return None
     reached = min(interval - 1, math.ceil(write_s / statistics.median(times.values())))
-    by_place = {p: statistics.median(t for step, t in times.items() if step % interval == p)
-                for p in range(1, interval) if any(step % interval == p for step in times)}
+    places: dict[int, list[float]] = {}
+    for step, t in times.items():
+        places.setdefault(step % interval, []).append(t)
+    by_place = {p: statistics.median(ts) for p, ts in places.items() if p > 0}
     untouched = [t for p, t in by_place.items() if p > reached]
     if not untouched:
         return None
     base = statistics.median(untouched)
-    return sum(by_place[p] - base for p in range(1, reached + 1) if p in by_place) / (interval * base)
+    return sum(t - base for p, t in by_place.items() if p <= reached) / (interval * base)
 
 
 def bench_config(config: str, args: argparse.Namespace, work: Path) -> dict:

@@ -125,7 +125,12 @@ def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT
     if gpus < 1:
         raise KeelError(f"gpus = {gpus}: expected at least 1")
     long = work.seq_len >= CP_MIN_SEQ
-    found = _runnable(layouts(work, gpus, hw, [1, *context_degrees(work, gpus)] if long else [1]), variants)
+
+    def runnable(cps: list[int]) -> list[Layout]:
+        found = layouts(work, gpus, hw, cps)
+        return found if variants is None else [mine for layout in found for mine in variants(layout)]
+
+    found = runnable([1, *context_degrees(work, gpus)] if long else [1])
     if not found:
         split = "tp × pp × cp" if long else "tp × pp"
         raise KeelError(f"no layout of {gpus} devices divides the global batch of {work.global_batch} sequences: "
@@ -133,15 +138,10 @@ def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT
                         f"divide it; change the batch or the device count")
     candidates = _assessed(work, found, hw, eff)
     if not long and not any(c.fits for c in candidates):
-        candidates += _assessed(work, _runnable(layouts(work, gpus, hw, context_degrees(work, gpus)), variants), hw,
-                                eff)
+        candidates += _assessed(work, runnable(context_degrees(work, gpus)), hw, eff)
     fitting = sorted((c for c in candidates if c.fits), key=_sort_key)
     dropped = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
     return fitting + dropped
-
-
-def _runnable(found: list[Layout], variants: Variants | None) -> list[Layout]:
-    return found if variants is None else [mine for layout in found for mine in variants(layout)]
 
 
 def _best(candidates: list[Candidate], keep) -> Candidate | None:
