@@ -28,12 +28,18 @@ LAYOUTS = {
     "cp2xdp2": (4, ["parallel.cp=2", "parallel.dp_shard=2"]),
     "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"]),
 }
-# Each layout causally and within documents, pipelined once; and the one-process references.
+# The layouts combined with CP make the warmup's five steps (seconds each here; the same learning rates as the
+# first five of the references' ten): the references' checkpoint of step 5 is what they are compared with.
+SHORT = 5
+SHORTENED = [f"train.steps={SHORT}"]
+# cp2 causally and within documents; with FSDP causally, with TP within documents (the mask over head shards),
+# pipelined once; and the one-process references. A layout pairs with one way of attending, not with both.
 RUNS = {
     "one": (1, []), "one_documents": (1, DOCUMENTS),
-    **{name: spec for name, spec in LAYOUTS.items()},
-    **{f"{name}_documents": (nproc, [*overrides, *DOCUMENTS]) for name, (nproc, overrides) in LAYOUTS.items()},
-    "cp2xpp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+    "cp2": LAYOUTS["cp2"], "cp2_documents": (2, [*LAYOUTS["cp2"][1], *DOCUMENTS]),
+    "cp2xdp2": (4, [*LAYOUTS["cp2xdp2"][1], *SHORTENED]),
+    "cp2xtp2_documents": (4, [*LAYOUTS["cp2xtp2"][1], *DOCUMENTS, *SHORTENED]),
+    "cp2xpp2": (4, ["parallel.cp=2", "parallel.pp=2", *SHORTENED]),
 }
 
 
@@ -60,8 +66,9 @@ def runs(small_corpus: Path, short_documents: Path, tmp_path_factory: pytest.Tem
 def test_context_parallel_layout_trains_like_one_process(name: str, runs: dict) -> None:
     (reference, first), (run_dir, result) = runs["one_documents" if "document" in name else "one"], runs[name]
     assert first.returncode == 0 and result.returncode == 0, (first.stderr + result.stderr)[-3000:]
-    worst = assert_same_training(run_dir, reference, range(1, STEPS + 1))
-    print(f"{name}: largest parameter difference after {STEPS} steps {worst:.2e}")
+    steps = SHORT if SHORTENED[0] in RUNS[name][1] else STEPS
+    worst = assert_same_training(run_dir, reference, range(1, steps + 1))
+    print(f"{name}: largest parameter difference after {steps} steps {worst:.2e}")
 
 
 def test_a_context_parallel_run_resumes_bitwise_after_sigkill(runs: dict, short_documents: Path,

@@ -20,7 +20,10 @@ pytestmark = pytest.mark.dist
 
 PRECISIONS = {"fp8": ["train.precision=fp8"], "bf16": ["train.precision=bf16"],
               "tensorwise": ["train.precision=fp8", "train.float8_recipe=tensorwise"]}
-TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
+# Tensor parallelism over float8 emulated on a CPU takes seconds a step: three steps (within the warmup, so
+# with the learning rates of the ten-step runs they are compared with) show each scale computed as on one process.
+TP_STEPS = 3
+TP2 = ["parallel.tp=2", "parallel.dp_shard=1", f"train.steps={TP_STEPS}"]
 RUNS = {**{name: (1, overrides) for name, overrides in PRECISIONS.items()},
         "tensorwise_dp2": (2, PRECISIONS["tensorwise"]),  # FSDP: its weights all-gathered in float8
         "tp2": (2, [*PRECISIONS["fp8"], *TP2]), "tensorwise_tp2": (2, [*PRECISIONS["tensorwise"], *TP2]),
@@ -69,8 +72,8 @@ def test_float8_layers_split_by_tensor_parallelism_train_as_on_one_process(split
                                                                         runs: dict[str, Path]) -> None:
     """Each scale is a whole row's or the whole tensor's, computed on the gathered input as on one process."""
     got, want = losses(runs[split]), losses(runs[whole])
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in want), (got, want)
+    assert sorted(got) == list(range(1, TP_STEPS + 1))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in got), (got, want)
 
 
 @pytest.mark.parametrize(("saved", "into"), [("bf16", "fp8"), ("fp8", "bf16")])

@@ -52,10 +52,11 @@ LAYOUTS = {
 LEVERS = ["model.qk_norm=true", "model.embedding_norm=rmsnorm", "train.z_loss=0.1",
           "optim.independent_weight_decay=true", "optim.weight_decay=1e-4", "monitor.signals_interval=5",
           "model.parametrization=mup", "model.base_dim=32"]
-LEVER_LAYOUTS = {"dp2": LAYOUTS["dp2"], "tp2": LAYOUTS["tp2"], "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"])}
-# Attention within documents: the mask over TP's head shards, and on pipeline stages that see no tokens (the
-# interleaved zero-bubble schedule runs two stages per rank, its backward split in two).
-DOCUMENT_LAYOUTS = ("tp2", "pp2_1f1b", "pp2_interleaved_zb")  # data parallel: tests/dist/test_context_parallel.py
+LEVER_LAYOUTS = {"dp2": LAYOUTS["dp2"], "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"])}
+# Attention within documents on pipeline stages that see no tokens (the interleaved zero-bubble schedule runs two
+# stages per rank, its backward split in two).
+# Data parallel and the mask over TP's head shards: tests/dist/test_context_parallel.py.
+DOCUMENT_LAYOUTS = ("pp2_1f1b", "pp2_interleaved_zb")
 # Layout runs that train at a time: a run leaves much of two cores idle (while its launcher imports, its
 # workers meet and exit).
 CONCURRENT = 2
@@ -168,12 +169,12 @@ def signals(run_dir: Path, step: int) -> dict[str, float]:
 
 
 def test_every_lever_resumes_bitwise_after_a_sigkill(lever_runs: dict, small_corpus: Path, tmp_path: Path) -> None:
-    """TP2 with every lever: rank 1 SIGKILLed once step 5 is saved, the agent restarts the workers, and the
+    """DP2 with every lever: rank 1 SIGKILLed once step 5 is saved, the agent restarts the workers, and the
     run ends bitwise equal to the uninterrupted one."""
-    reference, result = lever_runs["tp2"]
+    reference, result = lever_runs["dp2"]
     assert result.returncode == 0, result.stderr[-3000:]
     kill = ['callbacks=[{path = "keel.drill.faults:SigkillAfterCheckpoint", args = {step = 5, rank = 1}}]']
-    train(small_corpus, tmp_path / "killed", 2, *LEVERS, *LAYOUTS["tp2"][1], *kill, "--max-restarts", "1")
+    train(small_corpus, tmp_path / "killed", 2, *LEVERS, *LAYOUTS["dp2"][1], *kill, "--max-restarts", "1")
     events = read_jsonl(tmp_path / "killed" / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "resume"] == [5]
     final = f"checkpoints/step-{STEPS:06d}"

@@ -19,13 +19,14 @@ pytestmark = pytest.mark.dist
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "model.moe.bias_update_rate=0.01"]
 AUX = ["model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001"]
-RUNS = {"one": (1, []), "dp2": (2, ["monitor.profile_interval=5"]), "pp2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
-        "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]), "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1", "monitor.profile_interval=5"]),
-        "ep2_fsdp4": (4, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]),
+# Each layout beside expert parallelism (ep2_cp2, ep2_pp2, tp2_ep2) rather than also alone: every run costs
+# seconds of start-up, and the experts' exchanges are what these layouts have to get right.
+RUNS = {"one": (1, []), "dp2": (2, ["monitor.profile_interval=5"]),
+        "ep2": (2, ["parallel.ep=2", "guard.sdc.replay_interval=1", "monitor.profile_interval=5"]),
+        "ep4": (4, ["parallel.ep=4"]),
         "ep2_cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1", "parallel.ep=2"]),
         "ep2_hsdp": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
         "ep2_pp2": (4, ["parallel.pp=2", "parallel.ep=2"]),
-        "tp2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
         "tp2_ep2": (4, ["parallel.tp=2", "parallel.ep=2"]),
         "groups2": (1, ["--replica-groups", "2", "checkpoint.interval=100"]),
         "aux_one": (1, AUX), "aux_ep2": (2, [*AUX, "parallel.ep=2"])}
@@ -49,7 +50,7 @@ def biases(run_dir: Path) -> list[list[float]]:
     return state["experts"]["biases"]
 
 
-@pytest.mark.parametrize("name", ["dp2", "cp2", "ep2", "ep2_fsdp4", "ep4", "ep2_cp2", "ep2_hsdp", "tp2", "tp2_ep2"])
+@pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "ep2_cp2", "ep2_hsdp", "tp2_ep2"])
 def test_an_expert_model_trains_like_one_process(name: str, runs: dict[str, Path]) -> None:
     assert_same_training(runs[name], runs["one"], range(1, STEPS + 1))
     assert biases(runs[name]) == biases(runs["one"])
@@ -82,15 +83,14 @@ def test_replica_groups_sum_the_expert_loads_and_move_their_biases_as_one_job(ru
             assert got[key] == pytest.approx(value, rel=1e-5), key
 
 
-@pytest.mark.parametrize("name", ["pp2", "ep2_pp2"])
-def test_a_pipelined_expert_model_trains_like_one_process_up_to_near_ties(name: str, runs: dict[str, Path]) -> None:
+def test_a_pipelined_expert_model_trains_like_one_process_up_to_near_ties(runs: dict[str, Path]) -> None:
     """The pipeline rounds otherwise (by 1e-7) than one process; a token almost equally drawn to two experts may
     then choose the other, which moves the losses by 1e-5 to 2e-4 over ten steps and a bias by a step or two."""
-    got, want = losses(runs[name]), losses(runs["one"])
+    got, want = losses(runs["ep2_pp2"]), losses(runs["one"])
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     assert all(math.isclose(got[s], want[s], rel_tol=1e-3) for s in got), (got, want)
     assert got[1] == pytest.approx(want[1], rel=1e-6)  # before any update: the same routing
-    apart = [abs(a - b) for x, y in zip(biases(runs[name]), biases(runs["one"]), strict=True)
+    apart = [abs(a - b) for x, y in zip(biases(runs["ep2_pp2"]), biases(runs["one"]), strict=True)
              for a, b in zip(x, y, strict=True)]
     assert max(apart) <= 2 * 0.01 + 1e-6
 
