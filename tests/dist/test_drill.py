@@ -10,20 +10,27 @@ from pathlib import Path
 import pytest
 
 from keel.drill.scenarios import QUICK, REPLICA_ATOL, catalog
-from keel.drill.scorecard import format_scorecard
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 FIELDS = {"scenario", "promise", "promise_kept", "detect_s", "recover_s", "steps_lost"}
+# The quick suite's scenarios less those whose recovery a test of its own rehearses with the same real fault: a
+# kill during a save (tests/dist/test_checkpoint.py), a hang (test_health.py), a preemption (test_health.py's
+# pauses, test_slurm.py), a flipped gradient bit caught by replay and a flipped parameter bit caught at rest
+# (test_guards.py), and a replica group lost and healed (test_replica_groups.py; test_drill_moe.py drills it).
+# Each costs a run or two.
+REHEARSED_ELSEWHERE = ("kill_during_save", "hang", "preemption", "bitflip_grads", "bitflip_params_sharded",
+                       "group_loss")
+TESTED = [name for name in QUICK if name not in REHEARSED_ELSEWHERE]
 
 
 @pytest.fixture(scope="module")
 def quick(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     cwd = tmp_path_factory.mktemp("drill")
-    done = run_keel(["drill", "--suite", "quick", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}"],
-                    cwd=cwd, timeout=600)
+    done = run_keel(["drill", "--suite", "quick", "--scenario", ",".join(TESTED), "--json", "--workdir", "runs/drill",
+                     f"data.dir={small_corpus}"], cwd=cwd, timeout=600)
     assert done.returncode == 0, _broken(done.stdout) or done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(done.stdout)
     return cwd, {r["scenario"]: r for r in results}
@@ -41,7 +48,7 @@ def _broken(stdout: str) -> str:
 
 def test_the_quick_suite_keeps_every_promise(quick) -> None:
     _, results = quick
-    assert list(results) == QUICK
+    assert list(results) == TESTED
     for r in results.values():
         assert set(r) >= FIELDS, r
         assert r["promise_kept"], (r["scenario"], r["broken"], r["events"])
@@ -104,21 +111,6 @@ def test_a_nan_skips_one_update_exactly_as_a_run_told_to_skip_it(quick) -> None:
     assert (nan["updates_skipped"], nan["steps_recomputed"], nan["steps_lost"]) == (1, 0, 1)
 
 
-def test_a_flipped_bit_in_a_parameter_shard_is_caught_at_rest_and_its_rank_named(quick) -> None:
-    """FSDP over 2, no replica, the defaults: rank 1's own seal of step 15 no longer matches before the update of
-    step 16; the run goes back to step 10 and makes steps 11-15 again."""
-    _, results = quick
-    flip = results["bitflip_params_sharded"]
-    assert flip["state_equal"] and flip["losses_equal"] and flip["compare"] == "bitwise"
-    assert (flip["detected_by"], flip["detect_steps"]) == ("guard/quarantine", 1)
-    events = read_jsonl(Path(flip["run_dir"]) / "events.jsonl")
-    (injected,) = [e for e in events if e["kind"] == "drill"]
-    named, rolled_back = [e["detail"] for e in events if e["kind"] == "guard"]
-    assert (named["detector"], named["ranks"], named["sealed_step"]) == ("at_rest", [1], 15)
-    assert named["tensors"] == {"1": [injected["detail"]["param"]]}
-    assert rolled_back["to_step"] == 10 and flip["steps_recomputed"] == 5
-
-
 def test_a_corrupted_checkpoint_is_skipped_and_the_previous_one_resumed(quick) -> None:
     _, results = quick
     corrupt = results["corrupt_checkpoint"]
@@ -130,18 +122,18 @@ def test_a_corrupted_checkpoint_is_skipped_and_the_previous_one_resumed(quick) -
 def test_the_scorecard_is_a_section_of_the_report(quick) -> None:
     cwd, results = quick
     drill = json.loads((cwd / "runs/drill/drill.json").read_text())
-    assert [r["scenario"] for r in drill["results"]] == QUICK and drill["baseline"]["restart_s"] > 0
+    assert [r["scenario"] for r in drill["results"]] == TESTED and drill["baseline"]["restart_s"] > 0
     references = list((cwd / "runs/drill/references").iterdir())
-    assert len(references) == 3, "one clean run per config and layout (two replica groups are a layout of their " \
-        "own), and one told to skip the NaN's update"
+    assert len(references) == 2, "one clean run per config and layout, and one told to skip the NaN's update"
     done = run_keel(["report", "runs/drill"], cwd=cwd, timeout=60)
     assert done.returncode == 0, done.stderr
     page = (cwd / "runs/drill/report.html").read_text()
-    assert "<h2>Failure drills</h2>" in page and f"{len(QUICK)} of {len(QUICK)} promises kept" in page
-    done = run_keel(["report", "runs/drill/scenarios/hang"], cwd=cwd, timeout=60)
+    assert "<h2>Failure drills</h2>" in page and f"{len(TESTED)} of {len(TESTED)} promises kept" in page
+    done = run_keel(["report", "runs/drill/scenarios/kill_mid_step"], cwd=cwd, timeout=60)
     assert done.returncode == 0, done.stderr
-    page = (cwd / "runs/drill/scenarios/hang/report.html").read_text()
-    assert "<h2>Failure drills</h2>" in page and "<h2>Training</h2>" in page and results["hang"]["promise"] in page
+    page = (cwd / "runs/drill/scenarios/kill_mid_step/report.html").read_text()
+    assert "<h2>Failure drills</h2>" in page and "<h2>Training</h2>" in page and \
+        results["kill_mid_step"]["promise"] in page
 
 
 def test_a_recovery_with_its_detector_switched_off_is_reported_broken(quick, small_corpus: Path) -> None:
@@ -163,21 +155,8 @@ def test_every_scenario_delivers_a_fault_and_names_its_detector() -> None:
         assert s.detect[0], s.name
 
 
-def test_a_lost_replica_group_heals_while_the_survivor_loses_no_step(quick) -> None:
-    r = quick[1]["group_loss"]
-    assert r["promise_kept"], (r["broken"], r["events"])
-    # The survivor goes on without the lost group, which then heals; or the group, restarted within the
-    # lighthouse's heartbeat timeout, is healing in the very next quorum (nothing to go on without).
-    assert r["detected_by"] in ("quorum/change", "quorum/heal") and r["detect_s"] > 0 and r["heals"] == 1
-    assert r["recover_s"] > 0 if r["detected_by"] == "quorum/change" else r["recover_s"] == 0
-    assert r["steps_lost"] == 0 and r["param_max_abs_diff"] <= REPLICA_ATOL
-    assert "[1] drill/inject@6" in r["events"] and "[1] quorum/heal" in " ".join(r["events"])
-    assert r["restart_steps_lost"] == 5, "a plain restart would have made the steps since the start again"
-    assert "group_loss: 2 replica groups; the survivors' longest step" in format_scorecard([r])
-
-
 def test_a_killed_lighthouse_is_back_at_once_and_nothing_is_lost(quick, small_corpus: Path) -> None:
-    cwd, _ = quick  # the quick suite's cached references, the fault-free replica-group run among them
+    cwd, _ = quick  # beside the quick suite's cached references, with a fault-free replica-group run of its own
     done = run_keel(["drill", "--scenario", "lighthouse_restart", "--json", "--workdir", "runs/drill",
                      f"data.dir={small_corpus}"], cwd=cwd, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""`keel drill`'s network scenarios, on nodes that are network namespaces of their own (keel.drill.netns): a
-node's cable pulled and put back, its link flapping, its port slowed, a replica group's cable pulled. Each promise
-kept, and what each fault leaves in the run as the nodes saw it."""
+"""`keel drill`'s network scenarios, on nodes that are network namespaces of their own (keel.drill.netns): the
+rendezvous host's cable pulled and put back, a link flapping, a port slowed, a replica group's cable pulled. Each
+promise kept, and what each fault leaves in the run as the nodes saw it."""
 
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ from tests.conftest import run_keel
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900),
               pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
+# The network suite less cable_pulled: a node's pulled cable named on both sides while the others go on is
+# tests/dist/test_netns.py's, and a node rejoining once its cable is back is rendezvous_cable_pulled's here.
+TESTED = [name for name in NETWORK_SUITE if name != "cable_pulled"]
+
+
 @pytest.fixture(scope="module")
 def drilled(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     cwd = tmp_path_factory.mktemp("drill")
-    done = run_keel(["drill", "--suite", "network", "--json", "--workdir", "runs/drill", f"data.dir={small_corpus}"],
-                    cwd=cwd, timeout=900)
+    done = run_keel(["drill", "--suite", "network", "--scenario", ",".join(TESTED), "--json", "--workdir",
+                     "runs/drill", f"data.dir={small_corpus}"], cwd=cwd, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return cwd / "runs/drill/scenarios", {r["scenario"]: r for r in json.loads(done.stdout)}
 
 
 def test_every_network_fault_is_detected_and_its_promise_kept(drilled) -> None:
     _, results = drilled
-    assert list(results) == NETWORK_SUITE
+    assert list(results) == TESTED
     for r in results.values():
         assert r["promise_kept"], (r["scenario"], r["broken"], r["events"])
     # Every cluster is gone, passed or failed: its namespaces, and every process it started (the drill checks
@@ -43,8 +48,6 @@ def test_every_network_fault_is_detected_and_its_promise_kept(drilled) -> None:
     assert results["link_flapping"]["detected_by"] == "leave/flapping"
     # The slow port is named within two straggler intervals (5 steps) of the throttle.
     assert results["slow_link"]["detected_by"] == "straggler/log" and results["slow_link"]["detect_steps"] <= 10
-    pulled = results["cable_pulled"]
-    assert pulled["detected_by"] == "leave/cut_off" and pulled["recover_s"] > 0 and pulled["detect_s"] > 10, pulled
     # The rendezvous host's own hang verdict names it, within the learned step timeout of the pull.
     host = results["rendezvous_cable_pulled"]
     assert host["detected_by"] == "hang/restart" and 0 < host["detect_s"] < 60, host
@@ -83,28 +86,6 @@ def test_a_link_that_keeps_flapping_puts_its_node_in_quarantine_and_the_job_goes
     assert [(e["action"], e["detail"]["nodes"]) for e in leaves] == \
         [("flapping", ["node-1"]), ("quarantine", ["node-1"])], leaves
     assert [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0] == [2, 1]
-
-
-def test_a_pulled_cable_is_named_on_both_sides_and_the_node_rejoins_once_it_is_back(drilled) -> None:
-    run_dir = drilled[0] / "cable_pulled"
-    log = (run_dir / "drill-node-2.log").read_text()
-    assert ("keel: node node-2 is cut off from the job: the rendezvous at 10.231.0.1:29400 has not answered for "
-            in log and "this node's link eth0 is down;" in log)
-    assert "keel: node node-2 reaches the rendezvous again after " in log
-    events = read_jsonl(run_dir / "events.jsonl")
-    (leave,) = [e for e in events if e["kind"] == "leave"]
-    assert (leave["action"], leave["detail"]["nodes"], leave["detail"]["links_down"]) == \
-        ("cut_off", ["node-2"], ["eth0"])
-    # The nodes left name it too: node 0's launcher, rank 2 on node-2 (on a busy machine node 1's collective may
-    # time out first and end the step before node 0's naming; the scorecard judges the recovery either way).
-    for hang in [e for e in events if e["kind"] == "hang"]:
-        assert (hang["detail"]["stuck_ranks"], hang["detail"]["hosts"]) == ([2], ["node-2"]), hang
-    # On two nodes from the latest checkpoint, then three again: from the checkpoint the two wrote as they paused
-    # to take node 2 back in.
-    starts = [e["detail"]["world_size"] for e in events if e["kind"] == "start" and e["rank"] == 0]
-    assert starts == [3, 2, 3], starts
-    assert [e["kind"] for e in events if e["kind"] in ("pause", "resume")] == ["resume", "pause", "resume"]
-    assert not (run_dir / "quarantine.json").exists()
 
 
 def test_the_rendezvous_hosts_cable_pulled_is_blamed_on_the_host_and_the_other_node_rejoins(drilled) -> None:
