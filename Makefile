@@ -10,7 +10,7 @@ NPROC ?= 2
 # Flags of bench/step_overhead.py, e.g. BENCH_ARGS='--shapes tiny --nproc 2 --repeats 1' for a short run.
 BENCH_ARGS ?=
 
-.PHONY: train test test-fast lint bench clean
+.PHONY: train test test-fast test-slow lint bench clean
 
 # What training needs: torch, then keel (editable) with its runtime dependencies only.
 $(BIN)/keel: pyproject.toml
@@ -30,9 +30,12 @@ train: $(BIN)/keel
 	$(BIN)/keel train --config configs/tiny.toml --nproc $(NPROC)
 
 # The one-process tests two at a time; then the multi-process ones (marker `dist`) one at a time: each
-# starts several processes, and many time what they start.
+# starts several processes, and many time what they start. The suites of minutes (marker `slow`) run apart.
 test: test-fast
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m dist --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "dist and not slow" --durations=25
+
+test-slow: $(VENV)/.test-tools
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m slow --durations=25
 
 test-fast: $(VENV)/.test-tools
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not dist" -n 2 --durations=10

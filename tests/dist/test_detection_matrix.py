@@ -11,7 +11,7 @@ import pytest
 from bench.detection_matrix import BITS, describe, run_matrix
 from tests.conftest import REPO, run_keel
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # Flipped runs that train at a time: a 2-process run leaves much of two cores idle (while its launcher
 # imports, its workers meet and exit), and no cell's outcome depends on time.

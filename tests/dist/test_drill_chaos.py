@@ -140,6 +140,7 @@ def chaos(drill: Drill) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_faults_of_every_kind_together_end_in_the_promised_state_bitwise(chaos: dict) -> None:
     assert [(f["kind"], f["step"]) for f in chaos["faults"]] == DRAWN
     assert chaos["kinds"] == dict(sorted(Counter(kind for kind, _ in DRAWN).items())) and len(chaos["kinds"]) == 9
@@ -162,6 +163,7 @@ def test_faults_of_every_kind_together_end_in_the_promised_state_bitwise(chaos: 
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_bit_flip_no_detector_can_see_among_the_faults_is_reported_as_a_broken_promise(drill: Drill,
                                                                                          chaos: dict) -> None:
     # The same bit flipped in both replicas' parameters, with the at-rest check off: the fingerprints compare

@@ -15,7 +15,7 @@ from keel.drill.scenarios import REPLICA_ATOL
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS, INTERVAL = 15, 5
 # moe_kill_mid_step's SIGKILL of an expert-parallel rank, resumed bitwise, is tests/dist/test_moe.py's.

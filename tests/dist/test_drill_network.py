@@ -16,7 +16,7 @@ from keel.drill.scenarios import NETWORK_SUITE
 from keel.rundir.events import read_jsonl
 from tests.conftest import run_keel
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 # The network suite less cable_pulled: a node's pulled cable named on both sides while the others go on is

@@ -17,7 +17,7 @@ import pytest
 from bench.memory_model import CONFIGS, MIB, TIGHT, measure_all
 from keel.plan.memory import MemoryCheck
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 TESTED = {name: CONFIGS[name] for name in ("one", "fused_ce", "fsdp2", "tp2", "pp2", "moe_ep2")}
 
 
