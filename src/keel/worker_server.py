@@ -19,8 +19,9 @@ from keel.health.lifeline import AGENT_PID_ENV, die_with_launcher
 from keel.health.signals import SIGNALS as PAUSE_SIGNALS
 
 # What a worker imports before its first step: the worker server imports them once for every worker it forks.
+# torch._inductor.config: torch.use_deterministic_algorithms imports it, and torch's compiler with it (a second).
 WORKER_MODULES = ("keel.worker_server", "keel.launch", "keel.cli", "keel.train.worker", "keel.drill.faults",
-                  "keel.parallel.apply")
+                  "keel.parallel.apply", "torch._inductor.config")  # torch-private: preloaded, never called
 # In the worker server (this module is among what it imports) its own pid and environment; a forked worker
 # inherits them, and tells from them which of its variables the agent set for it.
 SERVER_PID, SERVER_ENV = os.getpid(), dict(os.environ)

@@ -1,6 +1,7 @@
 """Every private torch API keel calls, in one place, each with why keel needs it. A torch upgrade is checked
 here first (tests/unit/core/test_torch_private.py exercises each one on the installed torch); every other
-module imports these names, never a private torch one."""
+module imports these names, never a private torch one. (The worker server preloads torch._inductor.config by
+name without calling anything in it, marked there.)"""
 
 from __future__ import annotations
 
@@ -18,25 +19,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 
-__all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "deterministic_algorithms",
-           "deterministic_compiler", "float8_matmul",
+__all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "float8_matmul",
            "fsspec_checkpoint_io",
            "in_backward", "norms", "pin_by_registering", "process_groups", "sdp_choice",
            "set_group_timeout", "set_local_tensor"]
-
-
-def deterministic_algorithms() -> None:
-    """What torch.use_deterministic_algorithms(True) does but set its compiler's flag: that function imports
-    torch's compiler config to set it, a second of CPU in every worker server's start, for a compiler most runs
-    never use. `deterministic_compiler` sets the flag where blocks are compiled."""
-    torch._C._set_deterministic_algorithms(True)
-
-
-def deterministic_compiler() -> None:
-    """The compiler's (inductor's) deterministic flag as torch.use_deterministic_algorithms would have set it."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

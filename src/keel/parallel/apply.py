@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from keel.config import ParallelConfig
-from keel.core.torch_private import checkpoint_wrapper, deterministic_compiler
+from keel.core.torch_private import checkpoint_wrapper
 from keel.model.float8 import is_float8, tensorwise
 from keel.model.parallelizable import Parallelizable
 from keel.parallel.layout import Layout
@@ -97,7 +97,6 @@ def apply_activation_checkpointing(model: Parallelizable, cfg: ParallelConfig) -
 
 def compile_blocks(model: Parallelizable, mode: str) -> None:
     """torch.compile each block in `mode` (parallel.compile_mode), in place: parameter names stay the same."""
-    deterministic_compiler()
     for block in model.blocks().values():
         block.compile(mode=mode)
 

@@ -15,7 +15,6 @@ from keel.checkpoint.memory import resume_on_restart
 from keel.checkpoint.resume import checkpoint_root
 from keel.config import CallbackSpec, Config
 from keel.core import generations
-from keel.core.torch_private import deterministic_algorithms
 from keel.errors import EXIT_GUARD_STOP, EXIT_PAUSED, EXIT_QUARANTINE, KeelError
 from keel.health.signals import StopRequests
 from keel.health.watchdog import Watchdog, is_collective_timeout
@@ -40,7 +39,7 @@ def train(cfg: Config, run_dir: Path, resume: str = "auto", accepted: tuple[str,
     device = pick_device(cfg.train.device)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        deterministic_algorithms()
+        torch.use_deterministic_algorithms(True)
     generation = generations.joined()
     while True:
         try:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -96,22 +94,6 @@ def _check_group_apis() -> None:
     assert flat.mesh_dim_names == ("a_b",) and flat.size() == 1
     split = unflatten_mesh(flat, (1, 1), ("c", "d"))
     assert split.mesh_dim_names == ("c", "d") and split["d"].size() == 1
-
-
-def test_deterministic_algorithms_leave_the_compiler_unimported_until_blocks_are_compiled() -> None:
-    """In a fresh interpreter, as a worker server's: algorithms made deterministic without importing torch's
-    compiler config; the compiler's flag set as torch.use_deterministic_algorithms sets it once it is needed."""
-    program = ("import sys, torch\n"
-               "from keel.core.torch_private import deterministic_algorithms, deterministic_compiler\n"
-               "deterministic_algorithms()\n"
-               "assert torch.are_deterministic_algorithms_enabled()\n"
-               "assert 'torch._inductor.config' not in sys.modules, 'the compiler config was imported'\n"
-               "deterministic_compiler()\n"
-               "import torch._inductor.config as inductor\n"
-               "assert inductor.deterministic is True\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_fsspec_reader_and_writer_import() -> None:
