@@ -52,7 +52,8 @@ QUANTITIES = {"tokens_per_s": "tokens/s/device", "mfu": "MFU", "hfu": "HFU", "mo
 # Compared with the search's candidates: the degrees always, these two only where the source gives them.
 OPTIONAL = ("micro_batch", "ac")
 HW_FIELDS = {"bf16_tflops": None, "fp8_tflops": None, "memory_gib": "memory_bytes", "memory_bw": "memory_bw",
-             "intra_bw": "intra_bw", "inter_bw": "inter_bw", "devices_per_node": "devices_per_node"}
+             "intra_bw": "intra_bw", "inter_bw": "inter_bw", "devices_per_node": "devices_per_node",
+             "fabric_devices": "fabric_devices"}
 
 
 @dataclass(frozen=True)

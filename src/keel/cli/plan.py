@@ -125,6 +125,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster, swept = _swept(args, cfg, cluster)
     q = Question(cfg, args.gpus, args.hardware, args.tokens, price=cluster.price,
                  storage_gbs=cluster.storage_gbps, mtbf_hours=cluster.mtbf_hours, net_gbps=cluster.net_gbps,
+                 fabric_devices=cluster.fabric_devices,
                  fragmentation=cluster.fragmentation, memory_coverage=cluster.memory_coverage,
                  recovery=cluster.recovery(), mix=cluster.mix(), silent_detect_s=cluster.silent_detect_s,
                  spares=cluster.spares, layout=args.layout,

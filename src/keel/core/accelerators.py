@@ -5,8 +5,11 @@ Figures are dense (no 2:4 sparsity: NVIDIA's "with sparsity" rows are halved), i
 bytes/s. Sources as compiled in the project's reference table of accelerators (vendor datasheets and
 product pages named per entry). Memory: vendors print GiB as "GB" for HBM parts (the reference table's
 note; nvidia-smi shows 81,559 MiB on an H100 80GB), so capacities are taken as GiB. Link bandwidths are
-one direction per device: `intra_bw` is the scale-up fabric inside a node (NVLink, xGMI, ICI; PCIe where
-there is none), `inter_bw` the typical scale-out NIC share per device. A device that matches no entry
+one direction per device: `intra_bw` is the scale-up fabric (NVLink, xGMI, ICI; PCIe where there is none),
+`inter_bw` the typical scale-out NIC share per device. The scale-up fabric joins `fabric_devices`: the
+devices of a node (DGX/HGX: 8), or more than one node's where the fabric spans hosts (a GB200 NVL72 rack's
+NVLink switches join 18 hosts of 4 GPUs; a TPU slice's inter-chip interconnect joins hosts of 4 chips in a
+torus of up to a pod). A device that matches no entry
 has no known peak: MFU is then "unknown" unless the peak is measured or given (`monitor.peak_flops`).
 """
 
@@ -33,7 +36,7 @@ class Accelerator:
     memory_bw: float  # bytes/s
     intra_bw: float  # bytes/s, one direction, per device, within a node (0: unknown, measure)
     inter_bw: float  # bytes/s, one direction, per device, across nodes (0: unknown, measure)
-    devices_per_node: int  # devices sharing the intra-node fabric
+    devices_per_node: int  # devices of one host: what fails, is spared and is replaced together
     source: str
     # What the memory allocator reserves beyond the peak it has allocated, as a share of that peak: freed
     # blocks it keeps for reuse that do not fit the next request (keel plan --fragmentation).
@@ -41,6 +44,12 @@ class Accelerator:
     # The architecture (hopper, ampere, tpu-v4, ...): what figures published per generation, not per part, are
     # looked up by (the planner's compute efficiency and failure rates).
     generation: str = ""
+    # Devices one scale-up fabric joins (0: a host's, devices_per_node): collectives within it run at intra_bw.
+    fabric_devices: int = 0
+
+    def fabric(self) -> int:
+        """Devices one scale-up fabric joins."""
+        return max(1, int(self.fabric_devices or self.devices_per_node))
 
 
 def _nv(bf16: float, fp8: float | None, tf32: float, fp32: float) -> dict[str, float]:
@@ -80,10 +89,10 @@ CATALOG: tuple[Accelerator, ...] = (
     Accelerator("h200", "NVIDIA H200 SXM", ("h200",), _nv(989.5, 1979, 494.5, 67), 141 * GIB, 4.8e12,
                 450 * G, NDR, 8, "NVIDIA H200 product page (SXM column)", generation="hopper"),
     # NVIDIA Blackwell datasheet, GB200 NVL72 per-GPU column (sparse 5 PF / 2); NVLink 5 1.8 TB/s bidir in one
-    # 72-GPU domain; 4 x ConnectX-7 400 Gb/s per 4-GPU tray (DGX GB200 user guide).
+    # 72-GPU domain of 18 compute trays (hosts) of 4 GPUs; 4 x ConnectX-7 400 Gb/s per tray (DGX GB200 user guide).
     Accelerator("gb200", "NVIDIA GB200", ("gb200",), _nv(2500, 5000, 1250, 80), 186 * GIB, 8.0e12,
-                900 * G, NDR, 72, "NVIDIA Blackwell datasheet (GB200 NVL72 per GPU), dense = sparse / 2",
-                generation="blackwell"),
+                900 * G, NDR, 4, "NVIDIA Blackwell datasheet (GB200 NVL72 per GPU), dense = sparse / 2",
+                generation="blackwell", fabric_devices=72),
     # NVIDIA Blackwell datasheet (sparse 4.5 PF / 2; 180 GB usable); NVLink 5; DGX B200: 8 x ConnectX-7 400 Gb/s.
     Accelerator("b200", "NVIDIA B200", ("b200",), _nv(2250, 4500, 1100, 75), 180 * GIB, 7.7e12,
                 900 * G, NDR, 8, "NVIDIA Blackwell datasheet (B200), dense = sparse / 2; DGX B200 datasheet",
@@ -111,21 +120,22 @@ CATALOG: tuple[Accelerator, ...] = (
                 448 * G, NDR, 8, "AMD Instinct MI300X product page; [ME] network chapter; Azure ND MI300X v5",
                 generation="cdna3"),
     # docs.cloud.google.com/tpu/docs/v4, v5e, v5p, v6e (bf16 MXU peaks); 4 chips per host VM. ICI is the
-    # "intra" fabric of a slice, the data-centre network (DCN) the "inter" one.
+    # "intra" fabric of a slice, the data-centre network (DCN) the "inter" one between slices. A slice is at most
+    # a pod: 4,096 chips (v4), 8,960 (v5p), 256 (v5e, v6e); a smaller slice is the cluster file's fabric_devices.
     # v4: ICI per chip is not published; 1.1 PB/s all-reduce bandwidth per 4,096-chip pod = 268 GB/s per chip.
     # DCN per chip not published either: v5p's 50 Gb/s assumed.
     Accelerator("tpu-v4", "Google TPU v4", ("tpu v4",), {"bf16": 275 * T}, 32 * GIB, 1.2e12,
                 1.1e15 / 4096, 6.25 * G, 4, "Google Cloud TPU v4 docs (all-reduce bandwidth per pod / 4,096)",
-                generation="tpu-v4"),
+                generation="tpu-v4", fabric_devices=4096),
     # v5e: ICI 400 GB/s bidir per chip; DCN 2 x 100 Gb/s NICs per 8 chips.
     Accelerator("tpu-v5e", "Google TPU v5e", ("tpu v5e",), {"bf16": 197 * T}, 16 * GIB, 0.819e12,
-                200 * G, 3.125 * G, 4, "Google Cloud TPU v5e docs", generation="tpu-v5e"),
+                200 * G, 3.125 * G, 4, "Google Cloud TPU v5e docs", generation="tpu-v5e", fabric_devices=256),
     # v5p: 95 GiB, ICI 1,200 GB/s bidir per chip, DCN 50 Gb/s per chip.
     Accelerator("tpu-v5p", "Google TPU v5p", ("tpu v5p",), {"bf16": 459 * T}, 95 * GIB, 2.765e12,
-                600 * G, 6.25 * G, 4, "Google Cloud TPU v5p docs", generation="tpu-v5p"),
+                600 * G, 6.25 * G, 4, "Google Cloud TPU v5p docs", generation="tpu-v5p", fabric_devices=8960),
     # v6e: ICI 800 GB/s bidir per chip; DCN not published, v5p's per-chip figure assumed.
     Accelerator("tpu-v6e", "Google TPU v6e", ("tpu v6e",), {"bf16": 918 * T}, 32 * GIB, 1.638e12,
-                400 * G, 6.25 * G, 4, "Google Cloud TPU v6e docs", generation="tpu-v6e"),
+                400 * G, 6.25 * G, 4, "Google Cloud TPU v6e docs", generation="tpu-v6e", fabric_devices=256),
     # A CPU has no published training peak or bandwidth: they are measured on the machine (matmul probe,
     # STREAM). Memory is this host's DRAM; keel runs up to one process per core on one host.
     Accelerator("cpu", "CPU host", ("cpu",), {}, _host_memory(), 0.0, 0.0, 0.0, os.cpu_count() or 1,

@@ -34,6 +34,8 @@ MAX_SPARES = 100_000
 class Cluster:
     # GB/s per accelerator, one direction, across nodes (None: the accelerator catalog's typical figure).
     net_gbps: float | None = None
+    # Accelerators one scale-up fabric joins: a node's NVLink, an NVL72 rack, a TPU slice (None: the catalog's)
+    fabric_devices: float | None = None
     detect_s: float = Recovery.detect_s  # a failure noticed: heartbeat/watchdog timeouts
     restart_s: float = Recovery.restart_s  # reschedule, start every rank, communicator init, warm-up
     repair_h: float = Recovery.repair_s / 3600  # a failed node back: drain, diagnose, swap, burn-in
@@ -93,6 +95,7 @@ class Cluster:
 # name → (lowest, whether the lowest itself is allowed, highest, what it is)
 LIMITS: dict[str, tuple[float, bool, float, str]] = {
     "net_gbps": (0.0, False, 10_000.0, "GB/s per accelerator across nodes"),
+    "fabric_devices": (1.0, True, 1e6, "accelerators one scale-up fabric joins, a whole number"),
     "detect_s": (0.0, True, YEAR_H * 3600, "seconds to notice a failure"),
     "restart_s": (0.0, True, YEAR_H * 3600, "seconds to restart the job"),
     "repair_h": (0.0, True, YEAR_H, "hours to repair a failed node"),
@@ -124,9 +127,10 @@ MEASURED = ("compute_efficiency", "overlap", "link_efficiency", "peak_tflops", "
 # How failures show: the cluster file's figures only (a team's own operations, rarely changed per question)
 OPERATIONS = ("hang_share", "hang_detect_s", "silent_share", "silent_detect_s", "manual_share", "triage_h",
               "rollbacks_per_day")
+TOPOLOGY = ("fabric_devices",)  # the file's only, as the operations': a cluster's, not a question's
 KERNEL_FIGURES = tuple(f"{name}_efficiency" for name in FIGURES)  # the file's only, as the operations'
 FLAGS = {name: "--" + name.replace("_", "-") for name in [*LIMITS, "spares"]
-         if name not in MEASURED + OPERATIONS + KERNEL_FIGURES}
+         if name not in MEASURED + OPERATIONS + KERNEL_FIGURES + TOPOLOGY}
 FLAGS["mtbf_hours"], FLAGS["price"] = "--mtbf-hours", "--price"
 
 
@@ -142,7 +146,8 @@ def checked(name: str, value: Any, where: str) -> Any:
         return value
     low, inclusive, high, what = LIMITS[name]
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
-            not (low <= value if inclusive else low < value) or value > high:
+            not (low <= value if inclusive else low < value) or value > high or \
+            (name in TOPOLOGY and not float(value).is_integer()):
         bound = f"{'at least' if inclusive else 'above'} {low:g} and at most {high:g}"
         raise KeelError(f"{where} {value!r}: expected a finite number {bound} ({what})")
     return float(value)

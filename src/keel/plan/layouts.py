@@ -75,8 +75,7 @@ def layouts(work: Workload, gpus: int, hw: Accelerator, cps: list[int] | None = 
     """Every layout of `work` on `gpus` devices that keel can run and that divides the batch, with each of the
     CP degrees `cps` (default: none, cp = 1)."""
     m = work.model
-    per_node = max(1, int(hw.devices_per_node))
-    tps = [t for t in _divisors(per_node) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
+    tps = [t for t in _divisors(hw.fabric()) if gpus % t == 0 and not (m.n_heads % t or m.n_kv_heads % t
                                                                     or work.seq_len % t)]
     tps = [1] if work.experts else tps
     # Any number of stages up to the blocks (keel.model.split balances them); no pipeline with tied embeddings.
@@ -134,7 +133,7 @@ def search(work: Workload, gpus: int, hw: Accelerator, eff: Efficiency = DEFAULT
     if not found:
         split = "tp × pp × cp" if long else "tp × pp"
         raise KeelError(f"no layout of {gpus} devices divides the global batch of {work.global_batch} sequences: "
-                        f"data parallelism (gpus / ({split}), tp ≤ {hw.devices_per_node}, pp ≤ {MAX_PP}) must "
+                        f"data parallelism (gpus / ({split}), tp ≤ {hw.fabric()}, pp ≤ {MAX_PP}) must "
                         f"divide it; change the batch or the device count")
     candidates = _assessed(work, found, hw, eff)
     if not long and not any(c.fits for c in candidates):

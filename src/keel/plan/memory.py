@@ -373,7 +373,7 @@ def _fixes(work: Workload, layout: Layout, hw: Accelerator) -> list[Layout]:
     most_ep = math.gcd(layout.shard(), work.experts) if work.experts else 1  # the widest ep it can lend
     wider: list[Layout] = [replace(layout, ep=ep) for ep in range(layout.ep + 1, most_ep + 1) if most_ep % ep == 0]
     lay = layout
-    while not work.experts and (moved := _moved(lay, "tp", 2)) and moved.tp <= hw.devices_per_node \
+    while not work.experts and (moved := _moved(lay, "tp", 2)) and moved.tp <= hw.fabric() \
             and m.n_kv_heads % moved.tp == 0:
         wider.append(lay := moved)
     out = wider + [replace(layout, ac=ac) for ac in ("selective", "full") if layout.ac == "none" or ac == "full"]

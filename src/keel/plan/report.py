@@ -58,6 +58,7 @@ class Question:
     storage_gbs: float = 2000.0  # aggregate checkpoint write bandwidth, GB/s (Llama 3's 2 TB/s)
     mtbf_hours: float | None = None  # per accelerator (None: its generation's published runs)
     net_gbps: float | None = None  # inter-node GB/s per accelerator (None: the catalog's)
+    fabric_devices: float | None = None  # accelerators one scale-up fabric joins (None: the catalog's)
     fragmentation: float = 0.05  # what the allocator reserves beyond the allocated peak, a share of it
     memory_coverage: float = DEFAULT_MEMORY_COVERAGE  # p_m: the share of failures the memory tier restores
     recovery: Recovery = Recovery(triage_s=TRIAGE_H * 3600)
@@ -77,7 +78,7 @@ class Question:
 
 
 def hardware(q: Question) -> Accelerator:
-    """The accelerator of the question, with the cluster's own network when given, its allocator's
+    """The accelerator of the question, with the cluster's own network and fabric when given, its allocator's
     fragmentation, and what `--measure` measured of it."""
     hw = replace(by_key(q.hardware), fragmentation=q.fragmentation)
     if q.peak_tflops is not None:  # what keel measured on a CPU, in the precision it computes in there
@@ -93,6 +94,8 @@ def hardware(q: Question) -> Accelerator:
         hw = replace(hw, memory_bw=q.memory_gbps * 1e9)
     if q.intra_gbps is not None:
         hw = replace(hw, intra_bw=q.intra_gbps * 1e9)
+    if q.fabric_devices is not None:
+        hw = replace(hw, fabric_devices=int(q.fabric_devices))
     return hw if q.net_gbps is None else replace(hw, inter_bw=q.net_gbps * 1e9)
 
 

@@ -15,15 +15,17 @@ ring plus one hop latency per step, intra- or inter-node (NCCL src/graph/tuning.
 base 8.4 µs, per hop 3.4 µs NVLink, 9.6 µs network).
 
 Placement: ranks are numbered tp fastest, then cp, dp_shard, pp, dp_replicate, so a group's members are
-`stride` ranks apart (stride = product of the degrees inside it). A group whose span fits in a node
-uses `hw.intra_bw`; otherwise each member talks through its own NIC at `hw.inter_bw` (one NIC per
-device, as on DGX/HGX), which is what nccl-tests' bus bandwidth shows across nodes.
+`stride` ranks apart (stride = product of the degrees inside it). A group whose span fits in one scale-up
+fabric (`Accelerator.fabric`: a node's NVLink, an NVL72 rack's, a TPU slice's inter-chip torus) uses
+`hw.intra_bw`; otherwise each member talks through its own NIC at `hw.inter_bw` (one NIC per device, as on
+DGX/HGX; a TPU slice's share of the data-centre network), which is what nccl-tests' bus bandwidth shows
+across nodes, and each step of the ring that crosses fabrics costs the network's hop latency.
 
 What each parallelism costs per step and device (keel's FSDP2 and pipelining behaviour):
 - TP with sequence parallel: all-gather + reduce-scatter of the micro-batch's activations (the bytes of
   one all-reduce) twice per layer forward, twice backward, twice per recomputed forward (Korthikanti et
   al. 2022, arXiv 2205.05198, §4.2.2), on the critical path (no async TP).
-- CP over cp ranks (stride tp: NVLink while tp·cp fits a node, the network otherwise): per block and
+- CP over cp ranks (stride tp: the scale-up fabric while tp·cp fits in one, the network otherwise): per block and
   micro-batch, an all-gather of its K and V at full sequence length (2·s·n_kv_heads·head_dim elements
   per sequence, the heads split by tp) in the forward, again in the backward and in each recomputed
   forward, and a reduce-scatter of their gradients (`cp_exchange`). On the critical path like TP's
@@ -36,7 +38,7 @@ What each parallelism costs per step and device (keel's FSDP2 and pipelining beh
   reduces once per step. Under expert parallelism a block's routed experts are 1/ep of them per rank,
   gathered and reduced over the dp_shard × cp / ep ranks that hold the same experts (stride tp·ep), one
   call per expert block.
-- EP over ep consecutive ranks of dp_shard × cp (stride tp: NVLink while tp·ep fits a node, the network
+- EP over ep consecutive ranks of dp_shard × cp (stride tp: the fabric while tp·ep fits in one, the network
   otherwise): per expert block and micro-batch, the rows of the top_k choices of each of the rank's tokens
   go to the ranks holding their experts and their outputs come back (two all_to_all_single, dispatch and
   combine, of top_k · tokens · dim activations, of which (ep−1)/ep leave the rank when the choices spread
@@ -174,15 +176,15 @@ class StepBreakdown:
 @dataclass(frozen=True)
 class _Link:
     bandwidth: float  # bytes/s actually reached
-    nodes: int  # nodes the group spans
+    nodes: int  # scale-up fabrics the group spans (nodes; NVL72 racks or TPU slices where the fabric spans hosts)
 
 
 def _link(hw: Accelerator, stride: int, size: int, eff: Efficiency) -> _Link:
-    per_node = max(1, int(hw.devices_per_node))
-    if stride * size <= per_node:
+    fabric = hw.fabric()
+    if stride * size <= fabric:
         return _Link(hw.intra_bw * eff.link, 1)
-    nodes = size if stride >= per_node else math.ceil(stride * size / per_node)
-    return _Link(hw.inter_bw * eff.link, nodes)
+    fabrics = size if stride >= fabric else math.ceil(stride * size / fabric)
+    return _Link(hw.inter_bw * eff.link, fabrics)
 
 
 def collective(kind: str, nbytes: float, n: int, link: _Link) -> float:

@@ -13,8 +13,10 @@ from keel.errors import KeelError
 from keel.plan.cluster import Cluster, cluster_from, write_cluster
 from keel.plan.failure_rates import TRIAGE_H
 from keel.plan.failures import FailureMix, Recovery
-from keel.plan.report import Question, answer, lines
-from keel.plan.throughput import measured_run
+from keel.plan.layout import Layout, Workload
+from keel.plan.layouts import search
+from keel.plan.report import Question, answer, hardware, lines
+from keel.plan.throughput import measured_run, step_time
 
 REPO = Path(__file__).resolve().parents[3]
 RUN = Path(__file__).parent / "calibration_run"  # a real 2-process CPU run (test_throughput.py)
@@ -40,7 +42,7 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("text, message", [
-    ("net_gbs = 25\n", "unknown figure 'net_gbs'; expected some of net_gbps, detect_s"),
+    ("net_gbs = 25\n", "unknown figure 'net_gbs'; expected some of net_gbps, fabric_devices, detect_s"),
     ("repair_h = -1\n", "repair_h = -1: expected a finite number at least 0"),
     ("net_gbps = 'fast'\n", "net_gbps = 'fast': expected a finite number above 0"),
     ("spares = 1.5\n", "spares = 1.5: expected auto or a number of spare nodes"),
@@ -51,6 +53,8 @@ def test_a_cluster_file_gives_the_figures_and_flags_win_over_it(tmp_path: Path) 
     ("triage_h = -3\n", "triage_h = -3: expected a finite number at least 0"),
     ("gemm_efficiency = 1.5\n", "gemm_efficiency = 1.5: expected a finite number above 0 and at most 1"),
     ("attention_backward_efficiency = 0\n", "attention_backward_efficiency = 0: expected a finite number above 0"),
+    ("fabric_devices = 0\n", "fabric_devices = 0: expected a finite number at least 1"),
+    ("fabric_devices = 7.5\n", "fabric_devices = 7.5: expected a finite number at least 1 .*a whole number"),
 ])
 def test_a_bad_cluster_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.toml"
@@ -103,6 +107,21 @@ def test_the_clusters_kernel_figures_replace_the_generations_and_reach_the_step(
     # GEMMs at 60% of the peak instead of 80%: every layout slower, the best by most of that.
     assert given["layouts"][0]["tokens_per_s_per_gpu"] < 0.85 * base["layouts"][0]["tokens_per_s_per_gpu"]
     assert any(line.endswith("(the cluster file's figures)") for line in lines(given))
+
+
+def test_the_clusters_fabric_joins_nodes_and_reaches_the_links_and_the_search(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("fabric_devices = 16\n")  # an NVLink switch system joining two nodes of 8
+    cluster = cluster_from(path, {})
+    q = question(64, Cluster(), tokens=1e11)
+    hw, joined = hardware(q), hardware(replace(q, fabric_devices=cluster.fabric_devices))
+    assert (hw.fabric(), joined.fabric(), joined.devices_per_node) == (8, 16, 8)
+    work = Workload.of(q.cfg)
+    heads = replace(work, model=replace(work.model, n_kv_heads=work.model.n_heads))  # tp up to its 32 heads
+    # FSDP over 16 ranks: two nodes' NICs, or one fabric's NVLink.
+    fsdp = Layout(dp_shard=16, dp_replicate=4)
+    assert step_time(work, fsdp, joined).fsdp_comm < step_time(work, fsdp, hw).fsdp_comm / 5
+    assert {c.layout.tp for c in search(heads, 64, joined)} - {c.layout.tp for c in search(heads, 64, hw)} == {16}
 
 
 def test_the_allocators_fragmentation_decides_what_fits() -> None:

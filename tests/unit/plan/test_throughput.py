@@ -76,6 +76,30 @@ def test_a_group_uses_the_node_fabric_only_when_its_span_fits_a_node(stride: int
     assert link.bandwidth == (H100.intra_bw if nodes == 1 else H100.inter_bw)
 
 
+@pytest.mark.parametrize(("key", "stride", "size", "fabrics"), [
+    ("gb200", 1, 16, 1),  # tp 16 over 4 trays of one NVL72 rack: NVLink
+    ("gb200", 16, 8, 2),  # 128 ranks from stride 16: two racks, over the network
+    ("tpu-v4", 1, 12, 1),  # PaLM's tp 12 over 3 hosts of one slice: ICI
+    ("tpu-v4", 3072, 2, 2),  # data parallelism across two slices of 3,072: the data-centre network
+])
+def test_a_scale_up_fabric_that_spans_hosts_carries_the_groups_inside_it(key: str, stride: int, size: int,
+                                                                          fabrics: int) -> None:
+    hw = by_key(key)
+    if key == "tpu-v4":
+        hw = replace(hw, fabric_devices=3072)  # PaLM's slices
+    link = _link(hw, stride, size, EXACT)
+    assert hw.fabric() > hw.devices_per_node and link.nodes == fabrics
+    assert link.bandwidth == (hw.intra_bw if fabrics == 1 else hw.inter_bw)
+    # A host's devices are what fails and is spared together; the fabric decides only the links.
+    assert replace(hw, fabric_devices=0).fabric() == hw.devices_per_node
+
+
+def test_tensor_parallelism_is_searched_over_the_fabric_not_the_host() -> None:
+    small = model("small")
+    work = Workload(replace(small, n_kv_heads=small.n_heads), seq_len=256, global_batch=64)
+    assert {c.layout.tp for c in search(work, 16, by_key("tpu-v5p"))} == {1, 2, 4, 8}  # hosts of 4, one slice
+
+
 def test_activation_checkpointing_adds_recomputed_forwards() -> None:
     work = Workload(model("llama3_8b"), 8192, 64)
     base = Layout(dp_shard=8, micro_batch=1)
