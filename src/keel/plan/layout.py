@@ -34,6 +34,11 @@ ACS = ("none", "selective", "full")
 CP_MIN_SEQ = 16_384
 
 
+# The pipeline schedules keel runs (parallel.pp_schedule): the first two with one stage per rank (v = 1), the
+# interleaved ones with several.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1  # tensor parallel (with sequence parallel when sp)
@@ -54,6 +59,12 @@ class Layout:
     # What dp_shard shards (ZeRO, arXiv 1910.02054): 3 = FSDP, parameters, gradients and optimizer state (what
     # keel runs); 2 = gradients and optimizer state; 1 = optimizer state only.
     zero: int = 3
+    # The pipeline schedule (SCHEDULES); "": 1F1B, interleaved when v > 1, the one the search plans with.
+    schedule: str = ""
+
+    def pp_schedule(self) -> str:
+        """The pipeline schedule this layout runs (parallel.pp_schedule)."""
+        return self.schedule or ("interleaved_1f1b" if self.v > 1 else "1f1b")
 
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp_shard * self.dp_replicate * self.cp
@@ -72,7 +83,8 @@ class Layout:
 
     def spec(self) -> str:
         """The layout as `keel plan --layout` takes it."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "sp")
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if f.name != "sp" and (f.name != "schedule" or self.schedule))
 
     def describe(self) -> str:
         parts = [f"{name}{value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
@@ -86,6 +98,8 @@ class Layout:
             parts.append(f"ac={self.ac}")
         if self.zero != 3 and self.dp_shard > 1:
             parts.append(f"zero={self.zero}")
+        if self.pp > 1 and self.pp_schedule() not in ("1f1b", "interleaved_1f1b"):
+            parts.append(self.pp_schedule())
         return " ".join(parts)
 
 
@@ -246,6 +260,11 @@ def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layou
             raise KeelError(f"{where}: tp × pp × dp_replicate{with_cp} = {rest} does not divide --gpus {gpus}")
         values["dp_shard"] = gpus // rest
     layout = Layout(**values)  # type: ignore[arg-type]
+    interleaved = layout.pp_schedule().startswith("interleaved")
+    if interleaved != (layout.v > 1):  # as keel.parallel.degrees requires of parallel.pp_schedule
+        raise KeelError(f"{where}: the {layout.pp_schedule()} schedule runs "
+                        f"{'several stages' if interleaved else 'one stage'} per rank, not v = {layout.v}; "
+                        f"{'raise v' if interleaved else 'use interleaved_1f1b or interleaved_zb'}")
     if layout.gpus() != gpus:
         raise KeelError(f"{where} uses {layout.gpus()} devices (tp × pp × dp_shard × dp_replicate{with_cp}), not "
                         f"--gpus {gpus}")
@@ -254,12 +273,12 @@ def _filled(values: dict[str, int | str | bool], gpus: int, where: str) -> Layou
 
 # The keys `--layout` takes (docs/planning.md): every degree keel runs, and `zero` for another trainer's sharding.
 # Sequence parallelism is not one: keel always runs it with TP.
-LAYOUT_KEYS = ("tp", "pp", "v", "dp_shard", "dp_replicate", "cp", "ep", "micro_batch", "ac", "zero")
+LAYOUT_KEYS = ("tp", "pp", "v", "dp_shard", "dp_replicate", "cp", "ep", "micro_batch", "ac", "zero", "schedule")
 
 
 def parse_layout(text: str, gpus: int) -> Layout:
-    """`--layout tp=8,pp=16,cp=2,dp_shard=8,ep=8,micro_batch=1,ac=full` (dp_shard left out: what the rest
-    leaves)."""
+    """`--layout tp=8,pp=16,cp=2,dp_shard=8,ep=8,micro_batch=1,ac=full,schedule=1f1b` (dp_shard left out: what
+    the rest leaves)."""
     values: dict[str, int | str | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")
@@ -269,6 +288,10 @@ def parse_layout(text: str, gpus: int) -> Layout:
         if key == "ac":
             if raw not in ACS:
                 raise KeelError(f"--layout {text!r}: ac={raw}: expected one of {', '.join(ACS)}")
+            values[key] = raw
+        elif key == "schedule":
+            if raw not in SCHEDULES:
+                raise KeelError(f"--layout {text!r}: schedule={raw}: expected one of {', '.join(SCHEDULES)}")
             values[key] = raw
         elif not raw.lstrip("-").isdigit() or (int(raw) < 1 and not (key == "dp_shard" and int(raw) == -1)):
             raise KeelError(f"--layout {text!r}: {key}={raw}: expected a positive whole number")
@@ -281,7 +304,7 @@ def parse_layout(text: str, gpus: int) -> Layout:
 
 
 # Settings of [parallel] the planner's models do not represent: named in its answer, never silently dropped.
-UNMODELLED = ("pp_schedule", "compile", "compile_mode", "reduce_dtype", "ac_every", "ac_selective")
+UNMODELLED = ("compile", "compile_mode", "reduce_dtype", "ac_every", "ac_selective")
 
 
 def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
@@ -294,12 +317,18 @@ def config_layout(cfg: Config, gpus: int) -> tuple[Layout | None, list[str]]:
     values: dict[str, int | str | bool] = {"tp": p.tp, "pp": p.pp, "v": p.pp_stages_per_rank, "dp_shard": p.dp_shard,
                                            "dp_replicate": p.dp_replicate, "cp": given(p, "cp"),
                                            "ep": given(p, "ep"),
-                                           "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint}
+                                           "micro_batch": cfg.train.micro_batch, "ac": p.activation_checkpoint,
+                                           "schedule": _schedule(p.pp, p.pp_schedule, p.pp_stages_per_rank)}
     layout = _filled(values, gpus, "the config's [parallel]")
     if p.pp > 1 and p.pp_microbatches:  # per data-parallel rank: the shard's share of the batch
         layout = replace(layout, micro_batch=max(1, cfg.train.global_batch // layout.dp() // p.pp_microbatches))
     unmodelled = [f"parallel.{k}={getattr(p, k)}" for k in UNMODELLED if getattr(p, k) != getattr(default, k)]
     return layout, unmodelled
+
+
+def _schedule(pp: int, schedule: str, v: int) -> str:
+    """A config's pipeline schedule as a layout's: "" where it is the one the planner takes by default."""
+    return "" if pp == 1 or schedule == Layout(v=v).pp_schedule() else schedule
 
 
 @dataclass(frozen=True)
@@ -329,6 +358,6 @@ def run_layout(run_dir: Path) -> TrainedRun:
     micro = per_rank // kept.pp_microbatches if kept.pp > 1 else cfg.train.micro_batch
     layout = Layout(tp=kept.tp, pp=kept.pp, v=p.pp_stages_per_rank, dp_shard=kept.dp_shard,
                     dp_replicate=kept.dp_replicate, cp=kept.cp, ep=kept.ep, micro_batch=micro,
-                    ac=p.activation_checkpoint)
+                    ac=p.activation_checkpoint, schedule=_schedule(kept.pp, p.pp_schedule, p.pp_stages_per_rank))
     precision = cfg.train.compute_precision(str(start["device"]).split(":")[0])  # "cuda:0" → cuda
     return TrainedRun(cfg, Workload.of(cfg, param_dtype=precision), layout, start)

@@ -35,7 +35,7 @@ WINDOW = 2
 
 def train_overrides(layout: Layout) -> list[str]:
     """The `keel train` overrides that run `layout` (ZeRO stage 3, FSDP, is the only one keel runs)."""
-    schedule = ["parallel.pp_schedule=interleaved_1f1b"] if layout.v > 1 else []
+    schedule = [f"parallel.pp_schedule={layout.pp_schedule()}"] if layout.pp > 1 else []
     return [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.pp_stages_per_rank={layout.v}",
             f"parallel.dp_shard={layout.dp_shard}", f"parallel.dp_replicate={layout.dp_replicate}",
             f"parallel.cp={layout.cp}", f"parallel.ep={layout.ep}", f"train.micro_batch={layout.micro_batch}",

@@ -242,13 +242,16 @@ def _gathered(lay: Layout, params: float, experts: float) -> float:
 
 
 def _inflight(work: Workload, layout: Layout) -> float:
-    """Micro-batches of activations the first pipeline rank holds at once. 1F1B: min(m, p); interleaved
-    1F1B with v stages per rank: p·(1 + (p−1)/(p·v)) (Korthikanti et al. §4.2.3). m is kept real so that
-    a larger micro-batch never lowers the sequences in flight."""
+    """Micro-batches of activations the first pipeline rank holds at once. GPipe: every one, m (all forwards
+    before the backwards); 1F1B: min(m, p); interleaved 1F1B with v stages per rank: p·(1 + (p−1)/(p·v))
+    (Korthikanti et al. §4.2.3), and as many with zero bubble (ZB-H1 keeps 1F1B's peak: Qi et al. 2024 §3.1).
+    m is kept real so that a larger micro-batch never lowers the sequences in flight."""
     p = layout.pp
     if p == 1:
         return 1.0
     m = max(1.0, work.global_batch / (layout.dp() * layout.micro_batch))
+    if layout.pp_schedule() == "gpipe":
+        return m
     return min(m, p + (p - 1) / layout.v if layout.v > 1 else p)
 
 

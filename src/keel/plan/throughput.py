@@ -51,9 +51,13 @@ What each parallelism costs per step and device (keel's FSDP2 and pipelining beh
   their shard (ZeRO-2 every micro-batch, ZeRO-1 once per step) and the updated parameters all-gathered once
   per step (Rajbhandari et al. 2020, arXiv 1910.02054, §5-7).
 - HSDP/DP over dp_replicate: all-reduce of this shard's fp32 gradients across replicas.
-- PP: the bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time when interleaved with v
-  chunks per rank (Narayanan et al. 2021, arXiv 2104.04473, §2.2); activations (sharded over tp with
-  sequence parallel) sent forward and gradients back for every micro-batch and chunk.
+- PP, by schedule (`Layout.pp_schedule`): GPipe and 1F1B idle (p−1)/(m+p−1) of the step, (p−1)/m of the
+  ideal time; interleaved 1F1B with v chunks per rank (p−1)/(v·m) (Narayanan et al. 2021, arXiv
+  2104.04473, §2.2); interleaved zero bubble a third of that: the backward split into its input and weight
+  halves, the weights' fill the bubble but for the forward and input-backward's share, (T_F + T_B − T_W) /
+  (T_F + T_B + T_W) = 1/3 of 1F1B's with the three equal (ZB-H1, Qi et al. 2024, arXiv 2401.10241, §3.1).
+  Activations (sharded over tp with sequence parallel) are sent forward and gradients back for every
+  micro-batch and chunk, on the critical path.
 Only FSDP/DP traffic overlaps compute (prefetch, backward overlap): `Efficiency.overlap` of it is
 hidden, never more than there is compute to hide it behind.
 """
@@ -77,6 +81,8 @@ BASE_LATENCY = 8.4e-6  # s, NCCL ring Simple base latency (src/graph/tuning.cc b
 HOP_INTRA = 3.4e-6  # s per ring step over NVLink (tuning.cc hwLat NVLINK, ring, Simple)
 HOP_INTER = 9.6e-6  # s per ring step over the network (tuning.cc hwLat NET, ring, Simple)
 RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # forwards recomputed; keel's selective: 1 block in 2
+# The share of its 1F1B bubble a schedule leaves idle (the module's docstring: zero bubble, ZB-H1's third).
+BUBBLE_SHARE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved_1f1b": 1.0, "interleaved_zb": 1 / 3}
 GRAD_BYTES = 4  # gradients are reduced in fp32 (parallel.reduce_dtype default, torchtitan's too)
 # Float8 matmuls (torchao, scaled per row) cast both operands first: a bf16 tensor read for its scales, read again
 # and written as float8, 5 bytes an element, by kernels bound by memory bandwidth. Per token and linear layer the
@@ -373,7 +379,8 @@ def step_time(work: Workload, layout: Layout, hw: Accelerator, eff: Efficiency =
         pp_link = _link(hw, layout.tp * layout.shard(), layout.pp, eff)
         sent = act / (layout.tp if layout.sp else 1)
         pp_p2p = 2 * layout.v * m_micro * (BASE_LATENCY + sent / pp_link.bandwidth)
-        bubble = (compute + tp_comm + cp_comm + ep_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro)
+        bubble = (compute + tp_comm + cp_comm + ep_comm + pp_p2p) * (layout.pp - 1) / (layout.v * m_micro) \
+            * BUBBLE_SHARE[layout.pp_schedule()]
 
     hideable = fsdp_comm + dp_comm
     exposed_dp = hideable - min(eff.overlap * hideable, compute)

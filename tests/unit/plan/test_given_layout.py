@@ -31,6 +31,8 @@ def test_a_layout_string_names_every_degree_and_dp_shard_takes_the_rest() -> Non
     assert parse_layout("tp=2, dp_replicate=4, dp_shard=8, v=2, pp=1", 64).gpus() == 64
     layout = Layout(tp=2, pp=4, v=2, dp_shard=2, dp_replicate=2, micro_batch=4, ac="full")
     assert parse_layout(layout.spec(), 32) == layout
+    zero = Layout(pp=4, v=2, dp_shard=8, schedule="interleaved_zb")
+    assert parse_layout(zero.spec(), 32) == zero and zero.describe() == "pp4 dp_shard8 v2 mb1 interleaved_zb"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -39,6 +41,9 @@ def test_a_layout_string_names_every_degree_and_dp_shard_takes_the_rest() -> Non
     ("ac=some", "ac=some: expected one of none, selective, full"),
     ("tp=8,dp_shard=2", "uses 16 devices (tp × pp × dp_shard × dp_replicate), not --gpus 64"),
     ("tp=3", "tp × pp × dp_replicate = 3 does not divide --gpus 64"),
+    ("pp=2,schedule=zb", "schedule=zb: expected one of gpipe, 1f1b, interleaved_1f1b, interleaved_zb"),
+    ("pp=2,schedule=interleaved_zb", "the interleaved_zb schedule runs several stages per rank, not v = 1; raise v"),
+    ("pp=2,v=2,schedule=gpipe", "the gpipe schedule runs one stage per rank, not v = 2; use interleaved_1f1b"),
 ])
 def test_a_bad_layout_string_is_one_line(text: str, message: str) -> None:
     with pytest.raises(KeelError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -63,9 +68,9 @@ def test_the_given_layout_is_predicted_ranked_and_planned() -> None:
 def test_parallel_overrides_are_the_given_layout_and_unmodelled_settings_are_named() -> None:
     a = plan("parallel.tp=8", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.compile=true",
              "train.micro_batch=1")
-    assert a["given"]["layout"] == "tp8 pp2 dp_shard4 mb1"
-    assert a["given"]["not_modelled"] == ["parallel.pp_schedule=gpipe", "parallel.compile=True"]
-    assert any("not modelled by the planner: parallel.pp_schedule=gpipe" in line for line in lines(a))
+    assert a["given"]["layout"] == "tp8 pp2 dp_shard4 mb1 gpipe"
+    assert a["given"]["not_modelled"] == ["parallel.compile=True"]
+    assert any("not modelled by the planner: parallel.compile=True" in line for line in lines(a))
     assert config_layout(load_config(CONFIG, []), 64) == (None, [])
 
 

@@ -160,6 +160,15 @@ def test_a_pipeline_stage_under_fsdp_keeps_its_parameters_gathered_and_its_gradi
     assert memory(work, Layout(pp=4, dp_shard=8), H100).buffers == 2 * NCCL_BUFFERS + 8 * first_of_four_stages(work)
 
 
+def test_gpipe_holds_every_micro_batch_and_the_1f1b_schedules_one_per_stage_ahead() -> None:
+    work = Workload(model("llama3_8b"), 8192, 32)  # 32 micro-batches of 1 over 4 stages
+    kept = {schedule: memory(work, Layout(pp=4, v=v, micro_batch=1, schedule=schedule), H100)
+            for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))}
+    one = kept["1f1b"].pipeline_inflight / 3  # the first stage's 4 in flight, one counted as its activations
+    assert kept["gpipe"].pipeline_inflight == pytest.approx(31 * one)
+    assert kept["interleaved_zb"].pipeline_inflight == kept["interleaved_1f1b"].pipeline_inflight
+
+
 def test_llama3_405b_fsdp8_tp8_pp8_fits_the_h100_it_ran_on() -> None:
     """Table 5: 512 GPUs, FSDP 8 × TP 8 × PP 8, local batch 32 in 8 micro-batches (torchtitan's default: one per
     pipeline stage), full AC, 1F1B: 82.5 GiB, which fits the 95 GiB part but is over an 80 GiB one."""

@@ -138,6 +138,16 @@ def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_and_interleaving_divides_
     assert interleaved.pp_p2p == pytest.approx(2 * step.pp_p2p)  # every chunk boundary is crossed
 
 
+def test_each_pipeline_schedule_idles_its_own_share_of_the_step() -> None:
+    work = Workload(model("llama3_8b"), 8192, 32)
+    one = step_time(work, Layout(pp=4, micro_batch=1), H100)
+    assert step_time(work, Layout(pp=4, micro_batch=1, schedule="gpipe"), H100).bubble == pytest.approx(one.bubble)
+    interleaved = step_time(work, Layout(pp=4, v=2, micro_batch=1), H100)
+    zero = step_time(work, Layout(pp=4, v=2, micro_batch=1, schedule="interleaved_zb"), H100)
+    assert zero.bubble == pytest.approx(interleaved.bubble / 3)  # the weights' backward fills two thirds of it
+    assert zero.total == pytest.approx(interleaved.total - 2 / 3 * interleaved.bubble)
+
+
 def test_tp_costs_the_bytes_of_two_all_reduces_per_layer_each_way() -> None:
     work = Workload(model("llama3_8b"), 8192, 8)
     layout = Layout(tp=8, micro_batch=1)
