@@ -7,11 +7,12 @@ One checkpoint, `step-NNNNNN/`:
   train_state.json      step, tokens seen, data cursor, callback state
   manifest.json         written last: every file with its size and checksum, step, layout, versions
 
-A save copies the state into reusable host buffers (pinned on CUDA) while the next step's forward and
-backward run; the loop waits only at the fence before the next optimizer update, for whatever of the copy
-is left (keel.checkpoint.staging). A writer thread per rank then writes the copy with DCP over its own
-gloo group, checksums what this rank wrote, and rank 0 writes the manifest, publishes the checkpoint,
-moves `latest` and prunes old ones. At most one save is in flight: the next one first waits for it.
+A save copies the state into reusable host buffers (pinned on CUDA) while the next step's forward and backward
+run; the loop waits only at the fence before the next optimizer update, for whatever of the copy is left
+(keel.checkpoint.staging). A writer thread per rank then writes the copy with DCP over its own gloo group (the
+memory tier: each rank's shards in the tier's own format, keel.checkpoint.flat), checksums what this rank wrote,
+and rank 0 writes the manifest, publishes the checkpoint, moves `latest` and prunes old ones. At most one save is
+in flight: the next one first waits for it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import keel
-from keel.checkpoint import owner, spread, verifying
+from keel.checkpoint import flat, owner, spread, verifying
 from keel.checkpoint.digesting import DigestingWriter
 from keel.checkpoint.identity import check_continuation, setting_changes
 from keel.checkpoint.manifest import (
@@ -258,9 +259,7 @@ class CheckpointManager:
         files = {}
         if failure is None:
             try:
-                writer = self.storage.writer(staging)
-                dcp.save(staged, storage_writer=writer, process_group=self.group)
-                taken = writer.digests if isinstance(writer, DigestingWriter) else {}
+                taken = self._write_state(staging, staged)
                 self.storage.write_durably(f"{staging}/rng-rank-{self.rank:05d}.pt", rng)
                 if self.rank == 0:
                     self.storage.write_durably(f"{staging}/{TRAIN_STATE}", train_state)
@@ -286,6 +285,16 @@ class CheckpointManager:
         if outcome.committed:
             self.last_bytes = outcome.bytes
         return outcome
+
+    def _write_state(self, staging: str, staged: dict[str, dict]) -> dict[str, tuple[int, str]]:
+        """Write the model and optimizer state: DCP's files to storage, the memory tier's own (keel.checkpoint.flat,
+        which restores only the layout it was written by). Returns the files whose checksums were taken as they
+        were written, with their sizes."""
+        if self.kind == "memory":
+            return flat.save(self.storage, staging, staged, self.rank)
+        writer = self.storage.writer(staging)
+        dcp.save(staged, storage_writer=writer, process_group=self.group)
+        return writer.digests if isinstance(writer, DigestingWriter) else {}
 
     def _replicate(self, staging: str, reports: list) -> dict[int, list[str]]:
         """With a tier spread over nodes, a save every rank wrote: its files copied to its buddy's node, and what
@@ -387,8 +396,22 @@ class CheckpointManager:
     def _dcp_files(self, staging: str, files: dict[str, dict], here: set[str] | None = None
                    ) -> tuple[list[str], list[str]]:
         """The files DCP needs to load this save (its `.metadata` and every data file that `.metadata` points
-        into), and what is wrong with them: not listed by the rank that wrote them, shorter than `.metadata`
-        says, or no longer in the directory with the size listed (whatever removed them)."""
+        into; in the memory tier's format every rank's data and index), and what is wrong with them: not listed
+        by the rank that wrote them, shorter than `.metadata` says, or no longer in the directory with the size
+        listed (whatever removed them)."""
+        if self.kind == "memory":
+            needed = [f for rank in range(self.world_size) for f in flat.names(rank)]
+            missing = [f"{f} is missing" for f in needed if f not in files]
+        else:
+            needed, missing = self._dcp_data_files(staging, files)
+        present = self.storage.files(staging)
+        missing += [f"{f} is missing" if f not in present else f"{f} has {present[f]} bytes, {entry['size']} written"
+                    for f, entry in sorted(files.items()) if present.get(f) != entry["size"] and
+                    (here is None or f in here)]
+        return needed, missing
+
+    def _dcp_data_files(self, staging: str, files: dict[str, dict]) -> tuple[list[str], list[str]]:
+        """`.metadata` and the data files it points into, and what is wrong with them (`_dcp_files`)."""
         if DCP_METADATA not in files:
             return [], [f"{DCP_METADATA} is missing"]
         try:
@@ -404,10 +427,6 @@ class CheckpointManager:
                 missing.append(f"{fname} is missing")
             elif files[fname]["size"] < end:
                 missing.append(f"{fname} has {files[fname]['size']} bytes, {DCP_METADATA} needs {end}")
-        present = self.storage.files(staging)
-        missing += [f"{f} is missing" if f not in present else f"{f} has {present[f]} bytes, {entry['size']} written"
-                    for f, entry in sorted(files.items()) if present.get(f) != entry["size"] and
-                    (here is None or f in here)]
         return [DCP_METADATA, *sorted(ends)], missing
 
     def _explain(self, failures: list[Failure], need: int) -> tuple[str, str]:
@@ -652,13 +671,18 @@ class CheckpointManager:
             if problems:
                 raise CheckpointError("; ".join(problems))
             state = _state_dict(parts, optimizers)
-            load_error = ""
+            load_error = own_error = ""
             try:
-                dcp.load(state, storage_reader=storage.reader(name))
+                if flat.is_flat(manifest["files"]):
+                    self._load_flat(storage, name, manifest, state)
+                else:
+                    dcp.load(state, storage_reader=storage.reader(name))
             except CheckpointException as e:  # raised on every rank alike
                 load_error = (f"it does not fit this model and optimizer ({_first_line(e)}); resume with "
                               f"the config it was saved with")
-            problems = self._agree(checks.rest.result())
+            except CheckpointError as e:  # in a rank's own share: every rank hears of it
+                own_error = str(e)
+            problems = self._agree([*checks.rest.result(), *([own_error] if own_error else [])])
             if problems or load_error:
                 raise CheckpointError("; ".join(problems) or load_error)
             for part, optimizer in zip(parts, optimizers, strict=True):
@@ -677,6 +701,14 @@ class CheckpointManager:
                 seed_everything(self.cfg.train.seed, self.rank, train_state.step)
         self._record_changes(manifest, accepted, train_state.step, path)
         return train_state
+
+    def _load_flat(self, storage: Storage, name: str, manifest: dict, state: dict[str, dict]) -> None:
+        """This rank's share of a memory checkpoint (keel.checkpoint.flat), from the shards of every process that
+        wrote it which overlap this rank's."""
+        try:
+            flat.load(storage, name, state, self.rank, int(manifest["world_size"]))
+        except CheckpointError as e:
+            raise CheckpointError(f"it does not fit this model and optimizer: {e}") from None
 
     @property
     def defined_since(self) -> int:

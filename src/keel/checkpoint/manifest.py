@@ -21,7 +21,8 @@ DCP_METADATA = ".metadata"
 FORMAT = 1
 CHECKSUM = "xxh3_128"
 _STEP = re.compile(r"step-(\d{6,})")
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
+# DCP's data files, the RNG streams, and the memory tier's own files (keel.checkpoint.flat)
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt|flat-rank-(\d+)\.(?:bin|json)")
 HELD = "held"  # in a node's copy of a checkpoint spread over nodes: the files it holds (keel.checkpoint.spread)
 
 
@@ -144,4 +145,4 @@ def manifest_json(manifest: dict) -> bytes:
 def writer_rank(fname: str) -> int:
     """The rank that wrote a checkpoint file, and so checksums it: rank 0 for the shared files."""
     m = _RANK_FILE.fullmatch(fname)
-    return int(m.group(1) or m.group(2)) if m else 0
+    return int(next(g for g in m.groups() if g is not None)) if m else 0

@@ -3,10 +3,11 @@ workers. They live in a directory on the node's shared-memory filesystem (/dev/s
 launcher creates before its first worker starts and removes when the job ends: workers it restarts after a
 failure find them there and restore the newest checkpoint of either tier, one from memory reading nothing from
 the checkpoint storage. They are written, checked and committed as storage checkpoints are
-(keel.checkpoint.manager: the same files, checksums and manifest), two kept, so that a failure while one is
-written leaves the one before whole. On one node the node's memory is the only copy: it covers the loss of
-processes, not of the node. On several, each node's copy also holds its buddy's files (keel.checkpoint.spread),
-and the copies cover the loss of a node. Torch-free: the launcher imports it."""
+(keel.checkpoint.manager: the same checksums and manifest), their tensors in the tier's own format
+(keel.checkpoint.flat), two kept, so that a failure while one is written leaves the one before whole. On one node
+the node's memory is the only copy: it covers the loss of processes, not of the node. On several, each node's
+copy also holds its buddy's files (keel.checkpoint.spread), and the copies cover the loss of a node. Torch-free:
+the launcher imports it."""
 
 from __future__ import annotations
 

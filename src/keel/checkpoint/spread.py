@@ -2,8 +2,8 @@
 node, where each node's copy lives in that node's own memory.
 
 Each rank writes its files into its own node's copy, and sends them to its buddy, the rank of the same local
-rank on the next node, which writes them into its node's copy too; the files every rank shares (`.metadata`,
-`train_state.json`) reach every node. So every file is held by two nodes, and the loss of one node leaves all
+rank on the next node, which writes them into its node's copy too; the file every rank shares
+(`train_state.json`) reaches every node. So every file is held by two nodes, and the loss of one node leaves all
 of them on the others. A node's manifest is the checkpoint's whole manifest, with `held` listing the files that
 node holds; its checks (keel.checkpoint.manifest.check_files) cover those.
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from keel.checkpoint.manifest import HELD, MANIFEST, checkpoints, manifest_json, read_manifest, writer_rank
 from keel.checkpoint.storage import Storage
 
-SHARED = (".metadata", "train_state.json")  # written once by rank 0, needed on every node
+SHARED = ("train_state.json",)  # written once by rank 0, needed on every node
 
 
 @dataclass(frozen=True)

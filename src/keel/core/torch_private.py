@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 __all__ = ["abort_process_group", "checkpoint_wrapper", "copy_all_", "default_store", "float8_matmul",
            "fsspec_checkpoint_io",
            "in_backward", "norms", "pin_by_registering", "process_groups", "sdp_choice",
-           "set_group_timeout", "set_local_tensor"]
+           "set_group_timeout", "set_local_tensor", "shard_box"]
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -69,6 +69,13 @@ def set_group_timeout(seconds: float, group: Any) -> None:
 def abort_process_group() -> None:
     """Abort the default group's pending collectives, so that a hung rank's exit is not held up by them."""
     dist.distributed_c10d._abort_process_group()
+
+
+def shard_box(dtensor: DTensor) -> tuple[list[int], list[int]]:
+    """Where this rank's local shard of `dtensor` lies in the global tensor: its offsets and sizes per dimension.
+    DTensor's chunk protocol, which DCP's planner asks every tensor for, is the one way to tell."""
+    (chunk,) = dtensor.__create_chunk_list__()
+    return list(chunk.offsets), list(chunk.sizes)
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:

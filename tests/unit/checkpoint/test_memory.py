@@ -4,16 +4,19 @@ before anything starts, in one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from keel.checkpoint import flat
 from keel.checkpoint.manager import CheckpointManager
 from keel.checkpoint.memory import MEMORY_DIR_ENV, check_memory_tier, held_in_memory, memory_root, memory_tier
+from keel.checkpoint.storage import Storage
 from keel.config import load_config
 from keel.core.state import TrainState
-from keel.errors import ConfigError
+from keel.errors import CheckpointError, ConfigError
 from keel.rundir.events import EventLog, read_jsonl
 
 
@@ -58,7 +61,7 @@ def test_a_resume_takes_the_newest_step_of_either_tier_and_memory_at_the_same_st
     (tmp_path / "ckpt" / "step-000020" / "manifest.json").unlink()
     assert tiers.restored() == (15, f"{tmp_path / 'shm'}/step-000015"), "then memory"
     assert sorted(p.name for p in (tmp_path / "shm").glob("step-*")) == ["step-000010", "step-000015"], "two kept"
-    with open(tmp_path / "shm" / "step-000015" / "__0_0.distcp", "r+b") as f:
+    with open(tmp_path / "shm" / "step-000015" / "flat-rank-00000.bin", "r+b") as f:
         f.truncate(10)
     assert tiers.restored() == (10, f"{tmp_path / 'shm'}/step-000010"), "a tie goes to memory"
     assert all(torch.equal(v, kept[k]) for k, v in tiers.model.state_dict().items())
@@ -67,6 +70,61 @@ def test_a_resume_takes_the_newest_step_of_either_tier_and_memory_at_the_same_st
                if e["action"] in ("restored", "skipped")]
     assert actions == [("memory", "restored", 15), ("checkpoint", "skipped", 20), ("memory", "restored", 10),
                        ("memory", "skipped", 15)]
+
+
+def test_the_memory_tier_writes_each_ranks_shards_as_they_are_and_restores_them_bitwise(
+        tmp_path: Path, group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiers = Tiers(tmp_path, monkeypatch)
+    tiers.step(5, tiers.memory)
+    saved = ({k: v.clone() for k, v in tiers.model.state_dict().items()},
+             {k: v.clone() for k, v in tiers.optimizer.state_dict()["state"][0].items()})
+    files = sorted(p.name for p in (tmp_path / "shm" / "step-000005").iterdir())
+    assert files == ["flat-rank-00000.bin", "flat-rank-00000.json", "manifest.json", "rng-rank-00000.pt",
+                     "train_state.json"], "no DCP metadata or records: the rank's own bytes"
+    manifest = json.loads((tmp_path / "shm" / "step-000005" / "manifest.json").read_text())
+    assert manifest["dcp_files"] == ["flat-rank-00000.bin", "flat-rank-00000.json"]
+    tiers.step(6)  # the live state moves on
+    assert tiers.restored() == (5, f"{tmp_path / 'shm'}/step-000005")
+    assert all(torch.equal(v, saved[0][k]) for k, v in tiers.model.state_dict().items())
+    assert all(torch.equal(v, saved[1][k]) for k, v in tiers.optimizer.state_dict()["state"][0].items())
+
+
+def test_a_flat_checkpoint_of_two_shards_restores_into_one_whole_tensor_and_refuses_a_gap(tmp_path: Path) -> None:
+    """Two ranks wrote the halves of a row-sharded weight (as FSDP shards dim 0); one process restores it whole."""
+    storage = Storage(tmp_path)
+    storage.makedirs("step-000001")
+    weight = torch.arange(12.0).reshape(4, 3)
+    for rank, half in enumerate(weight.chunk(2)):
+        flat.save(storage, "step-000001", {"model": {"w": half.clone(), "n": torch.tensor(7)}, "optim": {}}, rank)
+        index = tmp_path / "step-000001" / flat.names(rank)[1]
+        listed = json.loads(index.read_text())
+        listed["entries"][0][5:] = [[4, 3], [2 * rank, 0]]  # global shape, and where this rank's rows start
+        index.write_text(json.dumps(listed))
+    into = {"model": {"w": torch.zeros(4, 3), "n": torch.tensor(0)}, "optim": {}}
+    flat.load(storage, "step-000001", into, rank=0, ranks=2)
+    assert torch.equal(into["model"]["w"], weight) and int(into["model"]["n"]) == 7
+    (tmp_path / "step-000001" / flat.names(1)[1]).write_text(
+        (tmp_path / "step-000001" / flat.names(0)[1]).read_text())  # rank 1's rows listed as rank 0's
+    with pytest.raises(CheckpointError, match=r"its shards cover 6 of the 12 elements of model 'w' on rank 0"):
+        flat.load(storage, "step-000001", into, rank=0, ranks=2)
+
+
+def test_a_flat_share_of_other_shapes_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    storage = Storage(tmp_path)
+    storage.makedirs("step-000001")
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)},
+             "optim": {"lr": 0.1}}
+    taken = flat.save(storage, "step-000001", state, rank=0)
+    assert {name: size for name, (size, _) in taken.items()} == storage.files("step-000001")
+    into = {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "optim": {"lr": 0.0}}
+    flat.load(storage, "step-000001", into, rank=0, ranks=1)
+    assert torch.equal(into["model"]["w"], state["model"]["w"]) and torch.equal(into["model"]["b"], state["model"]["b"])
+    assert into["optim"]["lr"] == 0.1
+    with pytest.raises(CheckpointError, match=r"its model 'w' is float32 \[2, 3\], here float32 \[3, 2\]"):
+        flat.load(storage, "step-000001", {"model": {"w": torch.zeros(3, 2), "b": into["model"]["b"]}, "optim": {}},
+                  0, 1)
+    with pytest.raises(CheckpointError, match=r"it lacks model 'c' \(1 tensors missing\)"):
+        flat.load(storage, "step-000001", {**into, "model": {**into["model"], "c": torch.zeros(1)}}, 0, 1)
 
 
 def test_the_launcher_holds_the_tier_for_the_job_and_removes_it_after(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from keel.checkpoint.spread import Nodes, held_by_node, restorable, transfers
 
 
 def node_files(*ranks: int) -> list[str]:
-    return [".metadata", "train_state.json", *(f"__{r}_0.distcp" for r in ranks),
+    return ["train_state.json", *(f"flat-rank-{r:05d}.{kind}" for r in ranks for kind in ("bin", "json")),
             *(f"rng-rank-{r:05d}.pt" for r in ranks)]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keel.core import torch_private
 from keel.core.torch_elastic import respawn_worker, worker_processes
@@ -32,6 +32,7 @@ from keel.core.torch_private import (
     sdp_choice,
     set_group_timeout,
     set_local_tensor,
+    shard_box,
     unflatten_mesh,
 )
 from keel.parallel.mesh import destroy_distributed, init_distributed
@@ -89,6 +90,8 @@ def _check_group_apis() -> None:
     dtensor = DTensor.from_local(torch.zeros(3), mesh, [Replicate()])
     set_local_tensor(dtensor, torch.ones(3))
     assert torch.equal(dtensor.to_local(), torch.ones(3))
+    rows = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)])  # the one rank holds every row
+    assert shard_box(rows) == ([0, 0], [2, 3])
     two = dist.device_mesh.init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
     flat = flatten_mesh(two["a", "b"], "a_b")
     assert flat.mesh_dim_names == ("a_b",) and flat.size() == 1
