@@ -104,9 +104,9 @@ class _Saved:
     def piece(self, rank: int, entry: list, dtype: torch.dtype) -> torch.Tensor:
         _, key, offset, _, shape, _, _ = entry
         data, count = self.data(rank), dtype.itemsize * _volume(shape)
-        if offset + count > data.numel():
-            raise CheckpointError(f"{names(rank)[0]} has {data.numel()} bytes, its index places {key!r} up to "
-                                  f"{offset + count}")
+        if offset + count > data.numel():  # read as a file cut short, not as a misfit
+            raise ValueError(f"{names(rank)[0]} has {data.numel()} bytes, its index places {key!r} up to "
+                             f"{offset + count}")
         return data[offset:offset + count].view(dtype).view(shape)
 
 
@@ -121,7 +121,8 @@ def load(storage: Storage, name: str, state: dict[str, dict], rank: int, ranks: 
     """Copy checkpoint `name`, which `ranks` processes wrote, into `state` (a two-level state dict of the live
     tensors, as `save` was given one): into each tensor the parts of the saved shards that overlap this rank's
     share of it, and the other values as they were saved. Raises CheckpointError where they do not fit: a tensor
-    missing on either side, another dtype or global shape, or a part of a shard that no saved shard covers."""
+    missing on either side, another dtype or global shape, or a part of a shard that no saved shard covers; and
+    OSError or ValueError where a file is missing or cut short."""
     saved = _Saved(storage, name, ranks, rank % ranks)
     wanted = {(g, k) for g, values in state.items() for k, v in values.items() if isinstance(v, torch.Tensor)}
     if missing := sorted(set(saved.shards) - wanted):

@@ -23,6 +23,7 @@ import inspect
 import io
 import json
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -287,9 +288,9 @@ class CheckpointManager:
         return outcome
 
     def _write_state(self, staging: str, staged: dict[str, dict]) -> dict[str, tuple[int, str]]:
-        """Write the model and optimizer state: DCP's files to storage, the memory tier's own (keel.checkpoint.flat,
-        which restores only the layout it was written by). Returns the files whose checksums were taken as they
-        were written, with their sizes."""
+        """Write the model and optimizer state: DCP's files to storage, the memory tier's own format to memory
+        (keel.checkpoint.flat). Returns the files whose checksums were taken as they were written, with their
+        sizes."""
         if self.kind == "memory":
             return flat.save(self.storage, staging, staged, self.rank)
         writer = self.storage.writer(staging)
@@ -709,6 +710,8 @@ class CheckpointManager:
             flat.load(storage, name, state, self.rank, int(manifest["world_size"]))
         except CheckpointError as e:
             raise CheckpointError(f"it does not fit this model and optimizer: {e}") from None
+        except (OSError, ValueError, KeyError, IndexError, pickle.UnpicklingError) as e:  # a file lost or cut short
+            raise CheckpointError(f"its files cannot be read ({_first_line(e)})") from None
 
     @property
     def defined_since(self) -> int:
