@@ -50,8 +50,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "failures show: hang_share, hang_detect_s, silent_share, silent_detect_s, manual_share, triage_h, "
                     "rollbacks_per_day); flags win over it")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,...", help="predict this layout (tp, pp, v, dp_shard, "
-                    "dp_replicate, cp, ep, micro_batch, ac, zero) and rank it among the searched ones; a config's "
-                    "[parallel] gives one too")
+                    "dp_replicate, cp, ep, micro_batch, ac, zero, schedule) and rank it among the searched ones; a "
+                    "config's [parallel] gives one too")
     pl.add_argument("--calibrate", action=PathArg, check=reads("dir", "pass the run directory of a measured run"),
                     metavar="RUN_DIR", help="fit the efficiency factors to a measured run")
     pl.add_argument("--calibrate-sweep", action="store_true", help="first time GEMMs, attention, a memory-bound kernel "
