@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 from typing import Any
@@ -43,6 +44,11 @@ def names(rank: int) -> tuple[str, str]:
 def is_flat(files: dict[str, Any] | list[str]) -> bool:
     """Whether a checkpoint whose files are `files` is in this format."""
     return names(0)[1] in files
+
+
+def _dtype(t: torch.Tensor) -> str:
+    """The dtype's name as the index keeps it ("bfloat16")."""
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _box(value: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
@@ -71,7 +77,7 @@ def save(storage: Storage, staging: str, state: dict[str, dict], rank: int) -> d
                     digest.update(chunk)
                 offset += pad
                 shape, at, _ = _box(value)
-                entries.append([group, key, offset, str(shard.dtype).removeprefix("torch."), list(shard.shape),
+                entries.append([group, key, offset, _dtype(shard), list(shard.shape),
                                 shape, at])
                 offset += len(raw)
         os.fsync(f.fileno())
@@ -103,18 +109,11 @@ class _Saved:
 
     def piece(self, rank: int, entry: list, dtype: torch.dtype) -> torch.Tensor:
         _, key, offset, _, shape, _, _ = entry
-        data, count = self.data(rank), dtype.itemsize * _volume(shape)
+        data, count = self.data(rank), dtype.itemsize * math.prod(shape)
         if offset + count > data.numel():  # read as a file cut short, not as a misfit
             raise ValueError(f"{names(rank)[0]} has {data.numel()} bytes, its index places {key!r} up to "
                              f"{offset + count}")
         return data[offset:offset + count].view(dtype).view(shape)
-
-
-def _volume(sizes: list[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def load(storage: Storage, name: str, state: dict[str, dict], rank: int, ranks: int) -> None:
@@ -135,9 +134,9 @@ def load(storage: Storage, name: str, state: dict[str, dict], rank: int, ranks: 
         mine, done, covered = local(target), set(), 0
         for r, entry in pieces:
             dtype, saved_shape, saved_at, saved_sizes = entry[3], entry[5], entry[6], entry[4]
-            if dtype != str(mine.dtype).removeprefix("torch.") or saved_shape != shape:
+            if dtype != _dtype(mine) or saved_shape != shape:
                 raise CheckpointError(f"its {group} {key!r} is {dtype} {saved_shape}, here "
-                                      f"{str(mine.dtype).removeprefix('torch.')} {shape}")
+                                      f"{_dtype(mine)} {shape}")
             lo = [max(a, b) for a, b in zip(at, saved_at, strict=True)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(at, sizes, saved_at, saved_sizes, strict=True)]
             if any(low >= high for low, high in zip(lo, hi, strict=True)) or (tuple(lo), tuple(hi)) in done:
@@ -148,7 +147,7 @@ def load(storage: Storage, name: str, state: dict[str, dict], rank: int, ranks: 
                 source = source.narrow(dim, low - saved_at[dim], high - low)
                 into = into.narrow(dim, low - at[dim], high - low)
             into.copy_(source)
-            covered += _volume([high - low for low, high in zip(lo, hi, strict=True)])
+            covered += math.prod([high - low for low, high in zip(lo, hi, strict=True)])
         if covered != mine.numel():
             raise CheckpointError(f"its shards cover {covered} of the {mine.numel()} elements of {group} {key!r} "
                                   f"on rank {rank}")
