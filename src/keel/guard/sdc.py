@@ -56,18 +56,18 @@ def fingerprint(tensors: Sequence[torch.Tensor | None], host: bool = True) -> to
     return torch.stack(sums).cpu() if host else torch.stack(sums)
 
 
-def adamw_into_scratch(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor, foreach: bool) -> torch.Tensor:
+def adamw_into_scratch(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> torch.Tensor:
     """The fingerprints of `p` and its AdamW state (in live_tensors' order) after the update `optimizer.step()`
-    is about to make, computed on copies by the same functional kernels (foreach as the group steps)."""
+    is about to make, computed on copies by the same functional kernels (fused or foreach as the group steps)."""
     state = optimizer.state.get(p, {})
     if p.grad is None:  # not updated: stays as it is
         return fingerprint([p, *(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))])
     if not state:  # the first update: AdamW starts from zeros, as its own initialisation does
         state = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                 "step": torch.zeros((), dtype=torch.float32)}
+                 "step": torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")}
     scratch = {k: v.clone() for k, v in state.items()}
     param = p.detach().clone()
-    adamw(foreach=foreach, capturable=group["capturable"], differentiable=False, fused=group["fused"],
+    adamw(foreach=group["foreach"], capturable=group["capturable"], differentiable=False, fused=group["fused"],
           params=[param], grads=[p.grad], exp_avgs=[scratch["exp_avg"]], exp_avg_sqs=[scratch["exp_avg_sq"]],
           max_exp_avg_sqs=[], state_steps=[scratch["step"]], amsgrad=group["amsgrad"], beta1=group["betas"][0],
           beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -173,11 +173,9 @@ class SdcGuard:
         started = time.perf_counter()
         expected = []
         for optimizer in self.optimizers:
-            # ScaledAdamW steps a group that mixes DTensors and plain tensors one tensor at a time
-            stepwise = getattr(optimizer, "fused", [True] * len(optimizer.param_groups))
-            for group, fused in zip(optimizer.param_groups, stepwise, strict=True):
+            for group in optimizer.param_groups:
                 for p in group["params"]:
-                    expected.append(adamw_into_scratch(optimizer, group, p, group["foreach"] and fused))
+                    expected.append(adamw_into_scratch(optimizer, group, p))
         self.expected = torch.cat(expected)
         self.update_s = time.perf_counter() - started
 

@@ -28,8 +28,7 @@ The allocator reserves more than it allocates: freed blocks kept for reuse that 
 fit. That fragmentation is an explicit factor on the peak (`Accelerator.fragmentation`, 5% by default,
 `keel plan --fragmentation`; a CUDA run's own is its max reserved over max allocated, less 1). Usable memory
 is the capacity less a runtime reserve: the CUDA context, cuBLAS/cuDNN workspaces and kernels live outside
-PyTorch's allocator (taken as 1 GiB). Not counted: the optimizer step's temporaries (foreach AdamW's fp32
-scratch the size of the shard), which come after the backward pass has freed the activations.
+PyTorch's allocator (taken as 1 GiB). The optimizer step adds nothing: AdamW runs fused, in place.
 
 `check_run` compares the model with a keel run's own measured peak (tests/dist/test_memory_model.py:
 within ±15% on CPU layouts and sizes, bench/memory_model.py).

@@ -27,15 +27,24 @@ class ScaledAdamW(torch.optim.AdamW):
         super().__init__(groups, **kwargs)
         # Without multipliers every group takes the schedule's rate (how a checkpoint probes the state it keeps).
         self.lr_scales = lr_scales or [1.0] * len(self.param_groups)
-        # DTensor's fused (foreach) kernels take DTensors only: tensor parallelism leaves a mixture of experts'
-        # parameters plain where no FSDP wraps them, and a group that mixes the two steps tensor by tensor. Set
-        # at every step: loading a state dict brings back the saved groups' settings.
-        self.fused = [len({isinstance(p, DTensor) for p in group["params"]}) == 1 for group in self.param_groups]
+        # A group steps in one fused kernel: fewer kernels than the foreach path's dozen a step, and for
+        # DTensors fewer operators to shard, each of which a fresh process (a replacement rank's first step)
+        # shards once, slowly. DTensor's fused kernel takes DTensors only: tensor parallelism leaves a mixture of
+        # experts' parameters plain where no FSDP wraps them, and a group that mixes the two steps tensor by
+        # tensor.
+        self.fusable = [len({isinstance(p, DTensor) for p in group["params"]}) == 1 for group in self.param_groups]
+        self._impose(self.param_groups)
 
-    def step(self, closure: Any = None) -> Any:
-        for group, fused in zip(self.param_groups, self.fused, strict=True):
-            group["foreach"] = group["foreach"] and fused
-        return super().step(closure)
+    def _impose(self, groups: list[dict]) -> None:
+        for group, fusable in zip(groups, self.fusable, strict=True):
+            group["fused"], group["foreach"] = fusable, False
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A state dict brings back the saved groups' settings: this optimizer's kernels stay, and with them where
+        # the step counts live (on the parameters' device for the fused kernel).
+        groups = [dict(group) for group in state_dict["param_groups"]]
+        self._impose(groups)
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, hidden_lr_scale: float = 1.0) -> ScaledAdamW:
@@ -57,7 +66,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, hidden_lr_scale: float =
                         ) if decays else 0.0
         groups.append({"params": params, "weight_decay": weight_decay})
         scales.append(scale)
-    return ScaledAdamW(groups, scales, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    return ScaledAdamW(groups, scales, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

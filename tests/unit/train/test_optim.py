@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -96,6 +97,27 @@ def test_weight_decay_only_on_matrices() -> None:
             assert group["weight_decay"] in (0.0, 0.05)
             assert (group["lr"], group["betas"], group["eps"]) == (1e-3, (0.8, 0.9), 1e-7)
 
+
+
+def test_a_state_saved_by_the_foreach_kernels_resumes_in_the_fused_ones() -> None:
+    """Each group steps in one fused kernel; a state dict whose groups name other kernels (a checkpoint of the
+    foreach AdamW) loads without changing them, and the next update is the one the saving optimizer makes."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    saving, resuming = tiny_model(), tiny_model(seed=1)
+    optimizer = build_optimizer(saving, cfg)
+    assert all(g["fused"] and not g["foreach"] for g in optimizer.param_groups)
+    for _ in range(2):
+        train_step(saving, optimizer, [batch()], lr=cfg.lr, grad_clip=1.0)
+    saved = copy.deepcopy(optimizer.state_dict())  # loading keeps the tensors it is given
+    saved["param_groups"] = [{**g, "fused": None, "foreach": True} for g in saved["param_groups"]]
+    resumed = build_optimizer(resuming, cfg)
+    resuming.load_state_dict(saving.state_dict())
+    resumed.load_state_dict(saved)
+    assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
+    for model, opt in ((saving, optimizer), (resuming, resumed)):
+        train_step(model, opt, [batch()], lr=cfg.lr, grad_clip=1.0)
+    for a, b in zip(saving.parameters(), resuming.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 # ---------------------------------------------------------------- train step
 
