@@ -31,6 +31,7 @@ global batch b is sequences [b × global_batch, (b + 1) × global_batch) of the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import queue
@@ -350,6 +351,10 @@ class GlobalOrderLoader:
     def close(self) -> None:
         if self._thread is not None:
             self._stop.set()
+            # A prefetcher waiting for room takes the room made here and sees the stop at once.
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._queue.get_nowait()
             self._thread.join()
             self._thread = None
 

@@ -9,7 +9,10 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 
 class Sink(Protocol):
@@ -67,7 +70,7 @@ class PrometheusExporter:
     into metric families only when Prometheus scrapes."""
 
     def __init__(self, host: str, port: int, labels: dict[str, str]) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         self.labels = labels
         self._lock = threading.Lock()
@@ -75,7 +78,7 @@ class PrometheusExporter:
         self._families: dict[str, tuple[str, tuple[str, ...], dict[tuple[str, ...], float]]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.server = _metrics_server(host, port, self.registry)
         self.port = self.server.server_address[1]
 
     def set(self, name: str, value: float, labels: tuple[tuple[str, str], ...] = (), kind: str = "gauge") -> None:
@@ -129,6 +132,30 @@ class PrometheusExporter:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+SERVE_POLL_S = 0.02  # how long closing an exporter waits for its server's loop to notice
+
+
+def _metrics_server(host: str, port: int, registry: Any) -> WSGIServer:
+    """prometheus_client's WSGI server on host:port, served from a daemon thread whose loop looks for a shutdown
+    every SERVE_POLL_S (its own start_http_server's loop looks every half second: a worker that leaves its
+    process group in place, keel.core.generations, would wait that long to serve again)."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  # a scrape is no news
+            pass
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 host binds as IPv6
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server: WSGIServer = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SERVE_POLL_S}, daemon=True,
+                     name="keel-metrics-server").start()
+    return server
 
 
 def serve_exporter(host: str, port: int, labels: dict[str, str], search: int = 0) -> PrometheusExporter:
