@@ -239,15 +239,18 @@ class Drill:
         # A job that loses no node waits for all of them: a node joining late pauses the job for the new world
         # and checkpoints it to storage, at a step that would race the scenario's fault.
         least = 1 if scenario.lose_node_at else scenario.nodes
-        more = ("--nnodes", f"{least}:{scenario.nodes}", "--rdzv-endpoint", f"localhost:{free_port()}")
+        endpoint = "127.0.0.1"
+        more = ("--nnodes", f"{least}:{scenario.nodes}", "--rdzv-endpoint", f"{endpoint}:{free_port()}")
         args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
         jobs = []
         sent: dict[str, Any] = {}
         try:
+            # Each node its own loopback address, the first node's the endpoint's: it alone hosts the rendezvous
+            # store, which the others wait for, so all start together and meet in the first round. A node
+            # started later could join after a job that may start without it had made every step.
             for n in range(scenario.nodes):
-                jobs.append(Launch(args, self.workdir, run_dir / f"drill-node-{n}.log", env={"KEEL_NODE": f"node-{n}"}))
-                if n == 0:
-                    time.sleep(2.0)  # the first node's agent hosts the rendezvous store
+                jobs.append(Launch([*args, "--local-addr", f"127.0.0.{n + 1}"], self.workdir,
+                                   run_dir / f"drill-node-{n}.log", env={"KEEL_NODE": f"node-{n}"}))
             first, lost = jobs[0], jobs[-scenario.lose_nodes:]
             joined = None  # the step at which every node was in the job (the last may join late)
             while first.proc.poll() is None and time.time() - first.started < self.timeout:
