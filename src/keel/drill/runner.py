@@ -239,8 +239,7 @@ class Drill:
         # A job that loses no node waits for all of them: a node joining late pauses the job for the new world
         # and checkpoints it to storage, at a step that would race the scenario's fault.
         least = 1 if scenario.lose_node_at else scenario.nodes
-        endpoint = "127.0.0.1"
-        more = ("--nnodes", f"{least}:{scenario.nodes}", "--rdzv-endpoint", f"{endpoint}:{free_port()}")
+        more = ("--nnodes", f"{least}:{scenario.nodes}", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
         args = self.train_args(run_dir, overrides, scenario.max_restarts, self.nproc // scenario.nodes, more)
         jobs = []
         sent: dict[str, Any] = {}

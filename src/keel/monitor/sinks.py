@@ -9,10 +9,8 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 
 class Sink(Protocol):
@@ -137,22 +135,21 @@ class PrometheusExporter:
 SERVE_POLL_S = 0.02  # how long closing an exporter waits for its server's loop to notice
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  # a scrape is no news
+        pass
+
+
 def _metrics_server(host: str, port: int, registry: Any) -> WSGIServer:
     """prometheus_client's WSGI server on host:port, served from a daemon thread whose loop looks for a shutdown
     every SERVE_POLL_S (its own start_http_server's loop looks every half second: a worker that leaves its
     process group in place, keel.core.generations, would wait that long to serve again)."""
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
     from prometheus_client import make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer
 
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  # a scrape is no news
-            pass
-
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 host binds as IPv6
     server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-    server: WSGIServer = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=Quiet)
+    server: WSGIServer = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SERVE_POLL_S}, daemon=True,
                      name="keel-metrics-server").start()
     return server
